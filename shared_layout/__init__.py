@@ -1,0 +1,18 @@
+"""The ring contract shared by the frontend and the GPU daemon (DESIGN §3).
+
+layout.py (bytes) + states.py (lifecycle) -> ring.py (accessors for both sides),
+shm.py (the ring as a shared-memory file), arena.py (token ranges the frontend
+hands out), cheader.py (the same layout for C/CUDA). Imports nothing from the
+other packages.
+"""
+from .layout import (HEADER, LAYOUT_VERSION, MAGIC, MAX_STOP_IDS, SLOT, SLOT_DTYPE, LayoutMismatch,
+                     RingGeometry)
+from .ring import BackendPort, FrontendPort, Ring, SlotRequest, fence, now_ns, request_error, submit_writes
+from .states import (BackendStatus, ErrorCode, FinishReason, IllegalTransition, Side, SlotState,
+                     check_transition)
+
+__all__ = [
+    "HEADER", "LAYOUT_VERSION", "MAGIC", "MAX_STOP_IDS", "SLOT", "SLOT_DTYPE", "LayoutMismatch", "RingGeometry",
+    "BackendPort", "FrontendPort", "Ring", "SlotRequest", "fence", "now_ns", "request_error", "submit_writes",
+    "BackendStatus", "ErrorCode", "FinishReason", "IllegalTransition", "Side", "SlotState", "check_transition",
+]

@@ -1,0 +1,252 @@
+"""Byte layout of the ring: header, slot records and token arenas.
+
+One field list per record is the single source of truth. From it come the
+numpy structured dtypes the Python sides use (ring.py), the offsets the RDMA
+transport writes at, and the C structs with static_asserts (cheader.py). The
+section offsets of a ring are computed here from its geometry and stored in
+the header, so device code reads them instead of recomputing them.
+
+    [ header | slot 0 .. slot N-1 | prompt arena (int32 tokens) | output arena (int32 tokens) ]
+      256 B    N * SLOT_SIZE        prompt_arena_tokens * 4       output_arena_tokens * 4
+
+Every section starts on a SECTION_ALIGN boundary. A slot addresses its prompt
+and its output by token offsets into the arenas; the frontend allocates those
+ranges (arena.py) and the backend validates them before use.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"BLINKRNG", "little")
+LAYOUT_VERSION = 1
+MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
+SECTION_ALIGN = 256       # bytes; keeps arenas aligned for vector loads and RDMA
+DEFAULT_SLOTS = 4096      # paper §4.2
+DEFAULT_PROMPT_ARENA_TOKENS = 1 << 22
+DEFAULT_OUTPUT_ARENA_TOKENS = 1 << 22
+
+# slot flags
+FLAG_IGNORE_EOS = 1 << 0
+FLAG_HAS_SEED = 1 << 1
+
+_TYPES = {  # kind -> (numpy dtype, C type, size)
+    "u32": ("<u4", "uint32_t", 4),
+    "i32": ("<i4", "int32_t", 4),
+    "u64": ("<u8", "uint64_t", 8),
+    "i64": ("<i8", "int64_t", 8),
+    "f32": ("<f4", "float", 4),
+}
+
+# (name, kind, count, comment). Order is layout order; offsets follow natural
+# alignment and the record is padded to a multiple of 8 bytes.
+HEADER_FIELDS = [
+    ("magic", "u64", 1, "MAGIC: 'BLINKRNG' little-endian"),
+    ("layout_version", "u32", 1, "LAYOUT_VERSION"),
+    ("slot_count", "u32", 1, "number of slot records"),
+    ("slot_size", "u32", 1, "bytes per slot record"),
+    ("header_size", "u32", 1, "bytes of this header (padded)"),
+    ("prompt_arena_tokens", "u64", 1, "capacity of the prompt arena, int32 tokens"),
+    ("output_arena_tokens", "u64", 1, "capacity of the output arena, int32 tokens"),
+    ("slots_offset", "u64", 1, "byte offset of slot 0"),
+    ("prompt_arena_offset", "u64", 1, "byte offset of the prompt arena"),
+    ("output_arena_offset", "u64", 1, "byte offset of the output arena"),
+    ("total_size", "u64", 1, "bytes of the whole ring"),
+    ("backend_heartbeat", "u64", 1, "bumped by the backend while it runs"),
+    ("backend_heartbeat_ns", "u64", 1, "backend clock at the last beat"),
+    ("backend_epoch", "u64", 1, "bumped on every daemon start"),
+    ("frontend_epoch", "u64", 1, "bumped on every frontend start"),
+    ("backend_status", "u32", 1, "BackendStatus"),
+    ("shutdown", "u32", 1, "nonzero: the backend must stop"),
+    ("model_vocab_size", "u32", 1, "published by the backend before READY"),
+    ("model_max_len", "u32", 1, "context length (prompt + output), published before READY"),
+    ("backend_pid", "u32", 1, "daemon process id (0 on the device-only path)"),
+    ("reserved0", "u32", 1, "zero"),
+]
+
+SLOT_FIELDS = [
+    # -- written by whichever side owns the state; state word written last --
+    ("state", "u32", 1, "SlotState"),
+    ("cancel", "u32", 1, "frontend sets nonzero to cancel; backend only reads"),
+    ("seq", "u64", 1, "request sequence number, unique per frontend epoch"),
+    ("epoch", "u64", 1, "frontend_epoch of the submitting frontend"),
+    # -- request: frontend writes in EMPTY, backend reads after the claim --
+    ("prompt_offset", "u32", 1, "first token in the prompt arena"),
+    ("prompt_len", "u32", 1, "prompt tokens"),
+    ("output_offset", "u32", 1, "first token in the output arena"),
+    ("max_tokens", "u32", 1, "tokens to generate at most (output capacity)"),
+    ("temperature", "f32", 1, "0 = greedy"),
+    ("top_p", "f32", 1, "(0, 1]"),
+    ("top_k", "i32", 1, "0 = off"),
+    ("flags", "u32", 1, "FLAG_IGNORE_EOS | FLAG_HAS_SEED"),
+    ("seed", "u64", 1, "per-request sampling seed when FLAG_HAS_SEED"),
+    ("n_stop_ids", "u32", 1, "used entries of stop_ids"),
+    ("stop_ids", "i32", MAX_STOP_IDS, "extra token ids that end the request"),
+    # -- progress: backend writes; tokens first, generated count after --
+    ("generated", "u32", 1, "tokens published in the output arena"),
+    ("finish_reason", "u32", 1, "FinishReason, valid in DECODE_COMPLETED"),
+    ("error_code", "u32", 1, "ErrorCode, valid in DECODE_COMPLETED"),
+    ("t_submit_ns", "u64", 1, "frontend clock at submit"),
+    ("t_picked_ns", "u64", 1, "backend clock at the claim"),
+    ("t_first_ns", "u64", 1, "backend clock at the first token"),
+    ("t_last_ns", "u64", 1, "backend clock at the latest token"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str
+    count: int
+    offset: int
+    comment: str
+
+    @property
+    def size(self) -> int:
+        return _TYPES[self.kind][2] * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A fixed-size struct: fields with their offsets, padded size, numpy dtype."""
+    name: str
+    fields: tuple[Field, ...]
+    size: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype({
+            "names": [f.name for f in self.fields],
+            "formats": [(_TYPES[f.kind][0], (f.count,)) if f.count > 1 else _TYPES[f.kind][0]
+                        for f in self.fields],
+            "offsets": [f.offset for f in self.fields],
+            "itemsize": self.size,
+        })
+
+    def offset(self, name: str) -> int:
+        return self.field(name).offset
+
+    def field(self, name: str) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+
+def _record(name: str, spec, pad_to: int) -> Record:
+    fields, off = [], 0
+    for fname, kind, count, comment in spec:
+        size = _TYPES[kind][2]
+        off = _align(off, size)
+        fields.append(Field(fname, kind, count, off, comment))
+        off += size * count
+    return Record(name, tuple(fields), _align(off, pad_to))
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+HEADER = _record("blink_ring_header", HEADER_FIELDS, SECTION_ALIGN)
+SLOT = _record("blink_slot", SLOT_FIELDS, 8)
+HEADER_DTYPE = HEADER.dtype
+SLOT_DTYPE = SLOT.dtype
+TOKEN_DTYPE = np.dtype("<i4")
+
+
+class LayoutMismatch(ValueError):
+    """An attached ring does not match what this side was built for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingGeometry:
+    """The parameters of a ring; everything else is derived."""
+    slot_count: int = DEFAULT_SLOTS
+    prompt_arena_tokens: int = DEFAULT_PROMPT_ARENA_TOKENS
+    output_arena_tokens: int = DEFAULT_OUTPUT_ARENA_TOKENS
+
+    def __post_init__(self):
+        for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.slot_count >= 1 << 31 or max(self.prompt_arena_tokens, self.output_arena_tokens) >= 1 << 32:
+            raise ValueError("ring geometry too large for 32-bit slot fields")
+
+    @property
+    def slots_offset(self) -> int:
+        return HEADER.size
+
+    @property
+    def prompt_arena_offset(self) -> int:
+        return _align(self.slots_offset + self.slot_count * SLOT.size, SECTION_ALIGN)
+
+    @property
+    def output_arena_offset(self) -> int:
+        return _align(self.prompt_arena_offset + self.prompt_arena_tokens * TOKEN_DTYPE.itemsize,
+                      SECTION_ALIGN)
+
+    @property
+    def total_size(self) -> int:
+        return _align(self.output_arena_offset + self.output_arena_tokens * TOKEN_DTYPE.itemsize,
+                      SECTION_ALIGN)
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of slot record `slot`."""
+        return self.slots_offset + slot * SLOT.size
+
+    def slot_field_offset(self, slot: int, name: str) -> int:
+        return self.slot_offset(slot) + SLOT.offset(name)
+
+    def prompt_token_offset(self, token_index: int) -> int:
+        return self.prompt_arena_offset + token_index * TOKEN_DTYPE.itemsize
+
+    def output_token_offset(self, token_index: int) -> int:
+        return self.output_arena_offset + token_index * TOKEN_DTYPE.itemsize
+
+    def header_values(self) -> dict[str, int]:
+        """The geometry words a ring header must carry."""
+        return {
+            "magic": MAGIC, "layout_version": LAYOUT_VERSION,
+            "slot_count": self.slot_count, "slot_size": SLOT.size, "header_size": HEADER.size,
+            "prompt_arena_tokens": self.prompt_arena_tokens,
+            "output_arena_tokens": self.output_arena_tokens,
+            "slots_offset": self.slots_offset,
+            "prompt_arena_offset": self.prompt_arena_offset,
+            "output_arena_offset": self.output_arena_offset,
+            "total_size": self.total_size,
+        }
+
+    @classmethod
+    def from_header(cls, header: np.void | bytes, expected: "RingGeometry | None" = None) -> "RingGeometry":
+        """Validate a header and return its geometry; LayoutMismatch names the first mismatch."""
+        if isinstance(header, (bytes, bytearray, memoryview)):
+            if len(header) < HEADER.size:
+                raise LayoutMismatch(f"ring is {len(header)} bytes, smaller than its {HEADER.size}-byte header")
+            header = np.frombuffer(header, HEADER_DTYPE, count=1)[0]
+        magic = int(header["magic"])
+        if magic != MAGIC:
+            raise LayoutMismatch(f"bad ring magic {magic:#018x} (expected {MAGIC:#018x}): not a BLINK ring")
+        version = int(header["layout_version"])
+        if version != LAYOUT_VERSION:
+            raise LayoutMismatch(f"ring layout version {version}, this build speaks {LAYOUT_VERSION}")
+        for name, want in (("slot_size", SLOT.size), ("header_size", HEADER.size)):
+            got = int(header[name])
+            if got != want:
+                raise LayoutMismatch(f"ring {name} is {got} bytes, this build expects {want}")
+        try:
+            geom = cls(int(header["slot_count"]), int(header["prompt_arena_tokens"]),
+                       int(header["output_arena_tokens"]))
+        except ValueError as e:
+            raise LayoutMismatch(f"ring header geometry invalid: {e}") from None
+        for name, want in geom.header_values().items():
+            got = int(header[name])
+            if got != want:
+                raise LayoutMismatch(f"ring header {name} is {got}, its geometry implies {want}")
+        if expected is not None:
+            for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens"):
+                got, want = getattr(geom, name), getattr(expected, name)
+                if got != want:
+                    raise LayoutMismatch(f"ring {name} is {got}, expected {want}")
+        return geom

@@ -1,0 +1,56 @@
+"""Suite-wide markers: `gpu` and `rdma` tests skip cleanly without the hardware."""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+
+import pytest
+
+
+@functools.cache
+def gpu_reason() -> str | None:
+    """None when an NVIDIA GPU with compute capability >= 9.0 and cuda-python are usable."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return "cuda-python not installed"
+    err, = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"no usable CUDA driver ({err.name})"
+    err, n = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS or n == 0:
+        return "no CUDA device"
+    return None
+
+
+@functools.cache
+def rdma_reason() -> str | None:
+    if not glob.glob("/sys/class/infiniband/*"):
+        return "no RDMA device (mlx5, rxe or siw)"
+    try:
+        import pyverbs  # noqa: F401
+    except ImportError:
+        return "pyverbs not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and (why := gpu_reason()):
+            item.add_marker(pytest.mark.skip(reason=f"gpu test: {why}"))
+        if "rdma" in item.keywords and (why := rdma_reason()):
+            item.add_marker(pytest.mark.skip(reason=f"rdma test: {why}"))
+
+
+@pytest.fixture
+def ring_name(request):
+    """A unique shared-memory name for one test, unlinked afterwards."""
+    from shared_layout.shm import ShmRegion
+    name = f"blink-test-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
+    yield name
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+    del ShmRegion
