@@ -1,0 +1,183 @@
+"""LlamaModel: a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) in PyTorch.
+
+input_ids [T] + positions [T] -> embed -> num_layers x (RMSNorm -> q/k/v proj
+(-> q/k norm) -> RoPE -> AttentionBackend -> o_proj, residual; RMSNorm -> SwiGLU,
+residual) -> final RMSNorm -> hidden [T, hidden]; compute_logits(hidden[N]) ->
+float32 [N, vocab]. Parameter names are HF's without the "model." prefix, so an
+HF state dict loads after stripping it.
+
+Executors capture forward into CUDA graphs, so forward holds no data-dependent
+Python control flow and no host syncs: shapes follow the input shapes only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend
+from .config import ModelConfig, tiny_config
+
+__all__ = ["LlamaModel", "RMSNorm", "tiny_config", "rope_inv_freq", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF does: normalise in float32, scale after casting back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with Llama-3/linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling_dict
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] (HF rotate_half convention)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]                                                      # x: [T, hidden]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))     # [T, H, D]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, KV, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)               # [T, KV, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn(layer, q, k, v)                                            # [T, H, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))   # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.index, self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        # float32 even in a bf16 model (as HF keeps it); recomputed by to()/load, never saved.
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim / 2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, head_dim] in `dtype` (computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)                 # [T, hidden]
+        cos, sin = self.rope(positions, x.dtype)         # [T, head_dim] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
+        return F.linear(hidden, weight).float()
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0) -> "LlamaModel":
+        """Random weights, deterministic in `seed` (independent of the global RNG), for tests.
+
+        Scaled so activations stay O(1) and argmax decisions are well separated;
+        norm weights and biases are perturbed too, so a loader that drops them fails.
+        """
+        model = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(model.named_parameters()):
+                noise = torch.randn(p.shape, generator=gen)
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * noise)
+                elif name.endswith(".bias"):
+                    p.copy_(0.1 * noise)
+                elif name == "embed_tokens.weight":
+                    p.copy_(noise)
+                else:                                    # Linear [out, in]
+                    p.copy_(noise / math.sqrt(p.shape[1]))
+        return model.eval()
