@@ -1,0 +1,549 @@
+"""The OpenAI wire format as vLLM serves it: request validation and response bodies. No I/O.
+
+    JSON body -> parse_completion / parse_chat -> CompletionRequest | ChatRequest
+                 (every key read or rejected; ApiError names the parameter)
+    tokens/text -> completion_chunk / chat_chunk / usage_chunk -> sse() bytes
+                -> completion_body / chat_body for non-streaming replies
+
+Parameters we cannot honour (n > 1, logprobs, tools, echo, penalties, ...) are
+rejected with a 400 that names them, never ignored; their no-op values (n=1,
+logprobs=null, presence_penalty=0, ...) are accepted so stock clients work.
+Keys nobody knows are rejected the way OpenAI does ("Unrecognized request
+argument"). `null` means "not given" for every optional parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+MAX_SEED = (1 << 64) - 1
+MIN_SEED = -(1 << 63)
+MAX_I32 = (1 << 31) - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
+
+
+class ApiError(Exception):
+    """An error reply: HTTP status plus the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase.replace(" ", "") + "Error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "RequestEntityTooLargeError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+# -- parsed requests ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """What the request asks of generation; max_tokens None = endpoint default."""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 = off (vLLM's -1 maps here)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    stream: bool = False
+    include_usage: bool = False         # a usage-only chunk before [DONE]
+    continuous_usage: bool = False      # usage on every chunk (vLLM's continuous_usage_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompt: str | tuple[int, ...]       # text, or token ids
+    sampling: SamplingOptions
+    stream: StreamOptions
+    add_special_tokens: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingOptions
+    stream: StreamOptions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False    # the template already places BOS etc.
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiLimits:
+    """What validation needs to know about the served model."""
+    served_model: str
+    vocab_size: int
+    max_stop_strings: int = 32
+
+
+# -- field readers --------------------------------------------------------------
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Equality that does not let True pass for 1 or 0.0 for False."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return type(value) is type(allowed) and value == allowed
+    return value == allowed
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Parameters we understand but cannot honour: name -> (no-op values accepted, what is unsupported).
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "only n=1 (one choice per request) is supported"),
+    "best_of": ((1,), "best_of > 1 is not supported"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "length_penalty is not supported"),
+    "presence_penalty": ((0, 0.0), "presence_penalty is not supported"),
+    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported"),
+    "repetition_penalty": ((1, 1.0), "repetition_penalty is not supported"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "min_tokens": ((0,), "min_tokens is not supported"),
+    "min_p": ((0, 0.0), "min_p is not supported"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "priority": ((0,), "request priorities are not supported"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not supported"),
+    "response_format": (({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
+    "guided_json": ((), "guided decoding is not supported"),
+    "guided_regex": ((), "guided decoding is not supported"),
+    "guided_choice": ((), "guided decoding is not supported"),
+    "guided_grammar": ((), "guided decoding is not supported"),
+    "structured_outputs": ((), "structured outputs are not supported"),
+    "echo": ((False,), "echo is not supported"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "return_token_ids": ((False,), "return_token_ids is not supported"),
+    "store": ((False,), "store=true is not supported"),
+    "detokenize": ((True,), "detokenize=false is not supported"),
+}
+_UNSUPPORTED_COMPLETION = {
+    "logprobs": ((), "logprobs are not supported"),
+    "suffix": (("",), "suffix is not supported"),
+}
+_UNSUPPORTED_CHAT = {
+    "logprobs": ((False,), "logprobs are not supported"),
+    "top_logprobs": ((0,), "top_logprobs is not supported"),
+    "tools": (([],), "tools are not supported"),
+    "tool_choice": (("none",), "tool_choice is not supported (no tools)"),
+    "functions": (([],), "functions are not supported"),
+    "function_call": (("none",), "function_call is not supported"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "reasoning_effort is not supported"),
+    "web_search_options": ((), "web search is not supported"),
+}
+# Accepted and deliberately without effect: they describe the caller, not the generation.
+_IGNORED = ("user", "metadata", "service_tier", "parallel_tool_calls", "request_id")
+
+
+class _Fields:
+    """Reads a JSON object key by key; `finish()` rejects whatever nobody read."""
+
+    def __init__(self, body: Any):
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        self.body = body
+        self.seen: set[str] = set()
+
+    def get(self, name: str) -> Any:
+        self.seen.add(name)
+        return self.body.get(name)
+
+    def int(self, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
+        v = self.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad_request(f"'{name}' must be an integer, got {_show(v)}", name)
+        if not lo <= v <= hi:
+            raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+        return v
+
+    def float(self, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+        v = self.get(name)
+        if v is None:
+            return default
+        if not _is_number(v) or not math.isfinite(v):
+            raise bad_request(f"'{name}' must be a finite number, got {_show(v)}", name)
+        if v < lo or v > hi or (lo_open and v == lo):
+            interval = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise bad_request(f"'{name}' must be in {interval}, got {v}", name)
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad_request(f"'{name}' must be a boolean, got {_show(v)}", name)
+        return v
+
+    def unsupported(self, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+        for name, (allowed, why) in table.items():
+            v = self.get(name)
+            if v is not None and not any(_same(v, a) for a in allowed):
+                raise bad_request(f"unsupported parameter '{name}' = {_show(v)}: {why}", name)
+
+    def finish(self) -> None:
+        for name in _IGNORED:
+            self.seen.add(name)
+        unknown = [k for k in self.body if k not in self.seen]
+        if unknown:
+            raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+
+
+def _show(v: Any) -> str:
+    s = json.dumps(v) if not isinstance(v, (bytes, bytearray)) else repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _model(f: _Fields, limits: ApiLimits) -> str | None:
+    model = f.get("model")
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {_show(model)}", "model")
+    if model != limits.served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    return model
+
+
+def _stop_strings(f: _Fields, limits: ApiLimits) -> tuple[str, ...]:
+    v = f.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request(f"'stop' must be a string or a list of strings, got {_show(v)}", "stop")
+    if any(s == "" for s in items):
+        raise bad_request("'stop' strings must not be empty", "stop")
+    if len(items) > limits.max_stop_strings:
+        raise bad_request(f"'stop' has {len(items)} strings, at most {limits.max_stop_strings} are allowed",
+                          "stop")
+    return tuple(dict.fromkeys(items))
+
+
+def _token_ids(v: Any, name: str, limits: ApiLimits, allow_empty: bool) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(f"'{name}' must be a list of integer token ids", name)
+    if not v and not allow_empty:
+        raise bad_request(f"'{name}' must not be empty", name)
+    for t in v:
+        if not 0 <= t < limits.vocab_size:
+            raise bad_request(f"'{name}' holds token id {t}, outside the vocabulary [0, {limits.vocab_size})",
+                              name)
+    return tuple(v)
+
+
+def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None) -> SamplingOptions:
+    top_k = f.int("top_k", -1, MAX_I32, 0)
+    stop_ids = f.get("stop_token_ids")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=f.float("temperature", 1.0, 0.0, 1e4),
+        top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k == -1 else top_k,
+        seed=f.int("seed", MIN_SEED, MAX_SEED),
+        ignore_eos=f.bool("ignore_eos", False),
+        stop=_stop_strings(f, limits),
+        stop_token_ids=() if stop_ids is None else tuple(dict.fromkeys(
+            _token_ids(stop_ids, "stop_token_ids", limits, allow_empty=True))),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+    )
+
+
+def _stream(f: _Fields) -> StreamOptions:
+    stream = f.bool("stream", False)
+    opts = f.get("stream_options")
+    if opts is None:
+        return StreamOptions(stream)
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    o = _Fields(opts)
+    include_usage = o.bool("include_usage", False)
+    continuous = o.bool("continuous_usage_stats", False)
+    unknown = [k for k in opts if k not in o.seen]
+    if unknown:
+        raise bad_request(f"unknown stream option '{unknown[0]}'", f"stream_options.{unknown[0]}")
+    return StreamOptions(stream, include_usage, continuous)
+
+
+# -- /v1/completions ------------------------------------------------------------
+
+def parse_completion(body: Any, limits: ApiLimits) -> CompletionRequest:
+    """Validate a /v1/completions body; ApiError (400/404) names the offending parameter."""
+    f = _Fields(body)
+    model = _model(f, limits)
+    f.unsupported(_UNSUPPORTED)
+    f.unsupported(_UNSUPPORTED_COMPLETION)
+    prompt = _prompt(f.get("prompt"), limits)
+    max_tokens = f.int("max_tokens", 1, MAX_I32)
+    mct = f.int("max_completion_tokens", 1, MAX_I32)
+    req = CompletionRequest(
+        model=model, prompt=prompt,
+        sampling=_sampling(f, limits, mct if mct is not None else max_tokens),
+        stream=_stream(f),
+        add_special_tokens=f.bool("add_special_tokens", True),
+    )
+    f.finish()
+    return req
+
+
+def _prompt(v: Any, limits: ApiLimits) -> str | tuple[int, ...]:
+    if v is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        if len(v) > 1:
+            raise bad_request(f"'prompt' holds {len(v)} prompts; batched prompts are not supported, "
+                              "send one prompt per request", "prompt")
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        return v
+    if isinstance(v, list):
+        return _token_ids(v, "prompt", limits, allow_empty=False)
+    raise bad_request("'prompt' must be a string, a list of token ids, or a one-element list of either",
+                      "prompt")
+
+
+# -- /v1/chat/completions -----------------------------------------------------
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
+    """Validate a /v1/chat/completions body; ApiError (400/404) names the offending parameter."""
+    f = _Fields(body)
+    model = _model(f, limits)
+    f.unsupported(_UNSUPPORTED)
+    f.unsupported(_UNSUPPORTED_CHAT)
+    messages = _messages(f.get("messages"))
+    max_tokens = f.int("max_tokens", 1, MAX_I32)
+    mct = f.int("max_completion_tokens", 1, MAX_I32)
+    kwargs = f.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    add_generation_prompt = f.bool("add_generation_prompt", True)
+    continue_final = f.bool("continue_final_message", False)
+    if continue_final and add_generation_prompt and body.get("add_generation_prompt") is True:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          "continue_final_message")
+    if continue_final and messages[-1].role != "assistant":
+        raise bad_request("'continue_final_message' needs a final assistant message", "continue_final_message")
+    req = ChatRequest(
+        model=model, messages=messages,
+        # max_completion_tokens is the current name; max_tokens the deprecated one.
+        sampling=_sampling(f, limits, mct if mct is not None else max_tokens),
+        stream=_stream(f),
+        add_generation_prompt=add_generation_prompt and not continue_final,
+        continue_final_message=continue_final,
+        add_special_tokens=f.bool("add_special_tokens", False),
+        chat_template_kwargs=tuple(sorted((kwargs or {}).items())),
+    )
+    f.finish()
+    return req
+
+
+def _messages(v: Any) -> tuple[ChatMessage, ...]:
+    if v is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(v, list):
+        raise bad_request("'messages' must be a list of message objects", "messages")
+    if not v:
+        raise bad_request("'messages' must not be empty", "messages")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(v))
+
+
+def _message(m: Any, where: str) -> ChatMessage:
+    if not isinstance(m, dict):
+        raise bad_request(f"'{where}' must be an object", where)
+    role = m.get("role")
+    if role in ("tool", "function"):
+        raise bad_request(f"'{where}.role' = {role!r}: tool messages are not supported (no tools)",
+                          f"{where}.role")
+    if role not in _ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {_show(role)}",
+                          f"{where}.role")
+    for key, value in m.items():
+        if key in ("role", "content", "name"):
+            continue
+        if key in ("tool_calls", "function_call", "audio", "refusal", "reasoning_content") and not value:
+            continue
+        raise bad_request(f"unsupported message field '{where}.{key}'", f"{where}.{key}")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"'{where}.name' must be a string", f"{where}.name")
+    return ChatMessage(role, _content(m.get("content"), f"{where}.content"))
+
+
+def _content(c: Any, where: str) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        texts = []
+        for j, part in enumerate(c):
+            w = f"{where}[{j}]"
+            if not isinstance(part, dict):
+                raise bad_request(f"'{w}' must be an object", w)
+            kind = part.get("type")
+            if kind != "text":
+                raise bad_request(f"'{w}.type' = {_show(kind)}: only text content parts are supported",
+                                  f"{w}.type")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"'{w}.text' must be a string", f"{w}.text")
+            extra = [k for k in part if k not in ("type", "text")]
+            if extra:
+                raise bad_request(f"unsupported content part field '{w}.{extra[0]}'", f"{w}.{extra[0]}")
+            texts.append(text)
+        return "\n".join(texts)  # vLLM joins text parts with newlines for string templates
+    if c is None:
+        raise bad_request(f"'{where}' is required", where)
+    raise bad_request(f"'{where}' must be a string or a list of text parts", where)
+
+
+# -- limits that need the tokenized prompt --------------------------------------
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       default: int | None, param: str = "max_tokens") -> int:
+    """The output budget, or a 400 when the prompt or prompt + max_tokens exceed the context."""
+    if prompt_len >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                          f"prompt has {prompt_len} tokens, which leaves no room for output.", "prompt")
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(f"'{param}' is too large: {requested}. This model's maximum context length is "
+                          f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+                          f"({requested} > {max_model_len} - {prompt_len}).", param)
+    return requested
+
+
+# -- replies --------------------------------------------------------------------
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(prefix: str, header_value: str | None = None) -> str:
+    """`cmpl-<hex>` / `chatcmpl-<hex>`; an X-Request-Id header's value when it is sane."""
+    if header_value and _REQUEST_ID.match(header_value):
+        return f"{prefix}-{header_value}"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     stop_reason: int | str | None = None, usage_: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               stop_reason: int | str | None = None, usage_: dict | None = None) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def usage_chunk(obj: str, rid: str, created: int, model: str, usage_: dict) -> dict:
+    """The final usage-only chunk (choices: []) sent when stream_options.include_usage is set."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    stop_reason: int | str | None, usage_: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}],
+            "usage": usage_}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str,
+              stop_reason: int | str | None, usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
+            "usage": usage_}
+
+
+def models_body(model: str, max_model_len: int | None, created: int | None = None) -> dict:
+    created = int(time.time()) if created is None else created
+    card = {"id": model, "object": "model", "created": created, "owned_by": "blink", "root": model,
+            "parent": None}
+    if max_model_len:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event: `data: {json}\\n\\n`."""
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
