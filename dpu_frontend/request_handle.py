@@ -1,0 +1,124 @@
+"""One accepted request as the HTTP layer sees it: a stream of token batches.
+
+    TokenReader -> handle._deliver(tokens) / handle._end(reason, error)
+                -> `async for batch in handle` (HTTP layer) -> SSE chunks
+
+The buffer between the reader and the consumer is bounded: a consumer that stops
+reading gets its request cancelled (finish_reason "error") instead of a buffer
+that grows with the generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Callable
+
+from shared_layout import now_ns
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings, as the slot carries them."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RequestHandle:
+    """Tokens of one request as they arrive; see `finish_reason` once iteration ends.
+
+    Timestamps: `t_submit_ns` / `t_first_token_ns` on this process's monotonic
+    clock; `t_picked_ns` / `t_first_ns` / `t_last_ns` as the backend stamped them
+    (its clock; compare them only with each other).
+    """
+
+    def __init__(self, *, seq: int, slot: int, prompt_tokens: int, max_tokens: int, t_submit_ns: int,
+                 max_buffered_tokens: int, on_cancel: Callable[["RequestHandle", str, str | None], None],
+                 on_end: Callable[["RequestHandle"], None] | None = None):
+        self.seq = seq
+        self.slot = slot
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens          # output capacity reserved in the ring
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.error: str | None = None
+        self.t_submit_ns = t_submit_ns
+        self.t_first_token_ns: int | None = None
+        self.t_picked_ns = 0
+        self.t_first_ns = 0
+        self.t_last_ns = 0
+        self._max_buffered = max_buffered_tokens
+        self._on_cancel = on_cancel
+        self._on_end = on_end
+        self._pending: list[int] = []
+        self._ended = False
+        self._wake: asyncio.Future | None = None
+
+    # -- consumer side --------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """No more tokens will be delivered (some may still be buffered)."""
+        return self._ended
+
+    def cancel(self) -> None:
+        """Stop the request: raise the slot's cancel flag; ends the stream with "abort"."""
+        if not self._ended:
+            self._on_cancel(self, "abort", None)
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> list[int]:
+        while not self._pending:
+            if self._ended:
+                raise StopAsyncIteration
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+        batch, self._pending = self._pending, []
+        return batch
+
+    async def result(self) -> list[int]:
+        """All remaining tokens, once the request has finished."""
+        out: list[int] = []
+        async for batch in self:
+            out += batch
+        return out
+
+    # -- reader side ----------------------------------------------------------
+    def _deliver(self, tokens: list[int]) -> None:
+        if self._ended or not tokens:
+            return
+        if self.t_first_token_ns is None:
+            self.t_first_token_ns = now_ns()
+        self._pending += tokens
+        self.completion_tokens += len(tokens)
+        if len(self._pending) > self._max_buffered:
+            self._on_cancel(self, "error",
+                            f"consumer stopped reading: {len(self._pending)} tokens buffered "
+                            f"(limit {self._max_buffered}); request cancelled")
+        self._notify()
+
+    def _end(self, finish_reason: str, error: str | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.finish_reason = finish_reason
+        self.error = error
+        self._notify()
+        if self._on_end is not None:
+            self._on_end(self)
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def __repr__(self) -> str:
+        return (f"RequestHandle(seq={self.seq}, slot={self.slot}, tokens={self.completion_tokens}, "
+                f"finish={self.finish_reason})")

@@ -1,0 +1,488 @@
+"""The frontend's side of the ring, as the HTTP layer calls it.
+
+    submit(prompt, params) -> wait queue (bounded, FIFO) -> flush: slots + arena ranges,
+        one write_batch for every request of the burst -> RequestHandle
+    background loop: attach / reattach the ring -> TokenReader.poll -> handles get tokens
+        -> completed slots reset -> wait queue moves; health, backend-lost, ring-replaced checks
+
+Everything runs on the asyncio event loop that calls `start()`; the loop task
+yields after every poll. The ring is reached only through a Transport made by
+`transport_factory` (called again to reattach when the daemon recreated the
+ring). Decisions about HTTP status codes stay with the caller: this module
+raises QueueFull (with retry_after_s), BackendUnavailable, PromptTooLong and
+InvalidRequest.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import time
+
+import numpy as np
+
+from shared_layout import MAX_STOP_IDS, LayoutMismatch, SlotState, now_ns
+
+from .backend_health import BackendHealth, HealthMonitor
+from .request_handle import RequestHandle, SamplingParams
+from .ring_session import RingSession
+from .token_reader import PollResult, ReaderConfig, TokenReader
+from .transport.base import TransportError, TransportFactory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BackendHealth", "BackendUnavailable", "InvalidRequest", "PromptTooLong", "QueueFull", "RequestHandle",
+           "RingClient", "RingClientConfig", "RingClientError", "SamplingParams", "ReaderConfig"]
+
+
+class RingClientError(Exception):
+    """Base of the errors `submit` raises."""
+
+
+class QueueFull(RingClientError):
+    """No slot now: the wait queue is full, or none came free within the timeout."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendUnavailable(RingClientError):
+    """No daemon serving the ring (not started, starting, lost, or the client closed)."""
+
+
+class PromptTooLong(RingClientError, ValueError):
+    """The prompt cannot fit the model's context (or the ring's prompt arena)."""
+
+
+class InvalidRequest(RingClientError, ValueError):
+    """Prompt or sampling parameters the ring cannot carry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingClientConfig:
+    health_window_s: float = 2.0         # heartbeat must advance within this to be healthy
+    max_queue: int = 1024                # requests waiting for a slot; beyond: QueueFull at once
+    max_buffered_tokens: int = 16384     # per handle; a consumer this far behind is cancelled
+    reattach_interval_s: float = 0.25    # retry opening the ring this often while detached
+    stale_check_interval_s: float = 0.5  # how often to ask whether the ring file was replaced
+    recent_requests: int = 256           # finished requests kept for stats()
+    reader: ReaderConfig = ReaderConfig()
+
+    def __post_init__(self):
+        for name in ("health_window_s", "reattach_interval_s", "stale_check_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("max_queue", "max_buffered_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    prompt: np.ndarray          # [prompt_len] int32
+    params: SamplingParams
+    max_tokens: int             # output capacity to reserve (clamped to the context)
+    t_submit_ns: int
+    fut: asyncio.Future
+
+
+class RingClient:
+    def __init__(self, transport_factory: TransportFactory, config: RingClientConfig = RingClientConfig()):
+        self.factory = transport_factory
+        self.config = config
+        self._session: RingSession | None = None
+        self._reader: TokenReader | None = None
+        self._health: HealthMonitor | None = None
+        self._down_message = "ring not attached yet"
+        self._displaced: str | None = None
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sleep_fut: asyncio.Future | None = None
+        self._flush_handle: asyncio.Handle | None = None
+        self._closed = False
+        self._next_attach_s = 0.0
+        self._next_stale_check_s = 0.0
+        self._last_states: np.ndarray | None = None
+        self._lost = False   # the backend's heartbeat is stale and in-flight requests were failed
+        # counters for stats()
+        self._submitted = 0
+        self._tokens = 0
+        self._finished: collections.Counter[str] = collections.Counter()
+        self._recent: collections.deque[dict] = collections.deque(maxlen=config.recent_requests)
+        self._freed_times: collections.deque[float] = collections.deque(maxlen=64)
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Attach the ring if it is there (else keep trying in the background) and start polling."""
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._try_attach()
+        self._task = self._loop.create_task(self._run(), name="ring-client")
+
+    async def close(self) -> None:
+        """Stop polling; cancel what is still in flight (the daemon aborts it) and detach."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        if self._task is not None:
+            await self._task
+        self._fail_waiters(BackendUnavailable("ring client closed"))
+        s = self._session
+        if s is not None:
+            live = [f for f in s.flights.values() if f.handle is not None]
+            for f in live:
+                f.handle, h = None, f.handle
+                h._end("abort", "ring client closed")
+            try:
+                s.write_cancels([f.slot for f in live])
+            except TransportError:
+                pass
+            self._session = self._reader = None
+            s.close()
+
+    # -- what the HTTP layer reads ------------------------------------------------
+    def health(self) -> BackendHealth:
+        if self._displaced:
+            return BackendHealth("DOWN", False, None, 0, self._displaced)
+        if self._session is None or self._health is None:
+            return BackendHealth("DOWN", False, None, 0, self._down_message)
+        return self._health.health()
+
+    @property
+    def model_max_len(self) -> int:
+        """Context length the daemon published (0 until it did)."""
+        return self._health.model_max_len if self._health else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._health.vocab_size if self._health else 0
+
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics."""
+        s = self._session
+        states = self._last_states
+        counts = {st.name: 0 for st in SlotState}
+        if states is not None:
+            bc = np.bincount(np.minimum(states, len(SlotState)), minlength=len(SlotState) + 1)
+            counts = {st.name: int(bc[st]) for st in SlotState}
+        h = self.health()
+        return {
+            "slots": counts,
+            "slot_count": s.geom.slot_count if s else 0,
+            "queue_depth": len(self._waiters),
+            "inflight": s.inflight() if s else 0,
+            "held_slots": len(s.flights) if s else 0,
+            "prompt_arena_free_tokens": s.prompts.free_tokens if s else 0,
+            "output_arena_free_tokens": s.outputs.free_tokens if s else 0,
+            "frontend_epoch": s.epoch if s else 0,
+            "backend": dataclasses.asdict(h),
+            "submitted_total": self._submitted,
+            "finished_total": dict(self._finished),
+            "tokens_total": self._tokens,
+            "polls_total": self._reader.polls if self._reader else 0,
+            "recent_requests": list(self._recent),
+        }
+
+    # -- submit ---------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, queue_timeout_s: float = 30.0
+                     ) -> RequestHandle:
+        """Write one request into the ring; the handle streams its tokens.
+
+        Waits up to `queue_timeout_s` for a slot and arena room (FIFO behind
+        earlier waiters). Raises QueueFull, BackendUnavailable, PromptTooLong,
+        InvalidRequest.
+        """
+        if self._closed or self._task is None:
+            raise BackendUnavailable("ring client is not running")
+        h = self.health()
+        s = self._session
+        if s is None or not h.healthy:
+            raise BackendUnavailable(h.message or "backend unavailable")
+        prompt, max_tokens = self._validate(s, prompt_ids, params)
+        if len(self._waiters) >= self.config.max_queue:
+            raise QueueFull(f"wait queue full ({len(self._waiters)} requests waiting for a slot)",
+                            self._retry_after_s())
+        loop = asyncio.get_running_loop()
+        w = _Waiter(prompt, params, max_tokens, now_ns(), loop.create_future())
+        self._waiters.append(w)
+        if queue_timeout_s <= 0:
+            self._flush()
+        elif self._flush_handle is None:
+            # Submissions arriving in this loop iteration go out in one batch of writes.
+            self._flush_handle = loop.call_soon(self._flush)
+        if not w.fut.done():
+            timer = loop.call_later(max(queue_timeout_s, 0.0), self._expire, w, queue_timeout_s)
+            try:
+                await w.fut
+            except asyncio.CancelledError:
+                self._remove_waiter(w)
+                if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                    w.fut.result().cancel()
+                raise
+            finally:
+                timer.cancel()
+        return w.fut.result()
+
+    def _validate(self, s: RingSession, prompt_ids, params: SamplingParams) -> tuple[np.ndarray, int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be a SamplingParams")
+        try:
+            prompt = np.asarray(prompt_ids)
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt must be a list of token ids") from None
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise InvalidRequest("prompt must be a non-empty list of token ids")
+        if prompt.dtype.kind not in "iu":
+            raise InvalidRequest("prompt token ids must be integers")
+        vocab = self.vocab_size
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or (vocab and hi >= vocab):
+            bad = lo if lo < 0 else hi
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab or 2**31})")
+        plen = int(prompt.size)
+        max_len = self.model_max_len
+        if max_len and plen >= max_len:
+            raise PromptTooLong(f"prompt has {plen} tokens; the model's context is {max_len} "
+                                f"(room must remain for at least one generated token)")
+        if plen > s.geom.prompt_arena_tokens:
+            raise PromptTooLong(f"prompt has {plen} tokens; the ring's prompt arena holds {s.geom.prompt_arena_tokens}")
+        mt = params.max_tokens
+        if not isinstance(mt, (int, np.integer)) or isinstance(mt, bool) or mt < 1:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {mt!r}")
+        if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature)
+                and params.temperature >= 0):
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {params.temperature!r}")
+        if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p!r}")
+        if not isinstance(params.top_k, (int, np.integer)) or params.top_k < 0 or params.top_k >= 2**31:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {params.top_k!r}")
+        if params.seed is not None and not isinstance(params.seed, (int, np.integer)):
+            raise InvalidRequest(f"seed must be an integer, got {params.seed!r}")
+        if not all(isinstance(t, (int, np.integer)) and 0 <= t < 2**31 for t in params.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative integers")
+        mt = int(mt)
+        if max_len:
+            mt = min(mt, max_len - plen)   # the daemon stops at the context limit anyway
+        if mt > s.geom.output_arena_tokens:
+            raise InvalidRequest(f"max_tokens {mt} exceeds the ring's output arena ({s.geom.output_arena_tokens} tokens)")
+        return prompt.astype(np.int32), mt
+
+    def _flush(self) -> None:
+        """Move waiters into free slots, FIFO; all their writes go out as one batch."""
+        self._flush_handle = None
+        s = self._session
+        if s is None or not self._waiters:
+            return
+        writes: list[tuple[int, bytes]] = []
+        batch = []
+        while self._waiters:
+            w = self._waiters[0]
+            if w.fut.done():
+                self._waiters.popleft()
+                continue
+            flight = s.reserve(int(w.prompt.size), w.max_tokens)
+            if flight is None:
+                break   # head of the queue waits for a slot or arena room; FIFO keeps fairness
+            self._waiters.popleft()
+            p = w.params
+            stops = tuple(int(t) for t in p.stop_token_ids)
+            writes += s.submission(flight, w.prompt, temperature=float(p.temperature), top_p=float(p.top_p),
+                                   top_k=int(p.top_k), seed=None if p.seed is None else int(p.seed),
+                                   ignore_eos=bool(p.ignore_eos), stop_ids=stops[:MAX_STOP_IDS],
+                                   t_submit_ns=w.t_submit_ns)
+            flight.extra_stops = frozenset(stops[MAX_STOP_IDS:])
+            batch.append((w, flight))
+        if not batch:
+            return
+        try:
+            s.transport.write_batch(writes)
+        except TransportError as e:
+            for w, flight in batch:
+                s.unreserve(flight)
+                w.fut.set_exception(BackendUnavailable(f"backend lost: {e}"))
+            self._drop_session(f"backend lost: {e}")
+            return
+        for w, flight in batch:
+            h = RequestHandle(seq=flight.seq, slot=flight.slot, prompt_tokens=int(w.prompt.size),
+                              max_tokens=flight.max_tokens, t_submit_ns=w.t_submit_ns,
+                              max_buffered_tokens=self.config.max_buffered_tokens,
+                              on_cancel=self._cancel, on_end=self._record_end)
+            flight.handle = h
+            self._reader.track(flight)
+            w.fut.set_result(h)
+        self._submitted += len(batch)
+        self._wake()
+
+    def _expire(self, w: _Waiter, timeout_s: float) -> None:
+        if not w.fut.done():
+            self._remove_waiter(w)
+            w.fut.set_exception(QueueFull(f"no slot came free within {timeout_s:g} s", self._retry_after_s()))
+
+    def _remove_waiter(self, w: _Waiter) -> None:
+        try:
+            self._waiters.remove(w)
+        except ValueError:
+            pass
+
+    def _retry_after_s(self) -> float:
+        """Rough wait until a slot frees for the whole queue, from the recent completion rate."""
+        t = self._freed_times
+        if len(t) >= 2 and t[-1] > t[0]:
+            rate = (len(t) - 1) / (t[-1] - t[0])
+            return float(min(30.0, max(0.05, (len(self._waiters) + 1) / rate)))
+        return 1.0
+
+    def _fail_waiters(self, exc: Exception) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.fut.done():
+                w.fut.set_exception(exc)
+
+    # -- handle callbacks ------------------------------------------------------------
+    def _cancel(self, handle: RequestHandle, reason: str, error: str | None) -> None:
+        s = self._session
+        flight = s.flights.get(handle.slot) if s is not None else None
+        if flight is not None and flight.handle is handle:
+            flight.handle = None   # the slot stays held until the daemon completes it
+            try:
+                s.write_cancels([flight.slot])
+            except TransportError:
+                pass   # ring gone: the loop drops the session
+        handle._end(reason, error)
+
+    def _record_end(self, h: RequestHandle) -> None:
+        self._finished[h.finish_reason] += 1
+        self._tokens += h.completion_tokens
+        self._recent.append({
+            "seq": h.seq, "prompt_tokens": h.prompt_tokens, "completion_tokens": h.completion_tokens,
+            "finish_reason": h.finish_reason, "t_submit_ns": h.t_submit_ns, "t_first_token_ns": h.t_first_token_ns,
+            "t_picked_ns": h.t_picked_ns, "t_first_ns": h.t_first_ns, "t_last_ns": h.t_last_ns,
+        })
+
+    # -- the background loop -----------------------------------------------------------
+    async def _run(self) -> None:
+        while not self._closed:
+            interval = self.config.reattach_interval_s
+            try:
+                if self._session is None and not self._displaced and time.monotonic() >= self._next_attach_s:
+                    self._try_attach()
+                if self._session is not None:
+                    res = self._reader.poll()
+                    self._after_poll(res)
+                    if self._reader is not None:
+                        interval = self._reader.next_interval_s(res)
+            except TransportError as e:
+                self._drop_session(f"backend lost: {e}")
+            except Exception as e:   # a bug must not leave every request hanging
+                log.exception("ring client poll failed")
+                self._drop_session(f"ring client error: {e!r}")
+            await self._sleep(interval)
+
+    def _try_attach(self) -> None:
+        self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
+        try:
+            transport = self.factory()
+        except (TransportError, LayoutMismatch, OSError, ValueError) as e:
+            self._down_message = f"ring unavailable: {e}"
+            return
+        try:
+            session = RingSession.attach(transport)
+        except (TransportError, ValueError) as e:
+            transport.close()
+            self._down_message = f"ring unavailable: {e}"
+            return
+        self._session = session
+        self._health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
+        self._reader = TokenReader(session, self._health, self.config.reader)
+        self._lost = False
+        self._next_stale_check_s = time.monotonic() + self.config.stale_check_interval_s
+        res = self._reader.poll()   # learn the backend's state before the first submit
+        self._last_states = res.states
+        log.info("attached ring %r as frontend epoch %d", transport, session.epoch)
+
+    def _after_poll(self, res: PollResult) -> None:
+        s, hm = self._session, self._health
+        self._last_states = res.states
+        now_s = time.monotonic()
+        if res.freed:
+            self._freed_times.append(now_s)
+        if res.frontend_epoch != s.epoch:
+            msg = (f"another frontend attached to this ring (frontend epoch {res.frontend_epoch}, ours {s.epoch}); "
+                   f"restart this frontend to take the ring back")
+            self._displaced = msg
+            self._drop_session(msg)
+            return
+        if hm.lost(now_s):
+            if not self._lost:
+                self._lost = True
+                self._fail_inflight(hm.health(now_s).message)
+            # A daemon that found the ring unusable makes a new file; look for it now.
+            if s.transport.stale():
+                self._drop_session("backend lost: the ring was replaced")
+                return
+        else:
+            self._lost = False   # beating again (a restarted daemon, or one that was stalled)
+        if not hm.health(now_s).healthy and self._waiters:
+            self._fail_waiters(BackendUnavailable(hm.health(now_s).message))
+        if now_s >= self._next_stale_check_s:
+            self._next_stale_check_s = now_s + self.config.stale_check_interval_s
+            if s.transport.stale():
+                self._drop_session("backend lost: the ring was replaced")
+                return
+        if res.freed and self._waiters:
+            self._flush()
+
+    def _fail_inflight(self, message: str) -> None:
+        """End every live handle with an error; raise their cancel flags for a daemon to come."""
+        s = self._session
+        live = [f for f in s.flights.values() if f.handle is not None]
+        for f in live:
+            f.handle, h = None, f.handle
+            h._end("error", message)
+        try:
+            s.write_cancels([f.slot for f in live])
+        except TransportError:
+            pass
+        self._fail_waiters(BackendUnavailable(message))
+
+    def _drop_session(self, message: str) -> None:
+        s = self._session
+        self._session = self._reader = None
+        self._down_message = message
+        self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
+        if s is not None:
+            for f in s.flights.values():
+                if f.handle is not None:
+                    f.handle, h = None, f.handle
+                    h._end("error", message)
+            s.close()
+        self._fail_waiters(BackendUnavailable(message))
+
+    async def _sleep(self, interval_s: float) -> None:
+        if interval_s <= 0:
+            await asyncio.sleep(0)
+            return
+        loop = asyncio.get_running_loop()
+        fut = self._sleep_fut = loop.create_future()
+        timer = loop.call_later(interval_s, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._sleep_fut = None
+
+    def _wake(self) -> None:
+        """Poll now (a submission landed, or close)."""
+        if self._sleep_fut is not None:
+            _resolve(self._sleep_fut)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
