@@ -1,0 +1,86 @@
+"""`blink gpu-daemon`: flags -> DaemonConfig -> daemon.run_daemon.
+
+The only place the daemon's command line is parsed; components receive their
+own frozen configs (ExecutorOptions, RingGeometry) built here.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from shared_layout import RingGeometry
+from shared_layout.layout import DEFAULT_OUTPUT_ARENA_TOKENS, DEFAULT_PROMPT_ARENA_TOKENS, DEFAULT_SLOTS
+from shared_layout.shm import DEFAULT_RING_NAME
+
+from .executors import EXECUTOR_CHOICES, ExecutorOptions
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ring", default=DEFAULT_RING_NAME, help="shared-memory ring name (/dev/shm/NAME)")
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct), an HF folder, a .gguf file, "
+                        "or 'null' (no compute: echoes the prompt)")
+    p.add_argument("--executor", default="cpu", choices=EXECUTOR_CHOICES)
+    p.add_argument("--slots", type=_positive_int, default=None,
+                   help=f"ring slots when creating the ring (default {DEFAULT_SLOTS}; an existing ring keeps its own)")
+    p.add_argument("--prompt-arena-tokens", type=_positive_int, default=None,
+                   help=f"prompt arena capacity in tokens (default {DEFAULT_PROMPT_ARENA_TOKENS})")
+    p.add_argument("--output-arena-tokens", type=_positive_int, default=None,
+                   help=f"output arena capacity in tokens (default {DEFAULT_OUTPUT_ARENA_TOKENS})")
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="requests decoding together at most (cpu default 32, null 256)")
+    p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                   help="prompt tokens prefilled in one step at most (cpu default 2048); longer prompts are chunked")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--kv-cache-mb", type=_positive_int, default=None,
+                   help="KV cache memory budget in MiB (cpu default 1024)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length (prompt + output) to serve; default the model's, capped by the KV pool")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the cpu executor")
+    p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=2.0,
+                   help="on SIGTERM, in-flight requests get this long to finish before they are aborted")
+    p.add_argument("--policy-trace", default=None, metavar="PATH",
+                   help="record every batching decision to PATH as a policy Scenario (JSON) on exit")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .daemon import DaemonConfig, run_daemon
+    logging.basicConfig(level=args.log_level.upper(), format="blink gpu-daemon: %(message)s")
+    sizes = (args.slots, args.prompt_arena_tokens, args.output_arena_tokens)
+    geometry = None
+    if any(v is not None for v in sizes):
+        try:
+            geometry = RingGeometry(args.slots or DEFAULT_SLOTS,
+                                    args.prompt_arena_tokens or DEFAULT_PROMPT_ARENA_TOKENS,
+                                    args.output_arena_tokens or DEFAULT_OUTPUT_ARENA_TOKENS)
+        except ValueError as e:
+            print(f"blink gpu-daemon: {e}")
+            return 2
+    options = ExecutorOptions(model=args.model, max_batch_size=args.max_batch_size,
+                              max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
+                              kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
+                              threads=args.threads, shutdown_grace_s=args.shutdown_grace_s,
+                              policy_trace=args.policy_trace)
+    return run_daemon(DaemonConfig(ring_name=args.ring, geometry=geometry, executor=args.executor,
+                                   options=options))

@@ -1,0 +1,84 @@
+"""The daemon: one-time setup, then hand the ring over to an executor.
+
+    resolve the executor (one-line error and exit 2 if it cannot run here)
+    -> open_ring (attach or create the shm file) -> begin: STARTING, epoch + 1,
+       leftover slots of a dead daemon aborted -> heartbeat thread
+    -> executor = spec.create(options) (loads the model)
+    -> publish vocab / max_len, READY -> executor.serve(ring, stop)
+    -> stop (SIGTERM, SIGINT or the header's shutdown word): STOPPING, grace
+       period, leftovers ABORT/BACKEND_SHUTDOWN, DOWN, exit 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+
+from shared_layout import RingGeometry
+
+from . import ring_host
+from .executors import ExecutorOptions, resolve
+from .heartbeat import Heartbeat
+
+log = logging.getLogger("blink.gpu_daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    ring_name: str = "blink-ring"
+    geometry: RingGeometry | None = None    # None: adopt an existing ring's, else the default
+    executor: str = "cpu"
+    options: ExecutorOptions = ExecutorOptions()
+    heartbeat_interval_s: float = 0.05
+
+
+def _say(msg: str) -> None:
+    print(f"blink gpu-daemon: {msg}", file=sys.stderr, flush=True)
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    spec = resolve(config.executor, config.options.model)
+    why = spec.unavailable_reason()
+    if why is not None:
+        _say(f"--executor {config.executor} needs {spec.requirement}; none found ({why})")
+        return 2
+    try:
+        region, ring = ring_host.open_ring(config.ring_name, config.geometry)
+    except ring_host.RingError as e:
+        _say(str(e))
+        return 2
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    epoch = ring_host.begin(ring)
+    beat = Heartbeat(ring, stop, config.heartbeat_interval_s)
+    beat.start()
+    executor, rc = None, 0
+    try:
+        try:
+            executor = spec.create(config.options)
+        except Exception as e:   # bad model path, unreadable file: one line, no traceback
+            _say(f"cannot load model {config.options.model!r}: {e}")
+            return 1
+        ring_host.publish_model(ring, executor.vocab_size, executor.max_model_len)
+        log.info("ready: ring %s (%d slots), epoch %d, executor %s, vocab %d, max_len %d",
+                 config.ring_name, ring.geom.slot_count, epoch, executor.name, executor.vocab_size,
+                 executor.max_model_len)
+        if not stop.is_set():
+            executor.serve(ring, stop)
+        log.info("stopping")
+    except Exception:
+        log.exception("executor failed")
+        rc = 1
+    finally:
+        beat.halt()
+        n = ring_host.end(ring)
+        if n:
+            log.info("%d requests ended ABORT/BACKEND_SHUTDOWN", n)
+        if executor is not None:
+            executor.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        region.close()
+    return rc

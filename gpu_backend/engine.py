@@ -1,0 +1,213 @@
+"""Engine: the host-side serving step, schedule -> run -> postprocess, over one ring.
+
+    intake (claim + validate pending slots) -> waiting queue
+    reap (cancel flags, stale frontend epochs) -> slots completed ABORT, blocks freed
+    policy.plan_step(PolicyInput) -> StepPlan
+    apply: preempt victims (blocks freed, DECODE_PAUSED, back to the queue front),
+           admit, allocate new KV blocks -> StepBatch (chunks of tokens per sequence)
+    Runner.run(StepBatch) -> one sampled token per chunk that reaches its sequence's end
+    postprocess: publish tokens (BackendPort: token, then count), finish STOP /
+           LENGTH, complete the slot, free its blocks
+
+The CPU executor and the null executor share this loop and differ only in
+the Runner. All state (queues, block tables) lives in host memory; the ring
+sees only published tokens, counts and states. The engine is single-threaded;
+the daemon's heartbeat runs beside it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Protocol
+
+from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
+
+from .intake import Intake, IntakeConfig
+from .kv_cache import BlockAllocator
+from .policy import PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq, plan_step
+from .sequence import Sequence
+
+log = logging.getLogger("blink.gpu_daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int          # position of the first token computed this step (= seq.num_computed)
+    num_tokens: int     # tokens computed this step
+    sample: bool        # the chunk reaches seq.num_tokens: sample the next token
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    kind: StepKind
+    chunks: tuple[ScheduledChunk, ...]
+
+
+class Runner(Protocol):
+    def run(self, batch: StepBatch) -> list[int]:
+        """Compute every chunk (K/V into the sequences' blocks); return one token per
+        chunk with sample=True, in chunk order."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    policy: PolicyConfig
+    num_blocks: int                  # KV pool size in blocks
+    idle_sleep_max_s: float = 0.002  # polling back-off ceiling when the ring is quiet
+    shutdown_grace_s: float = 2.0    # in-flight requests get this long to finish on stop
+
+
+class Engine:
+    def __init__(self, ring: Ring, runner: Runner, config: EngineConfig, intake: IntakeConfig,
+                 scenario: Scenario | None = None):
+        if config.num_blocks * config.policy.block_size < intake.max_model_len:
+            raise ValueError(f"KV pool of {config.num_blocks} x {config.policy.block_size} tokens cannot hold "
+                             f"one {intake.max_model_len}-token context")
+        self.ring, self.runner, self.config = ring, runner, config
+        self.port = BackendPort(ring)
+        self.intake = Intake(ring, self.port, intake)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.waiting: collections.deque[Sequence] = collections.deque()   # queue order
+        self.running: list[Sequence] = []                                  # admission order
+        self.prev_kind = StepKind.IDLE
+        self.admitting = True
+        self.scenario = scenario
+        self.steps = 0
+
+    # -- the step ---------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step; False when there was nothing to do."""
+        if self.admitting:
+            self.waiting.extend(self.intake.scan())
+        self._reap()
+        inp = self._policy_input()
+        plan = plan_step(inp, self.config.policy)
+        if self.scenario is not None:
+            self.scenario.record(inp, plan)
+        self._preempt(plan.preempted)
+        if plan.kind == StepKind.IDLE:
+            return bool(plan.preempted)
+        batch = self._schedule(plan)
+        self.steps += 1
+        self.prev_kind = plan.kind
+        try:
+            tokens = self.runner.run(batch)
+            if len(tokens) != sum(c.sample for c in batch.chunks):
+                raise RuntimeError(f"runner returned {len(tokens)} tokens for "
+                                   f"{sum(c.sample for c in batch.chunks)} sampled chunks")
+        except Exception:
+            log.exception("executor step failed; ending its %d requests with ERROR/INTERNAL", len(batch.chunks))
+            for c in batch.chunks:
+                self._finish(c.seq, FinishReason.ERROR, ErrorCode.INTERNAL)
+            return True
+        self._postprocess(batch, tokens)
+        return True
+
+    def _policy_input(self) -> PolicyInput:
+        return PolicyInput(
+            waiting=tuple(WaitingReq(s.slot, s.num_tokens) for s in self.waiting),
+            running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
+            free_blocks=self.allocator.free_count, prev_kind=self.prev_kind)
+
+    def _reap(self) -> None:
+        """End cancelled requests and those of a restarted frontend (within one step)."""
+        cancel = self.ring.cancel_flags
+        epoch = self.ring.get("frontend_epoch")
+        for s in [s for s in self.waiting if cancel[s.slot] or s.epoch != epoch] + \
+                 [s for s in self.running if cancel[s.slot] or s.epoch != epoch]:
+            self._finish(s, FinishReason.ABORT,
+                         ErrorCode.STALE_EPOCH if s.epoch != epoch else ErrorCode.NONE)
+
+    def _preempt(self, victims: tuple[int, ...]) -> None:
+        """Recompute preemption: free the blocks, pause the slot, requeue at the front."""
+        for slot in victims:
+            s = next(x for x in self.running if x.slot == slot)
+            self.running.remove(s)
+            self.allocator.free(s.blocks)
+            s.blocks, s.num_computed = [], 0
+            if int(self.ring.state[slot]) != SlotState.DECODE_PAUSED:
+                self.port.move(slot, SlotState.DECODE_PAUSED)
+            self.waiting.appendleft(s)
+
+    def _schedule(self, plan: StepPlan) -> StepBatch:
+        for slot in plan.admitted:
+            s = self.waiting.popleft()
+            assert s.slot == slot, "policy admits a prefix of the waiting queue"
+            self.running.append(s)
+        by_slot = {s.slot: s for s in self.running}
+        for slot, n in plan.new_blocks:
+            by_slot[slot].blocks.extend(self.allocator.allocate(n))
+        chunks = [(by_slot[slot], n) for slot, n in plan.prefill] + [(by_slot[slot], 1) for slot in plan.decode]
+        return StepBatch(plan.kind, tuple(
+            ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens) for s, n in chunks))
+
+    def _postprocess(self, batch: StepBatch, tokens: list[int]) -> None:
+        it = iter(tokens)
+        for c in batch.chunks:
+            c.seq.num_computed += c.num_tokens
+            if c.sample:
+                self._emit(c.seq, int(next(it)))
+
+    def _emit(self, s: Sequence, token: int) -> None:
+        """Publish one new token, then finish the request or keep it decoding."""
+        s.output.append(token)
+        try:
+            self.port.publish(s.slot, [token])
+            if token in s.stop_ids:
+                self._finish(s, FinishReason.STOP)
+            elif len(s.output) >= s.max_tokens or s.num_tokens >= s.max_len:
+                self._finish(s, FinishReason.LENGTH)
+            elif int(self.ring.state[s.slot]) != SlotState.DECODE_PROCESSING:
+                self.port.move(s.slot, SlotState.DECODE_PROCESSING)
+        except IllegalTransition as e:   # someone else wrote a slot we own: drop it, keep serving
+            log.error("slot %d: %s; dropping its request", s.slot, e)
+            self._drop(s)
+
+    def _finish(self, s: Sequence, finish: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
+        try:
+            self.port.complete(s.slot, finish, error)
+        except IllegalTransition as e:
+            log.error("slot %d: %s; dropping its request", s.slot, e)
+        self._drop(s)
+
+    def _drop(self, s: Sequence) -> None:
+        self.allocator.free(s.blocks)
+        s.blocks = []
+        if s in self.running:
+            self.running.remove(s)
+        else:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+
+    # -- the loop -----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_all(self, error: ErrorCode = ErrorCode.BACKEND_SHUTDOWN) -> None:
+        for s in list(self.running) + list(self.waiting):
+            self._finish(s, FinishReason.ABORT, error)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Step until `stop` is set; then finish in-flight work within the grace period
+        (no new claims) and abort whatever is left with ABORT/BACKEND_SHUTDOWN."""
+        idle = 0
+        while not stop.is_set():
+            if self.step():
+                idle = 0
+            else:
+                # Back off from 50 us to idle_sleep_max_s so a quiet ring costs little CPU.
+                idle += 1
+                time.sleep(min(self.config.idle_sleep_max_s, 50e-6 * idle))
+        self.admitting = False
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while self.has_work() and time.monotonic() < deadline:
+            if not self.step():
+                time.sleep(0.0005)
+        self.abort_all(ErrorCode.BACKEND_SHUTDOWN)

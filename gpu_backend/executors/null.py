@@ -1,0 +1,58 @@
+"""The null executor: the full engine (intake, policy, KV bookkeeping, ring
+publishing) with no model. Output token i of a request is prompt[i % prompt_len]
+(an echo), so the control plane and the frontend can be measured and tested
+without compute.
+
+    ring -> Engine (engine.py) -> EchoRunner.run (no tensors) -> tokens -> ring
+"""
+from __future__ import annotations
+
+import threading
+
+from shared_layout import Ring
+
+from ..engine import Engine, EngineConfig, StepBatch
+from ..intake import IntakeConfig
+from ..policy import PolicyConfig, blocks_needed
+from . import ExecutorOptions
+
+NULL_VOCAB_SIZE = 49152
+NULL_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_PREFILL_TOKENS = 1 << 20
+
+
+class EchoRunner:
+    """Runner with no compute: the next token echoes the prompt."""
+
+    def run(self, batch: StepBatch) -> list[int]:
+        return [c.seq.prompt[len(c.seq.output) % len(c.seq.prompt)] for c in batch.chunks if c.sample]
+
+
+class NullExecutor:
+    name = "null"
+
+    def __init__(self, options: ExecutorOptions):
+        self.vocab_size = NULL_VOCAB_SIZE
+        self.max_model_len = min(options.max_model_len or NULL_MAX_MODEL_LEN, NULL_MAX_MODEL_LEN)
+        self.options = options
+        bs = options.block_size
+        max_batch = options.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        self.policy = PolicyConfig(max_batch_size=max_batch,
+                                   max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+                                   block_size=bs)
+        # Bookkeeping only (no tensors): room for a full context in every seat.
+        self.num_blocks = max_batch * blocks_needed(self.max_model_len, bs)
+
+    def serve(self, ring: Ring, stop: threading.Event) -> None:
+        engine = Engine(ring, EchoRunner(),
+                        EngineConfig(self.policy, self.num_blocks, shutdown_grace_s=self.options.shutdown_grace_s),
+                        IntakeConfig(self.vocab_size, self.max_model_len, eos_ids=()),
+                        scenario=self.options.scenario(self.policy))
+        try:
+            engine.serve(stop)
+        finally:
+            self.options.save_scenario(engine.scenario)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,78 @@
+"""Intake: pending ring slots -> validated, claimed Sequences (or slots ended with an error).
+
+    ring: PREFILL_PENDING slots, lowest seq first (BackendPort.pending)
+      -> claim (PREFILL_PROCESSING, t_picked_ns stamped)
+      -> checks: frontend epoch, cancel flag, shared_layout.request_error
+         (offsets, lengths, parameters), prompt_len < max_model_len, every
+         prompt token id < vocab
+      -> Sequence with the prompt copied out of the arena, or the slot
+         completed at once (ABORT / ERROR with its ErrorCode).
+
+Every number read from a slot is range-checked before it indexes anything, so
+a corrupted slot ends with an error and never touches memory outside the ring.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from shared_layout import BackendPort, ErrorCode, FinishReason, Ring, request_error
+from shared_layout.layout import FLAG_HAS_SEED, FLAG_IGNORE_EOS, MAX_STOP_IDS
+
+from .sequence import SamplingParams, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class IntakeConfig:
+    vocab_size: int
+    max_model_len: int             # prompt + output tokens at most
+    eos_ids: tuple[int, ...] = ()
+
+
+class Intake:
+    def __init__(self, ring: Ring, port: BackendPort, config: IntakeConfig):
+        self.ring, self.port, self.config = ring, port, config
+
+    def scan(self) -> list[Sequence]:
+        """Claim every pending slot; return the valid ones as Sequences, in FCFS order."""
+        pending = self.port.pending()
+        if pending.size == 0:
+            return []
+        frontend_epoch = self.ring.get("frontend_epoch")
+        out = []
+        for slot in pending.tolist():
+            self.port.claim(slot)
+            seq, finish, error = self._read(slot, frontend_epoch)
+            if seq is None:
+                self.port.complete(slot, finish, error)
+            else:
+                out.append(seq)
+        return out
+
+    def _read(self, slot: int, frontend_epoch: int) -> tuple[Sequence | None, FinishReason, ErrorCode]:
+        r = self.ring.slots[slot]
+        if int(r["epoch"]) != frontend_epoch:
+            return None, FinishReason.ABORT, ErrorCode.STALE_EPOCH
+        if int(r["cancel"]):
+            return None, FinishReason.ABORT, ErrorCode.NONE
+        err = request_error(self.ring.geom, r)
+        if err != ErrorCode.NONE:
+            return None, FinishReason.ERROR, err
+        plen, poff = int(r["prompt_len"]), int(r["prompt_offset"])
+        if plen >= self.config.max_model_len:
+            return None, FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG
+        prompt = self.ring.prompt_arena[poff:poff + plen]      # bounds checked by request_error
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.config.vocab_size:
+            return None, FinishReason.ERROR, ErrorCode.INVALID_TOKEN
+        flags = int(r["flags"])
+        params = SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
+                                top_k=int(r["top_k"]),
+                                seed=int(r["seed"]) if flags & FLAG_HAS_SEED else None)
+        stop = {int(t) for t in r["stop_ids"][:min(int(r["n_stop_ids"]), MAX_STOP_IDS)]}
+        if not flags & FLAG_IGNORE_EOS:
+            stop.update(self.config.eos_ids)
+        return Sequence(slot=slot, seq=int(r["seq"]), epoch=int(r["epoch"]),
+                        prompt=np.asarray(prompt, np.int64).tolist(), max_tokens=int(r["max_tokens"]),
+                        params=params, stop_ids=frozenset(stop),
+                        max_len=self.config.max_model_len), FinishReason.NONE, ErrorCode.NONE

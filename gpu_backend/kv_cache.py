@@ -1,0 +1,80 @@
+"""The paged KV cache: block bookkeeping (BlockAllocator) and the pool tensors (KVPool).
+
+    memory budget -> num_blocks (blocks_for_budget) -> BlockAllocator (which
+    blocks are free; per-request block tables live on the engine's Sequence)
+    -> KVPool tensors [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    that paged_attention.py writes and reads through the block tables.
+
+The allocator separates checking from committing (`can_allocate` / `allocate`)
+and is integer-only, so the engine and the policy agree on `free_count`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, dtype_bytes: int) -> int:
+    """How many KV blocks (K and V, every layer) fit in `budget_bytes`."""
+    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+    return budget_bytes // block_bytes
+
+
+class BlockAllocator:
+    """Free list over block ids 0..num_blocks-1; LIFO so recently freed blocks are reused first."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out 0, 1, 2, ...
+        self._used = bytearray(num_blocks)                   # 1 where allocated
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` block ids; MemoryError (nothing taken) when fewer are free."""
+        if not self.can_allocate(n):
+            raise MemoryError(f"{n} KV blocks asked, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._used[b] = 1
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        """Give blocks back; a block that is not allocated raises ValueError (double free)."""
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or not self._used[b]:
+                raise ValueError(f"KV block {b} freed but not allocated")
+        for b in reversed(blocks):
+            self._used[b] = 0
+            self._free.append(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVPool:
+    """K and V storage of every layer, addressed by (block, offset in block)."""
+
+    def __init__(self, config: KVCacheConfig, dtype=None, device=None):
+        import torch
+        self.config = config
+        shape = (config.num_layers, config.num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, blocks, bs, kv, D]
+        self.v = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, blocks, bs, kv, D]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
