@@ -61,10 +61,11 @@ def prepare_default_model() -> pathlib.Path:
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             os.rename(tmp, target)
-        except OSError:
+        except OSError as e:
             # Another process renamed its copy first (target now a non-empty dir): use theirs.
             if not _is_complete(target):
-                raise
+                raise RuntimeError(f"cannot place the default model at {target} ({e}); if that "
+                                   "folder is a broken leftover, delete it and start again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
