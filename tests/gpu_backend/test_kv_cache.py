@@ -1,0 +1,48 @@
+"""kv_cache: block allocator bookkeeping and pool sizing."""
+import pytest
+
+from gpu_backend.kv_cache import BlockAllocator, KVCacheConfig, KVPool, blocks_for_budget
+
+
+def test_allocate_and_free():
+    a = BlockAllocator(8)
+    assert a.free_count == 8 and a.can_allocate(8) and not a.can_allocate(9)
+    x = a.allocate(3)
+    assert x == [0, 1, 2] and a.free_count == 5
+    y = a.allocate(5)
+    assert sorted(x + y) == list(range(8)) and a.free_count == 0
+    with pytest.raises(MemoryError):
+        a.allocate(1)
+    assert a.free_count == 0
+    a.free(x)
+    assert a.free_count == 3
+    assert a.allocate(3) == x                      # LIFO: the freed blocks come back first
+    a.free(x)
+    a.free(y)
+    assert a.free_count == 8
+
+
+def test_double_free_and_foreign_blocks_are_rejected():
+    a = BlockAllocator(4)
+    x = a.allocate(2)
+    a.free(x)
+    with pytest.raises(ValueError):
+        a.free(x)
+    with pytest.raises(ValueError):
+        a.free([99])
+    assert a.free_count == 4
+
+
+def test_failed_allocation_takes_nothing():
+    a = BlockAllocator(4)
+    a.allocate(3)
+    with pytest.raises(MemoryError):
+        a.allocate(2)
+    assert a.free_count == 1
+
+
+def test_pool_sizing_from_budget():
+    # SmolLM2: 30 layers x 3 kv heads x 64 dims, fp32, block 16: 2*30*16*3*64*4 = 737280 B per block
+    assert blocks_for_budget(1024 * 1024 * 1024, 30, 3, 64, 16, 4) == 1456
+    pool = KVPool(KVCacheConfig(num_blocks=5, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8))
+    assert tuple(pool.k.shape) == (2, 5, 4, 2, 8) and pool.nbytes == 2 * 2 * 5 * 4 * 2 * 8 * 4
