@@ -18,7 +18,7 @@ DEFAULT_PORT = 8000
 
 def cache_dir() -> pathlib.Path:
     """${BLINK_CACHE_DIR:-~/.cache/blink}: where prepared models live."""
-    return pathlib.Path(os.environ.get("BLINK_CACHE_DIR") or pathlib.Path.home() / ".cache" / "blink")
+    return pathlib.Path(os.environ.get("BLINK_CACHE_DIR") or "~/.cache/blink").expanduser()
 
 
 def default_model_dir() -> pathlib.Path:

@@ -539,6 +539,12 @@ def models_body(model: str, max_model_len: int | None, created: int | None = Non
 
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+loads = json.loads
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, UTF-8 text kept as is (what the chunks and bodies are written with)."""
+    return _dumps(obj)
 
 
 def sse(obj: dict) -> bytes:

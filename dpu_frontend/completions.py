@@ -1,0 +1,277 @@
+"""The two generation endpoints: /v1/completions and /v1/chat/completions.
+
+    body -> parse_* (openai_api) -> prompt ids (chat template, tokenizer; off the loop
+    when long) -> max_tokens resolved against the context -> RingClient.submit
+    -> RequestHandle batches -> Detokenizer deltas -> SSE chunks | one JSON body
+
+A stop string or an EOS / stop-id token seen here ends the reply at once and
+cancels the handle, so the daemon stops generating within a step. A client that
+goes away (write fails, or aiohttp cancels the handler) cancels the handle too:
+its slot comes back as soon as the daemon completes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from aiohttp import web
+
+from shared_layout import now_ns
+
+from . import openai_api as api
+from .metrics import FrontendMetrics
+from .openai_api import ApiError, ChatRequest, CompletionRequest
+from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
+                          RingClient, SamplingParams)
+from .tokenizer import ChatTemplateError, ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """What differs between the two endpoints' replies."""
+    name: str                # metrics label
+    id_prefix: str           # cmpl / chatcmpl
+    chunk_object: str        # text_completion / chat.completion.chunk
+    chat: bool
+
+
+COMPLETIONS = Endpoint("completions", "cmpl", "text_completion", False)
+CHAT = Endpoint("chat", "chatcmpl", "chat.completion.chunk", True)
+
+
+@dataclasses.dataclass
+class Generation:
+    """Everything the HTTP layer needs for one request after validation."""
+    endpoint: Endpoint
+    request: CompletionRequest | ChatRequest
+    prompt_ids: list[int]
+    rid: str
+    created: int
+    t_arrival_ns: int
+
+
+class GenerationService:
+    """Turns validated requests into ring submissions and replies; one per app."""
+
+    def __init__(self, client: RingClient, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
+                 served_model: str, queue_timeout_s: float, max_tokens_default: int | None,
+                 max_stop_strings: int = 32):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model = served_model
+        self.queue_timeout_s = queue_timeout_s
+        self.max_tokens_default = max_tokens_default
+        self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings)
+
+    # -- request preparation ---------------------------------------------------
+    async def prepare(self, endpoint: Endpoint, body, request_id_header: str | None,
+                      t_arrival_ns: int) -> Generation:
+        if endpoint.chat:
+            req = api.parse_chat(body, self.limits)
+        else:
+            req = api.parse_completion(body, self.limits)
+        t0 = time.perf_counter()
+        prompt_ids = await self._prompt_ids(req)
+        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        if not prompt_ids:
+            raise api.bad_request("the prompt is empty after tokenization", "messages" if endpoint.chat else "prompt")
+        return Generation(endpoint, req, prompt_ids, api.request_id(endpoint.id_prefix, request_id_header),
+                          int(time.time()), t_arrival_ns)
+
+    async def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(req, CompletionRequest):
+            if isinstance(req.prompt, tuple):
+                return list(req.prompt)
+            return await tok.encode_async(req.prompt, req.add_special_tokens)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            text = tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
+                                   **dict(req.chat_template_kwargs))
+        except ChatTemplateError as e:
+            raise api.bad_request(str(e), "messages") from None
+        return await tok.encode_async(text, req.add_special_tokens)
+
+    async def submit(self, gen: Generation) -> RequestHandle:
+        s = gen.request.sampling
+        max_len = self.client.model_max_len
+        if not max_len:
+            health = self.client.health()
+            raise ApiError(503, f"backend not ready: {health.message or health.status}", retry_after_s=1.0)
+        param = "max_completion_tokens" if gen.endpoint.chat else "max_tokens"
+        default = self.max_tokens_default
+        if default is None and not gen.endpoint.chat:
+            default = api.COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = api.resolve_max_tokens(s.max_tokens, len(gen.prompt_ids), max_len, default, param)
+        params = SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids)
+        try:
+            return await self.client.submit(gen.prompt_ids, params, self.queue_timeout_s)
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}", retry_after_s=e.retry_after_s) from None
+        except BackendUnavailable as e:
+            raise ApiError(503, f"backend unavailable: {e}", retry_after_s=1.0) from None
+        except PromptTooLong as e:
+            raise api.bad_request(str(e), "prompt") from None
+        except InvalidRequest as e:
+            raise api.bad_request(str(e)) from None
+
+    # -- replies ------------------------------------------------------------------
+    def _detokenizer(self, gen: Generation):
+        s = gen.request.sampling
+        return self.tokenizer.detokenizer(ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids, stop=s.stop,
+                                          include_stop_str_in_output=s.include_stop_str_in_output,
+                                          skip_special_tokens=s.skip_special_tokens)
+
+    async def respond(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
+        """Stream or collect the reply; always leaves the handle finished or cancelled."""
+        try:
+            if gen.request.stream.stream:
+                return await self._stream(request, gen, handle)
+            return await self._collect(gen, handle)
+        finally:
+            if not handle.finished:
+                handle.cancel()   # client gone or an error here: the daemon stops and the slot comes back
+
+    async def _collect(self, gen: Generation, handle: RequestHandle) -> web.Response:
+        detok = self._detokenizer(gen)
+        t_first = None
+        async for batch in handle:
+            if t_first is None:
+                t_first = now_ns()
+            detok.feed(batch)
+            if detok.finished:
+                break
+        finish, stop_reason = self._finish(detok, handle)
+        if finish == "error":
+            self._observe(gen, "error", t_first, detok.tokens_seen)
+            err = ApiError(500, f"generation failed: {handle.error or 'backend error'}")
+            return web.json_response(err.body(), status=err.status, dumps=api.dumps)
+        text = detok.text + detok.flush()
+        usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
+        build = api.chat_body if gen.endpoint.chat else api.completion_body
+        body = build(gen.rid, gen.created, self.model, text, finish, stop_reason, usage)
+        self._observe(gen, finish, t_first, detok.tokens_seen)
+        return web.json_response(body, dumps=api.dumps)
+
+    async def _stream(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
+        ep, opts = gen.endpoint, gen.request.stream
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        detok = self._detokenizer(gen)
+        t_first = None
+        n_prompt = len(gen.prompt_ids)
+        chunk = api.chat_chunk if ep.chat else api.completion_chunk
+        outcome = "client_disconnect"
+        finish = None
+        try:
+            await resp.prepare(request)
+            async for batch in handle:
+                delta = detok.feed(batch)
+                last = delta.finished or handle.finished
+                finish = stop_reason = None
+                text = delta.text
+                if last:
+                    text += detok.flush()
+                    finish, stop_reason = self._finish(detok, handle)
+                    if finish == "error":
+                        break
+                usage = api.usage(n_prompt, detok.tokens_seen) if opts.continuous_usage else None
+                out = b""
+                if t_first is None:
+                    t_first = now_ns()
+                    if ep.chat:   # the first chat chunk carries the role
+                        out += api.sse(chunk(gen.rid, gen.created, self.model, {"role": "assistant", "content": ""},
+                                             usage_=usage))
+                payload = ({"content": text} if text or not last else {}) if ep.chat else text
+                out += api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage))
+                await resp.write(out)
+                if last:
+                    break
+            else:
+                # The handle ended after its last batch had been sent: close with the finish reason.
+                text = detok.flush()
+                finish, stop_reason = self._finish(detok, handle)
+                if finish != "error":
+                    payload = ({"content": text} if text else {}) if ep.chat else text
+                    usage = api.usage(n_prompt, detok.tokens_seen) if opts.continuous_usage else None
+                    await resp.write(api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason,
+                                                   usage)))
+            if finish == "error":
+                err = ApiError(500, f"generation failed: {handle.error or 'backend error'}")
+                await resp.write(api.sse(err.body()))
+            if opts.include_usage:
+                await resp.write(api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
+                                                         api.usage(n_prompt, detok.tokens_seen))))
+            await resp.write(api.SSE_DONE)
+            outcome = finish
+            await resp.write_eof()
+        except ConnectionError:
+            pass   # the client went away mid-stream; `respond` cancels the handle
+        except Exception as e:
+            if not resp.prepared:
+                raise   # nothing sent yet: the error middleware answers with a 500
+            # Headers are out: end the stream with an error event instead of a broken body.
+            log.error("unhandled %s while streaming %s", type(e).__name__, gen.rid,
+                      exc_info=(type(e), None, e.__traceback__))
+            outcome = "internal_error"
+            err = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
+            try:
+                await resp.write(api.sse(err.body()) + api.SSE_DONE)
+            except ConnectionError:
+                pass
+        self._observe(gen, outcome, t_first, detok.tokens_seen)
+        return resp
+
+    @staticmethod
+    def _finish(detok, handle: RequestHandle) -> tuple[str, int | str | None]:
+        """finish_reason and vLLM's stop_reason (matched stop string / stop token id, None for EOS)."""
+        if detok.finished:
+            return "stop", detok.stop_reason
+        reason = handle.finish_reason or "abort"
+        return reason, None
+
+    def _observe(self, gen: Generation, outcome: str, t_first_ns: int | None, n_tokens: int) -> None:
+        m = self.metrics
+        m.outcome(gen.endpoint.name, outcome)
+        m.prompt_tokens.inc(by=len(gen.prompt_ids))
+        m.generation_tokens.inc(by=n_tokens)
+        now = now_ns()
+        m.e2e.observe((now - gen.t_arrival_ns) / 1e9)
+        if t_first_ns is not None:
+            m.ttft.observe((t_first_ns - gen.t_arrival_ns) / 1e9)
+            if n_tokens > 1:
+                m.tpot.observe((now - t_first_ns) / 1e9 / (n_tokens - 1))
+
+
+async def read_json(request: web.Request):
+    """The body as JSON, or a 400 that says why not."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(413, f"request body too large ({e.text})") from None
+    if not raw.strip():
+        raise api.bad_request("request body is empty; expected a JSON object")
+    try:
+        return api.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise api.bad_request(f"malformed JSON body: {e}") from None
+
+
+async def handle_generation(request: web.Request, service: GenerationService, endpoint: Endpoint):
+    t_arrival = now_ns()
+    body = await read_json(request)
+    gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival)
+    handle = await service.submit(gen)
+    try:
+        return await service.respond(request, gen, handle)
+    except asyncio.CancelledError:
+        service.metrics.outcome(endpoint.name, "client_disconnect")
+        raise

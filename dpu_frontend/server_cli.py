@@ -1,0 +1,71 @@
+"""`blink frontend`: the OpenAI-compatible HTTP/SSE server over a ring.
+
+    flags -> FrontendConfig -> create_app (tokenizer loaded, ring attached or
+    awaited) -> aiohttp run_app (SIGINT/SIGTERM: stop listening, cancel what is
+    in flight, detach)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import DEFAULT_HOST, DEFAULT_PORT, FrontendConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ring", default="blink-ring", help="ring name (the /dev/shm file the daemon made)")
+    p.add_argument("--model", default="default",
+                   help="default | null | HF model folder | .gguf file: the tokenizer and chat template")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: SmolLM2-135M-Instruct for the default model, "
+                        "else the folder or file name)")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
+    p.add_argument("--queue-timeout-s", type=float, default=30.0,
+                   help="longest wait for a free slot before 429 with Retry-After")
+    p.add_argument("--max-tokens-default", type=int, default=None,
+                   help="output budget when a request gives none (default: 16 for completions, "
+                        "the rest of the context for chat)")
+    p.add_argument("--startup-timeout-s", type=float, default=30.0,
+                   help="wait this long for a READY backend at start, then serve 503 until it comes")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
+                   help="backend heartbeat older than this makes /health 503")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        ring_name=args.ring, model=args.model, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
+        max_tokens_default=args.max_tokens_default, startup_timeout_s=args.startup_timeout_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from aiohttp import web
+
+    from shared_layout.shm import shm_path
+
+    from .app import create_app
+    from .tokenizer import TokenizerError
+    try:
+        shm_path(args.ring)
+        config = config_from_args(args)
+        app = create_app(config)
+    except (TokenizerError, ValueError) as e:
+        print(f"blink frontend: {e}", file=sys.stderr)
+        return 2
+    try:
+        web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
+                    access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
+                    print=lambda _: logging.getLogger(__name__).info(
+                        "serving %s on http://%s:%d (ring %s)", config.served_name(), config.host,
+                        config.port, config.ring_name))
+    except OSError as e:
+        print(f"blink frontend: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
