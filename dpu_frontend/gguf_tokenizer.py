@@ -9,13 +9,15 @@ DPU) imports this. Only GPT-2-style byte-level BPE vocabularies
 """
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from typing import Any
 
-import gguf
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-# llama.cpp token types (llama_token_type / gguf.TokenType).
+# llama.cpp token types (llama_token_type; gguf.TokenType).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 # Split regexes llama.cpp's llama-vocab.cpp applies per tokenizer.ggml.pre, ahead of
@@ -35,18 +37,77 @@ class GGUFTokenizerError(ValueError):
     """The file is not a GGUF, or its vocabulary is of a kind this builder does not handle."""
 
 
-def _reader(path: str | os.PathLike) -> gguf.GGUFReader:
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?",
+          10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (v2/v3, little-endian); tensors are not touched.
+
+    A plain sequential parse, far faster than gguf.GGUFReader, which also indexes
+    every element of the ~100k vocabulary strings (a DPU's ARM cores feel that).
+    """
     if not os.path.isfile(path):
         raise GGUFTokenizerError(f"GGUF file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError/struct.error/... on junk
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise GGUFTokenizerError(f"{path}: unreadable ({e})") from None
+    try:
+        return _parse_metadata(data)
+    except (struct.error, ValueError, KeyError, UnicodeDecodeError, IndexError) as e:
         raise GGUFTokenizerError(f"{path}: not a readable GGUF file ({e})") from None
+    finally:
+        data.close()
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _parse_metadata(data: mmap.mmap) -> dict[str, Any]:
+    if data[:4] != b"GGUF":
+        raise ValueError("bad magic")
+    version, _tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (only little-endian v2/v3 are supported)")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + n
+        if pos > len(data):
+            raise ValueError("a string runs past the end of the file")
+        return data[pos - n:pos].decode("utf-8")
+
+    def value(kind: int) -> Any:
+        nonlocal pos
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            elem, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if elem == _STRING:
+                return [string() for _ in range(count)]
+            if elem == _ARRAY:
+                return [value(_ARRAY) for _ in range(count)]
+            dtype = np.dtype(_NUMPY[elem])
+            out = np.frombuffer(data, dtype=dtype, count=count, offset=pos).tolist()
+            pos += count * dtype.itemsize
+            return out
+        fmt = _SCALARS[kind]
+        (v,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return v
+
+    meta: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        meta[key] = value(kind)
+    return meta
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -64,32 +125,32 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                              f"(supported: {', '.join(SUPPORTED_PRE)})")
 
 
-def _meta(reader: gguf.GGUFReader) -> dict[str, Any]:
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+def _meta(kv: dict[str, Any]) -> dict[str, Any]:
+    tokens = kv.get("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFTokenizerError("GGUF file carries no tokenizer (tokenizer.ggml.tokens missing)")
 
     def token_id(key: str) -> int | None:
-        value = _field(reader, key)
+        value = kv.get(key)
         return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
 
-    arch = _field(reader, "general.architecture", "llama")
+    arch = kv.get("general.architecture", "llama")
     ids = {k: token_id(f"tokenizer.ggml.{k}") for k in
            ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id")}
     return {
-        "model": _field(reader, "tokenizer.ggml.model"),
-        "pre": _field(reader, "tokenizer.ggml.pre", "default"),
+        "model": kv.get("tokenizer.ggml.model"),
+        "pre": kv.get("tokenizer.ggml.pre", "default"),
         "vocab_size": len(tokens),
         **ids,
         "bos_token": None if ids["bos_token_id"] is None else tokens[ids["bos_token_id"]],
         "eos_token": None if ids["eos_token_id"] is None else tokens[ids["eos_token_id"]],
         "unk_token": None if ids["unknown_token_id"] is None else tokens[ids["unknown_token_id"]],
         "pad_token": None if ids["padding_token_id"] is None else tokens[ids["padding_token_id"]],
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-        "context_length": _field(reader, f"{arch}.context_length"),
-        "name": _field(reader, "general.name"),
+        "add_bos_token": bool(kv.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(kv.get("tokenizer.ggml.add_eos_token", False)),
+        "chat_template": kv.get("tokenizer.chat_template"),
+        "context_length": kv.get(f"{arch}.context_length"),
+        "name": kv.get("general.name"),
     }
 
 
@@ -100,18 +161,18 @@ def gguf_tokenizer_meta(path: str | os.PathLike) -> dict[str, Any]:
     padding_token_id, eot_token_id, bos_token, eos_token, unk_token, pad_token,
     add_bos_token, add_eos_token, chat_template, context_length, name (None when absent).
     """
-    return _meta(_reader(path))
+    return _meta(read_gguf_metadata(path))
 
 
-def tokenizer_from_reader(reader: gguf.GGUFReader) -> Tokenizer:
-    """As tokenizer_from_gguf, from an already opened reader (the model loader shares one)."""
-    meta = _meta(reader)
+def tokenizer_from_metadata(kv: dict[str, Any]) -> Tokenizer:
+    """As tokenizer_from_gguf, from what read_gguf_metadata returned."""
+    meta = _meta(kv)
     if meta["model"] != "gpt2":
         raise GGUFTokenizerError(f"unsupported tokenizer.ggml.model {meta['model']!r}: "
                                  "only byte-level BPE ('gpt2') vocabularies are supported")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+    tokens: list[str] = kv.get("tokenizer.ggml.tokens")
+    token_types: list[int] = kv.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    merges: list[str] = kv.get("tokenizer.ggml.merges") or []
     if len(token_types) != len(tokens):
         raise GGUFTokenizerError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
     pairs = []
@@ -142,4 +203,4 @@ def tokenizer_from_reader(reader: gguf.GGUFReader) -> Tokenizer:
 
 def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
     """The byte-level BPE tokenizer a GGUF file carries, as a `tokenizers.Tokenizer`."""
-    return tokenizer_from_reader(_reader(path))
+    return tokenizer_from_metadata(read_gguf_metadata(path))

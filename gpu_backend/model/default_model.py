@@ -94,7 +94,7 @@ def write_hf_folder_from_gguf(gguf_path: pathlib.Path, folder: pathlib.Path) -> 
     tokenizer_config.json from one GGUF file."""
     from safetensors.torch import save_file
 
-    from dpu_frontend.gguf_tokenizer import gguf_tokenizer_meta, tokenizer_from_reader
+    from dpu_frontend.gguf_tokenizer import gguf_tokenizer_meta, tokenizer_from_gguf
 
     from .gguf_weights import config_from_gguf, open_gguf, state_dict_from_gguf
 
@@ -103,7 +103,7 @@ def write_hf_folder_from_gguf(gguf_path: pathlib.Path, folder: pathlib.Path) -> 
     tensors = state_dict_from_gguf(reader, config)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / _WEIGHTS_FILE),
               metadata={"format": "pt", "source": gguf_path.name})
-    tokenizer_from_reader(reader).save(str(folder / "tokenizer.json"))
+    tokenizer_from_gguf(gguf_path).save(str(folder / "tokenizer.json"))
     meta = gguf_tokenizer_meta(gguf_path)
 
     def dump(name: str, obj: dict) -> None:

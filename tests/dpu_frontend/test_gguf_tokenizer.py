@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, tokenizer_from_gguf
+from dpu_frontend.gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, read_gguf_metadata, tokenizer_from_gguf
 
 CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
           "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -66,6 +66,33 @@ _TEXT = st.text(st.characters(max_codepoint=0x3FFFF, blacklist_categories=("Cs",
 @given(_TEXT)
 def test_any_text_round_trips(smollm, text):
     assert smollm.decode(smollm.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_metadata_reader_agrees_with_gguf_package(tmp_path):
+    path = smollm_gguf()
+    reference = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    assert read_gguf_metadata(path) == reference
+    writer = gguf.GGUFWriter(str(tmp_path / "kinds.gguf"), "llama")
+    writer.add_float32("x.f32", 0.5)
+    writer.add_float64("x.f64", -2.25)
+    writer.add_bool("x.bool", True)
+    writer.add_int64("x.i64", -(2 ** 40))
+    writer.add_uint8("x.u8", 200)
+    writer.add_array("x.ints", [1, -2, 3])
+    writer.add_array("x.floats", [0.25, 1.5])
+    writer.add_array("x.strs", ["a", "é", ""])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    kv = read_gguf_metadata(tmp_path / "kinds.gguf")
+    assert kv == {"general.architecture": "llama", "x.f32": 0.5, "x.f64": -2.25, "x.bool": True,
+                  "x.i64": -(2 ** 40), "x.u8": 200, "x.ints": [1, -2, 3], "x.floats": [0.25, 1.5],
+                  "x.strs": ["a", "é", ""]}
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(GGUFTokenizerError, match="not a readable GGUF"):
+        read_gguf_metadata(truncated)
 
 
 def test_meta(smollm):
