@@ -7,7 +7,9 @@ config.py (ModelConfig) -> llama.py (LlamaModel) -> attention.py (where K/V live
 from .attention import AttentionBackend, DenseCausalAttention
 from .config import ModelConfig, tiny_config
 from .llama import LlamaModel
+from .loader import LoadedModel, ModelLoadError, default_model_dir, load_model, prepare_default_model
 from .reference import greedy_generate
 
-__all__ = ["AttentionBackend", "DenseCausalAttention", "ModelConfig", "tiny_config",
-           "LlamaModel", "greedy_generate"]
+__all__ = ["AttentionBackend", "DenseCausalAttention", "ModelConfig", "tiny_config", "LlamaModel",
+           "greedy_generate", "LoadedModel", "ModelLoadError", "load_model", "default_model_dir",
+           "prepare_default_model"]

@@ -31,16 +31,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     the queries being the last Tq of the Tk positions. Returns [Tq, num_heads, head_dim].
     """
     tq, tk = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)                                     # [H, Tq, D]
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)    # [H, Tk, D]
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)    # [H, Tk, D]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, T, D]
     if tq == tk:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         # Query i sits at absolute position tk - tq + i: bottom-right aligned causal mask.
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)  # [Tq, Tk]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out.transpose(0, 1)                                 # [Tq, H, D]
 
 
