@@ -183,7 +183,11 @@ def tokenizer_from_metadata(kv: dict[str, Any]) -> Tokenizer:
         pairs.append((left, right))
 
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    # Llama 3 looks a whole pre-token up in the vocabulary before merging (llama.cpp's
+    # ignore_merges; HF's tokenizer.json says the same).
+    ignore_merges = meta["pre"] in ("llama-bpe", "llama3")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=ignore_merges))
     tokenizer.pre_tokenizer = _pre_tokenizer(meta["pre"])
     tokenizer.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|im_end|>, ...) match verbatim in text and are
