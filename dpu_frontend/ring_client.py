@@ -67,7 +67,7 @@ class RingClientConfig:
     max_queue: int = 1024                # requests waiting for a slot; beyond: QueueFull at once
     max_buffered_tokens: int = 16384     # per handle; a consumer this far behind is cancelled
     reattach_interval_s: float = 0.25    # retry opening the ring this often while detached
-    stale_check_interval_s: float = 0.5  # how often to ask whether the ring file was replaced
+    stale_check_interval_s: float = 0.1  # how often to ask whether the ring file was replaced
     recent_requests: int = 256           # finished requests kept for stats()
     reader: ReaderConfig = ReaderConfig()
 
@@ -110,6 +110,7 @@ class RingClient:
         self._lost = False   # the backend's heartbeat is stale and in-flight requests were failed
         # counters for stats()
         self._submitted = 0
+        self._attaches = 0
         self._tokens = 0
         self._finished: collections.Counter[str] = collections.Counter()
         self._recent: collections.deque[dict] = collections.deque(maxlen=config.recent_requests)
@@ -181,6 +182,7 @@ class RingClient:
             "prompt_arena_free_tokens": s.prompts.free_tokens if s else 0,
             "output_arena_free_tokens": s.outputs.free_tokens if s else 0,
             "frontend_epoch": s.epoch if s else 0,
+            "attach_total": self._attaches,
             "backend": dataclasses.asdict(h),
             "submitted_total": self._submitted,
             "finished_total": dict(self._finished),
@@ -398,6 +400,7 @@ class RingClient:
             self._down_message = f"ring unavailable: {e}"
             return
         self._session = session
+        self._attaches += 1
         self._health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
         self._reader = TokenReader(session, self._health, self.config.reader)
         self._lost = False

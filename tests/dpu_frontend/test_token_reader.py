@@ -1,0 +1,240 @@
+"""RingSession + TokenReader over a real shm ring; this test plays the backend with BackendPort."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dpu_frontend.backend_health import HealthMonitor
+from dpu_frontend.request_handle import RequestHandle
+from dpu_frontend.ring_session import RingSession
+from dpu_frontend.token_reader import ReaderConfig, TokenReader, finish_of
+from dpu_frontend.transport import ShmTransport
+from shared_layout import (BackendPort, BackendStatus, ErrorCode, FinishReason, FrontendPort, Ring,
+                           RingGeometry, SlotRequest, SlotState)
+from shared_layout.shm import ShmRegion
+
+GEOM = RingGeometry(8, 512, 512)
+
+
+class Rig:
+    """A ring in /dev/shm, the backend's port on it, and the frontend's session and reader."""
+
+    def __init__(self, ring_name, config=ReaderConfig(), prepare=None):
+        self.region = ShmRegion.create(ring_name, GEOM.total_size)
+        self.ring = Ring.create(self.region.buf, GEOM)
+        self.be = BackendPort(self.ring)
+        self.ring.set("backend_status", BackendStatus.READY)
+        self.be.beat()
+        if prepare:
+            prepare(self)
+        self.session = RingSession.attach(ShmTransport.open(ring_name))
+        self.health = HealthMonitor(2.0, True)
+        self.reader = TokenReader(self.session, self.health, config)
+        self.cancels = []
+
+    def submit(self, prompt, max_tokens, stops=(), extra_stops=(), max_buffered=1000):
+        s = self.session
+        f = s.reserve(len(prompt), max_tokens)
+        writes = s.submission(f, np.array(prompt, np.int32), temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                              ignore_eos=False, stop_ids=tuple(stops), t_submit_ns=1)
+        s.transport.write_batch(writes)
+        f.handle = RequestHandle(seq=f.seq, slot=f.slot, prompt_tokens=len(prompt), max_tokens=max_tokens,
+                                 t_submit_ns=1, max_buffered_tokens=max_buffered, on_cancel=self._cancel)
+        f.extra_stops = frozenset(extra_stops)
+        self.reader.track(f)
+        return f, f.handle
+
+    def _cancel(self, h, reason, err):
+        f = self.session.flights[h.slot]
+        f.handle = None
+        self.session.write_cancels([h.slot])
+        self.cancels.append(h.slot)
+        h._end(reason, err)
+
+    def claim(self, slot):
+        assert self.ring.state[slot] == SlotState.PREFILL_PENDING
+        self.be.claim(slot)
+        self.be.move(slot, SlotState.DECODE_PROCESSING)
+
+    def drained(self, h):
+        out = list(h._pending)
+        h._pending.clear()
+        return out
+
+
+@pytest.fixture
+def rig(ring_name):
+    return Rig(ring_name)
+
+
+def test_submit_writes_a_request_the_backend_can_read(rig):
+    f, h = rig.submit([5, 6, 7], 4, stops=(9,))
+    req = rig.ring.slot_request(f.slot)
+    assert rig.ring.state[f.slot] == SlotState.PREFILL_PENDING
+    assert (req.seq, req.epoch, req.prompt_len, req.max_tokens, req.stop_ids) == (f.seq, rig.session.epoch, 3, 4, (9,))
+    assert rig.ring.prompt_arena[req.prompt_offset:req.prompt_offset + 3].tolist() == [5, 6, 7]
+    assert rig.ring.get("frontend_epoch") == rig.session.epoch == 1
+
+
+def test_tokens_flow_in_order_then_the_slot_comes_back(rig):
+    f, h = rig.submit([1, 2], 5)
+    assert not rig.reader.poll().progress
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, [10, 11])
+    assert rig.reader.poll().progress and rig.drained(h) == [10, 11]
+    rig.be.publish(f.slot, [12])
+    rig.reader.poll()
+    assert rig.drained(h) == [12] and not h.finished
+    rig.be.publish(f.slot, [13, 14])
+    rig.be.complete(f.slot, FinishReason.LENGTH)
+    res = rig.reader.poll()
+    assert res.freed == 1 and rig.drained(h) == [13, 14]
+    assert (h.finish_reason, h.error, h.completion_tokens) == ("length", None, 5)
+    assert h.t_picked_ns and h.t_first_ns and h.t_last_ns >= h.t_first_ns
+    assert rig.ring.state[f.slot] == SlotState.EMPTY
+    s = rig.session
+    assert not s.flights and s.tracker.n_free == GEOM.slot_count
+    assert s.prompts.free_tokens == GEOM.prompt_arena_tokens and s.outputs.free_tokens == GEOM.output_arena_tokens
+
+
+def test_a_request_finished_between_polls_is_read_whole(rig):
+    f, h = rig.submit([1], 3, stops=(22,))
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, [20, 21, 22])
+    rig.be.complete(f.slot, FinishReason.STOP)
+    rig.reader.poll()
+    assert rig.drained(h) == [20, 21, 22] and h.finish_reason == "stop"
+
+
+def test_never_hands_over_tokens_of_another_seq(rig):
+    f, h = rig.submit([1], 4)
+    rig.claim(f.slot)
+    # Another writer puts a different request in the slot (only a second frontend could).
+    rig.ring.slots[f.slot]["seq"] = f.seq + 100
+    rig.be.publish(f.slot, [66, 67])
+    rig.reader.poll()
+    assert rig.drained(h) == [] and h.finish_reason == "error" and "taken over" in h.error
+    rig.be.complete(f.slot, FinishReason.LENGTH)
+    rig.reader.poll()
+    assert rig.ring.state[f.slot] == SlotState.DECODE_COMPLETED   # not ours: never touched again
+
+
+def test_attach_takes_over_the_ring_from_an_earlier_frontend(ring_name):
+    old = {}
+
+    def earlier_frontend(rig):
+        rig.ring.set("frontend_epoch", 6)
+        fe = FrontendPort(rig.ring)
+        for slot, st in ((1, SlotState.DECODE_COMPLETED), (2, SlotState.DECODE_PROCESSING),
+                         (3, SlotState.PREFILL_PENDING)):
+            fe.submit(slot, SlotRequest(seq=slot, prompt_offset=0, prompt_len=1, output_offset=0, max_tokens=4,
+                                        epoch=6), np.array([1], np.int32))
+            if st != SlotState.PREFILL_PENDING:
+                rig.be.claim(slot)
+                rig.be.move(slot, SlotState.DECODE_PROCESSING)
+            if st == SlotState.DECODE_COMPLETED:
+                rig.be.complete(slot, FinishReason.LENGTH)
+        old["bytes"] = rig.ring.slots[[2, 3]].tobytes()
+
+    rig = Rig(ring_name, prepare=earlier_frontend)
+    assert rig.ring.get("frontend_epoch") == 7 == rig.session.epoch
+    assert rig.ring.state[1] == SlotState.EMPTY                      # completed leftover reset
+    assert rig.ring.slots[[2, 3]].tobytes() == old["bytes"]          # backend-owned: untouched
+    taken = [rig.session.tracker.take() for _ in range(GEOM.slot_count - 2)]
+    assert 2 not in taken and 3 not in taken and rig.session.tracker.take() is None
+    for t in taken:
+        rig.session.tracker.release(t)
+    # the daemon aborts the stale ones; the reader resets them and they become free
+    rig.be.complete(2, FinishReason.ABORT, ErrorCode.STALE_EPOCH)
+    rig.be.claim(3)
+    rig.be.complete(3, FinishReason.ABORT, ErrorCode.STALE_EPOCH)
+    assert rig.reader.poll().freed == 2
+    assert rig.ring.state[2] == rig.ring.state[3] == SlotState.EMPTY
+    assert rig.session.tracker.n_free == GEOM.slot_count
+
+
+def test_stop_ids_beyond_the_slot_are_cut_by_the_reader(rig):
+    f, h = rig.submit([1], 10, stops=tuple(range(100, 108)), extra_stops=(55,))
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, [1, 2, 55, 3])
+    rig.reader.poll()
+    assert rig.drained(h) == [1, 2, 55] and h.finish_reason == "stop" and h.completion_tokens == 3
+    assert rig.ring.cancel_flags[f.slot] == 1
+    assert rig.session.flights[f.slot].handle is None     # slot held until the daemon completes it
+    rig.be.complete(f.slot, FinishReason.ABORT)
+    rig.reader.poll()
+    assert rig.ring.state[f.slot] == SlotState.EMPTY and not rig.session.flights
+
+
+def test_a_consumer_that_stops_reading_gets_cancelled(rig):
+    f, h = rig.submit([1], 100, max_buffered=8)
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, list(range(6)))
+    rig.reader.poll()
+    assert not h.finished
+    rig.be.publish(f.slot, list(range(6)))
+    rig.reader.poll()
+    assert h.finish_reason == "error" and "stopped reading" in h.error
+    assert rig.cancels == [f.slot] and rig.ring.cancel_flags[f.slot] == 1
+
+
+@pytest.mark.parametrize("finish,code,want", [
+    (FinishReason.ERROR, ErrorCode.INVALID_TOKEN, ("error", "vocabulary")),
+    (FinishReason.ABORT, ErrorCode.BACKEND_SHUTDOWN, ("error", "shut down")),
+    (FinishReason.ABORT, ErrorCode.NONE, ("abort", None)),
+])
+def test_completion_words_map_to_finish_reasons(rig, finish, code, want):
+    f, h = rig.submit([1], 4)
+    rig.be.claim(f.slot)
+    rig.be.complete(f.slot, finish, code)
+    rig.reader.poll()
+    assert h.finish_reason == want[0]
+    assert (h.error is None) if want[1] is None else (want[1] in h.error)
+    assert finish_of(99, 0)[0] == "error"
+
+
+def test_new_slots_are_read_first_under_a_per_poll_cap(ring_name):
+    rig = Rig(ring_name, config=ReaderConfig(max_slots_per_poll=1))
+    old, ho = rig.submit([1], 50)
+    rig.claim(old.slot)
+    rig.be.publish(old.slot, [1])
+    rig.reader.poll()
+    assert rig.drained(ho) == [1]
+    new, hn = rig.submit([2], 50)
+    rig.claim(new.slot)
+    rig.be.publish(old.slot, [2])
+    rig.be.publish(new.slot, [9])
+    res = rig.reader.poll()
+    assert res.backlog and rig.drained(hn) == [9] and rig.drained(ho) == []
+    rig.reader.poll()
+    assert rig.drained(ho) == [2]
+
+
+def test_pacing(rig):
+    cfg = rig.reader.config
+    rig.reader._last_progress_s = 0.0
+    assert rig.reader.next_interval_s(None) == cfg.idle_interval_s
+    f, h = rig.submit([1], 4)                  # a submission spins the reader for its first token
+    assert rig.reader.next_interval_s(None) == 0.0
+    rig.reader._last_progress_s = 0.0
+    assert rig.reader.next_interval_s(None) == cfg.busy_interval_s
+
+
+def test_health_monitor_window_and_shared_clock():
+    hm = HealthMonitor(window_s=2.0, shares_clock=False)
+    hdr = {"backend_heartbeat": 5, "backend_heartbeat_ns": 1, "backend_epoch": 1,
+           "backend_status": BackendStatus.READY, "backend_pid": 42, "model_max_len": 100, "model_vocab_size": 7}
+    assert not hm.health(0.0).healthy and hm.heartbeat_age_s() is None
+    hm.observe(hdr, 10.0)
+    assert hm.health(11.0).healthy and hm.model_max_len == 100 and hm.vocab_size == 7
+    assert not hm.lost(11.9) and hm.lost(12.5)
+    h = hm.health(12.5)
+    assert not h.healthy and "no heartbeat" in h.message and "pid 42" in h.message
+    hm.observe(dict(hdr, backend_heartbeat=6), 12.6)
+    assert hm.health(12.7).healthy
+    hm.observe(dict(hdr, backend_heartbeat=6, backend_status=BackendStatus.STARTING), 12.8)
+    assert hm.health(12.8).message == "backend starting"
+    # one machine: a heartbeat stamped long ago is judged at once
+    hm2 = HealthMonitor(window_s=2.0, shares_clock=True)
+    hm2.observe(dict(hdr, backend_heartbeat_ns=int(1e9)), 100.0)
+    assert hm2.lost(100.0)
