@@ -122,7 +122,10 @@ def load_model(spec: str | os.PathLike = "default", dtype: torch.dtype = torch.f
                device: str | torch.device = "cpu") -> LoadedModel:
     """Load "default", an HF folder or a .gguf file; raises ModelLoadError with a clear message."""
     if str(spec) == "default":
-        path = prepare_default_model()
+        try:
+            path = prepare_default_model()
+        except (OSError, RuntimeError) as e:  # package missing, cache not writable, ...
+            raise ModelLoadError(f"cannot prepare the default model: {e}") from None
     else:
         path = pathlib.Path(spec).expanduser()
     if path.is_dir():

