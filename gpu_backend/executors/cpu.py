@@ -1,0 +1,124 @@
+"""The CPU reference executor: the engine (engine.py) with a PyTorch runner.
+
+    load_model(spec) -> LlamaModel (float32 on the CPU) + KVPool sized from
+    --kv-cache-mb -> Engine(ring, CpuRunner) -> per step:
+      StepBatch -> flat batch (single-token chunks first, then prefill chunks):
+      input_ids [T], positions [T], PagedBatch -> model.forward with
+      PagedAttention -> hidden of each sampled chunk's last token [N, hidden]
+      -> compute_logits [N, vocab] -> sampling.sample -> tokens
+
+Runs everywhere; the embedded default and what CI exercises end to end.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from shared_layout import Ring
+
+from ..engine import Engine, EngineConfig, StepBatch
+from ..intake import IntakeConfig
+from ..kv_cache import KVCacheConfig, KVPool, blocks_for_budget
+from ..model.llama import LlamaModel
+from ..paged_attention import PagedAttention, PagedBatch
+from ..policy import PolicyConfig, blocks_needed
+from ..sampling import sample
+from . import ExecutorOptions
+
+log = logging.getLogger("blink.gpu_daemon")
+
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_KV_CACHE_MB = 1024
+
+
+class CpuRunner:
+    """Runs one StepBatch through the model over the paged pool and samples."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool):
+        self.model = model
+        self.attn = PagedAttention(pool)
+        self.block_size = pool.config.block_size
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> list[int]:
+        order = sorted(range(len(batch.chunks)), key=lambda i: batch.chunks[i].num_tokens != 1)  # stable
+        ids: list[int] = []
+        positions: list[int] = []
+        last_row: dict[int, int] = {}          # chunk index -> row of its last token
+        for i in order:
+            c = batch.chunks[i]
+            ids += c.seq.token_slice(c.start, c.start + c.num_tokens)
+            positions += range(c.start, c.start + c.num_tokens)
+            last_row[i] = len(ids) - 1
+        self.attn.batch = PagedBatch.build(
+            [(batch.chunks[i].start, batch.chunks[i].num_tokens, batch.chunks[i].seq.blocks) for i in order],
+            self.block_size)
+        try:
+            hidden = self.model(torch.tensor(ids, dtype=torch.long),
+                                torch.tensor(positions, dtype=torch.long), self.attn)        # [T, hidden]
+        finally:
+            self.attn.batch = None
+        sampled = [i for i, c in enumerate(batch.chunks) if c.sample]
+        if not sampled:
+            return []
+        rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long)
+        logits = self.model.compute_logits(hidden[rows])                                    # [N, vocab]
+        return sample(logits, [batch.chunks[i].seq for i in sampled])
+
+
+class CpuExecutor:
+    name = "cpu"
+
+    def __init__(self, options: ExecutorOptions, model: LlamaModel | None = None):
+        """Load options.model (or take `model`, for tests) and size the KV pool."""
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        if model is None:
+            from ..model.loader import load_model
+            model = load_model(options.model).model
+        self.model = model
+        self.options = options
+        cfg = model.config
+        bs = options.block_size
+        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        num_blocks = blocks_for_budget((options.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 1024 * 1024,
+                                       cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs, dtype_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-mb {options.kv_cache_mb} holds no {bs}-token KV block")
+        max_len = min(options.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_len > num_blocks * bs:
+            log.warning("context capped at %d tokens: the KV pool (%d blocks of %d) holds no more",
+                        num_blocks * bs, num_blocks, bs)
+            max_len = num_blocks * bs
+        if max_len < 2:
+            raise ValueError("the context must hold at least 2 tokens")
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = max_len
+        self.eos_ids = tuple(cfg.eos_token_ids)
+        self.policy = PolicyConfig(max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+                                   max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+                                   block_size=bs)
+        self.pool = KVPool(KVCacheConfig(num_blocks, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                           dtype=model.dtype, device=model.device)
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB), context %d", num_blocks, bs,
+                 self.pool.nbytes / 2**20, max_len)
+        assert blocks_needed(max_len, bs) <= num_blocks
+
+    def engine(self, ring: Ring, scenario=None) -> Engine:
+        return Engine(ring, CpuRunner(self.model, self.pool),
+                      EngineConfig(self.policy, self.pool.config.num_blocks,
+                                   shutdown_grace_s=self.options.shutdown_grace_s),
+                      IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids), scenario=scenario)
+
+    def serve(self, ring: Ring, stop: threading.Event) -> None:
+        engine = self.engine(ring, self.options.scenario(self.policy))
+        try:
+            engine.serve(stop)
+        finally:
+            self.options.save_scenario(engine.scenario)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,114 @@
+"""PagedAttention: an AttentionBackend over the paged KV pool for a flat batch
+that mixes prefill chunks and single-token decodes of different sequences.
+
+    per step: chunks (start position, token count, block table) -> PagedBatch
+      (slot_mapping [T], decode block tables [Bd, max_blocks] + key mask,
+       prefill spans) -> attn.batch = it -> LlamaModel.forward calls
+    attn(layer, q, k, v):
+      1. write every token's k/v into its block slot (index_copy_ on the pool)
+      2. decodes (the first num_decode rows, one token each): gather K/V by
+         block table into a padded [Bd, kv_heads, L, D] batch, one SDPA call
+         with a key mask (vectorised: batch-16 decode is one kernel, not 16)
+      3. prefill spans: one SDPA per sequence over its cached blocks, causal
+         within the new chunk (bottom-right aligned)
+
+Plain PyTorch on whatever device the pool lives on; everything host-side
+(tables, masks) is built once per step, not per layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVPool
+from .model.attention import causal_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSpan:
+    token_start: int            # first row of this chunk in the flat batch
+    num_tokens: int             # rows in the chunk
+    context_len: int            # tokens cached after this step (start position + num_tokens)
+    block_table: torch.Tensor   # [blocks] int64, covering context_len
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBatch:
+    slot_mapping: torch.Tensor          # [T] int64: block * block_size + offset of each token
+    num_decode: int                     # the first num_decode rows are single-token chunks
+    decode_block_tables: torch.Tensor   # [Bd, max_blocks] int64, padded with block 0
+    decode_key_mask: torch.Tensor       # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: tuple[PrefillSpan, ...]
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int,
+              device: torch.device | str = "cpu") -> "PagedBatch":
+        """chunks: (start position, tokens, block table) in flat-batch order; the
+        single-token chunks must come first (they form the vectorised decode group)."""
+        num_decode = 0
+        while num_decode < len(chunks) and chunks[num_decode][1] == 1:
+            num_decode += 1
+        if any(n == 1 for _, n, _ in chunks[num_decode:]):
+            raise ValueError("single-token chunks must lead the batch")
+        slots: list[int] = []
+        for start, n, table in chunks:
+            for p in range(start, start + n):
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        dec = chunks[:num_decode]
+        max_blocks = max((len(t) for _, _, t in dec), default=0)
+        tables = torch.zeros((num_decode, max_blocks), dtype=torch.long)             # [Bd, max_blocks]
+        ctx = torch.empty(num_decode, dtype=torch.long)                                # [Bd]
+        for i, (start, _, table) in enumerate(dec):
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+            ctx[i] = start + 1
+        mask = torch.arange(max_blocks * block_size)[None, :] < ctx[:, None]           # [Bd, L]
+        spans, row = [], num_decode
+        for start, n, table in chunks[num_decode:]:
+            spans.append(PrefillSpan(row, n, start + n, torch.tensor(table, dtype=torch.long, device=device)))
+            row += n
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), num_decode,
+                   tables.to(device), mask[:, None, None, :].to(device), tuple(spans))
+
+
+class PagedAttention:
+    """AttentionBackend over a KVPool; set `batch` before each forward."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.block_size = pool.config.block_size
+        self.batch: PagedBatch | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.batch                                       # q: [T, H, D]; k, v: [T, KV, D]
+        kc, vc = self.pool.k[layer], self.pool.v[layer]      # [blocks, bs, KV, D]
+        kvh, d = kc.shape[2], kc.shape[3]
+        kc.view(-1, kvh, d).index_copy_(0, b.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, kvh, d).index_copy_(0, b.slot_mapping, v.to(vc.dtype))
+        out = torch.empty_like(q)                            # [T, H, D]
+        nd = b.num_decode
+        if nd:
+            out[:nd] = self._decode(q[:nd], kc, vc, b)
+        for s in b.prefills:
+            rows = slice(s.token_start, s.token_start + s.num_tokens)
+            if s.context_len == s.num_tokens:                # fresh sequence: the chunk is all its context
+                out[rows] = causal_attention(q[rows], k[rows], v[rows])
+            else:
+                keys = kc[s.block_table].reshape(-1, kvh, d)[:s.context_len]    # [ctx, KV, D]
+                vals = vc[s.block_table].reshape(-1, kvh, d)[:s.context_len]
+                out[rows] = causal_attention(q[rows], keys.to(q.dtype), vals.to(q.dtype))
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: PagedBatch) -> torch.Tensor:
+        bd, h, d = q.shape                                   # q: [Bd, H, D]
+        kvh = kc.shape[2]
+        tables = b.decode_block_tables                       # [Bd, MB]
+        keys = kc[tables].view(bd, -1, kvh, d).transpose(1, 2)     # [Bd, KV, L, D]
+        vals = vc[tables].view(bd, -1, kvh, d).transpose(1, 2)     # [Bd, KV, L, D]
+        # GQA without copying K/V per head: query heads of one KV head share a row group.
+        qg = q.view(bd, kvh, h // kvh, d)                    # [Bd, KV, G, D]
+        o = F.scaled_dot_product_attention(qg, keys.to(q.dtype), vals.to(q.dtype),
+                                           attn_mask=b.decode_key_mask)       # [Bd, KV, G, D]
+        return o.reshape(bd, h, d)
