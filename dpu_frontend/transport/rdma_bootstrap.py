@@ -217,6 +217,7 @@ def client_handshake(host: str, port: int, hello: ClientHello, timeout_s: float
     except BaseException:
         sock.close()
         raise
+    sock.setblocking(False)   # from now on only peer_closed() looks at it
     return sock, reply
 
 
@@ -232,7 +233,7 @@ def peer_closed(sock: socket.socket) -> bool:
     """True once the peer closed (or reset) the bootstrap socket; never blocks."""
     try:
         data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
+    except (BlockingIOError, InterruptedError, socket.timeout):
         return False
     except OSError:
         return True
