@@ -1,0 +1,194 @@
+/* The scheduler's CPU twin and the ctypes shim around the decision core,
+ * built with g++ into a shared library (gpu_backend/cuda/build.py) so that CI
+ * machines without a GPU run the very code the kernel runs:
+ *
+ *   blink_plan / blink_finish / blink_intake_check   sched_policy.h, one call each
+ *       -> tests diff them against gpu_backend/policy.py and intake.py
+ *   blink_twin_run   sched_loop.h on `nt` host threads with a barrier standing in
+ *       for __syncthreads; the step graph is the echo run inline (or a callback
+ *       that launches it on a GPU: the host-driven baseline of the benchmark);
+ *       a full launch window returns to the driver loop, which starts a fresh
+ *       instance as the device's tail launch does.
+ *   blink_struct_size / blink_struct_offset   layout of sched_types.h for the
+ *       ctypes mirror's test
+ */
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+#include <thread>
+#include <vector>
+
+#include "sched_loop.h"
+
+typedef int (*blink_launch_cb)(void *ctx, uint32_t which);
+
+struct blink_twin_block {              /* what the host threads of one instance share */
+    pthread_barrier_t barrier;
+    int or_flags[3];
+    blink_sched_shared_t sh;
+    blink_launch_cb cb;
+    void *cb_ctx;
+};
+
+struct blink_host_platform {
+    blink_twin_block *blk;
+    unsigned tid;
+    unsigned or_calls;
+
+    uint32_t ld32(const void *p) const { return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE); }
+    uint64_t ld64(const void *p) const { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
+    void st32(void *p, uint32_t v) const { __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE); }
+    void st64(void *p, uint64_t v) const { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
+    void fence_sys() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+    void fence_dev() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+    uint32_t cas32(void *p, uint32_t expect, uint32_t desired) const {
+        __atomic_compare_exchange_n((uint32_t *)p, &expect, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+        return expect;   /* the old value, as atomicCAS returns it */
+    }
+    uint32_t add_shared(uint32_t *p, uint32_t v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+    void sync() const { pthread_barrier_wait(&blk->barrier); }
+    /* __syncthreads_or: three flags in rotation, so the one reset here was last read two calls ago. */
+    int sync_or(int v) {
+        const unsigned k = or_calls++ % 3;
+        if (v) __atomic_fetch_or(&blk->or_flags[k], 1, __ATOMIC_SEQ_CST);
+        sync();
+        const int r = __atomic_load_n(&blk->or_flags[k], __ATOMIC_SEQ_CST);
+        if (tid == 0) __atomic_store_n(&blk->or_flags[(k + 2) % 3], 0, __ATOMIC_SEQ_CST);
+        return r;
+    }
+    uint64_t now_ns(const blink_sched_params_t *) const {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    }
+    void sleep_ns(uint32_t ns) const {
+        if (!ns) return;
+        struct timespec ts = {0, (long)ns};
+        nanosleep(&ts, nullptr);
+    }
+    int launch_step(const blink_sched_params_t *p, uint32_t which) {
+        if (blk->cb) return blk->cb(blk->cb_ctx, which);
+        blink_echo_chunks(*this, p, 0, 1);   /* the stand-in graph, inline on this thread */
+        fence_dev();
+        st32(p->done, p->state->step_no);
+        return 0;
+    }
+    int tail_relaunch() const { return 0; }   /* the driver loop starts the next instance */
+};
+
+extern "C" {
+
+uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch_cb cb, void *cb_ctx) {
+    if (nt == 0) nt = 1;
+    for (;;) {
+        blink_twin_block blk;
+        memset(&blk, 0, sizeof blk);
+        blk.cb = cb;
+        blk.cb_ctx = cb_ctx;
+        pthread_barrier_init(&blk.barrier, nullptr, nt);
+        std::vector<std::thread> threads;
+        for (unsigned t = 1; t < nt; ++t)
+            threads.emplace_back([&blk, p, t, nt] {
+                blink_host_platform plat{&blk, t, 0};
+                blink_sched_run(plat, p, &blk.sh, t, nt);
+            });
+        blink_host_platform plat{&blk, 0, 0};
+        const uint32_t code = blink_sched_run(plat, p, &blk.sh, 0, nt);
+        for (auto &th : threads) th.join();
+        pthread_barrier_destroy(&blk.barrier);
+        if (code != BLINK_EXIT_RELAUNCH) return code;
+    }
+}
+
+/* One plan_step over explicit lists; ids are indices into `reqs` (the caller's table). */
+void blink_plan(const blink_policy_config_t *cfg, const blink_req_t *reqs, const uint32_t *waiting,
+                uint32_t n_waiting, const uint32_t *running, uint32_t n_running, uint32_t free_blocks,
+                uint32_t prev_kind, uint32_t *counts /* [6]: kind, n_prefill, n_decode, n_preempted,
+                                                        n_admitted, n_new_blocks */,
+                uint32_t *lists /* [7 * cap] */, uint32_t cap) {
+    blink_plan_t plan;
+    plan.prefill_id = lists;
+    plan.prefill_len = lists + cap;
+    plan.decode_id = lists + 2 * cap;
+    plan.preempted_id = lists + 3 * cap;
+    plan.admitted_id = lists + 4 * cap;
+    plan.new_blocks_id = lists + 5 * cap;
+    plan.new_blocks_n = lists + 6 * cap;
+    blink_plan_step(cfg, reqs, waiting, 0, n_waiting, n_waiting ? n_waiting : 1, running, n_running,
+                    free_blocks, prev_kind, &plan);
+    counts[0] = plan.kind;
+    counts[1] = plan.n_prefill;
+    counts[2] = plan.n_decode;
+    counts[3] = plan.n_preempted;
+    counts[4] = plan.n_admitted;
+    counts[5] = plan.n_new_blocks;
+}
+
+uint32_t blink_finish(const blink_policy_config_t *cfg, const blink_req_t *r, int32_t token) {
+    return blink_finish_reason(cfg, r, token);
+}
+
+uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_tokens, uint64_t output_arena_tokens,
+                      uint64_t frontend_epoch, const blink_slot_t *s) {
+    return blink_intake_check(cfg, prompt_arena_tokens, output_arena_tokens, frontend_epoch, s);
+}
+
+/* Layout of sched_types.h, for the test of the ctypes mirror. */
+#define BLINK_FIELDS(X)                                                                                     \
+    X(blink_policy_config_t, max_batch_size) X(blink_policy_config_t, max_prefill_tokens)                   \
+    X(blink_policy_config_t, block_size) X(blink_policy_config_t, num_blocks)                               \
+    X(blink_policy_config_t, max_model_len) X(blink_policy_config_t, vocab_size)                            \
+    X(blink_policy_config_t, n_eos) X(blink_policy_config_t, eos_ids) X(blink_policy_config_t, reserved)                                       \
+    X(blink_req_t, seq) X(blink_req_t, epoch) X(blink_req_t, prompt_offset) X(blink_req_t, prompt_len)      \
+    X(blink_req_t, output_offset) X(blink_req_t, max_tokens) X(blink_req_t, flags) X(blink_req_t, n_stop)   \
+    X(blink_req_t, stop_ids) X(blink_req_t, generated) X(blink_req_t, num_computed)                         \
+    X(blink_req_t, num_blocks) X(blink_req_t, status) X(blink_req_t, ring_state)                            \
+    X(blink_req_t, abort_finish) X(blink_req_t, abort_error) X(blink_req_t, intake_error)                   \
+    X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
+    X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
+    X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
+    X(blink_sched_state_t, started) X(blink_sched_state_t, drain_deadline_ns)                               \
+    X(blink_sched_state_t, last_beat_ns) X(blink_sched_state_t, step_launched_ns)                           \
+    X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
+    X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
+    X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
+    X(blink_sched_control_t, launches) X(blink_sched_control_t, launch_retries)                             \
+    X(blink_sched_control_t, steps_prefill) X(blink_sched_control_t, steps_decode)                          \
+    X(blink_sched_control_t, tokens) X(blink_sched_control_t, claimed) X(blink_sched_control_t, completed)  \
+    X(blink_sched_control_t, preempted) X(blink_sched_control_t, scan_ns) X(blink_sched_control_t, scans)   \
+    X(blink_sched_control_t, wait_ns) X(blink_sched_control_t, publish_ns)                                  \
+    X(blink_sched_control_t, plan_ns) X(blink_sched_control_t, launch_ns)                                   \
+    X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, reserved)                          \
+    X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
+    X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
+    X(blink_sched_params_t, slots_offset) X(blink_sched_params_t, prompt_arena_offset)                      \
+    X(blink_sched_params_t, output_arena_offset) X(blink_sched_params_t, reqs)                              \
+    X(blink_sched_params_t, waiting) X(blink_sched_params_t, running) X(blink_sched_params_t, arrivals)     \
+    X(blink_sched_params_t, chunk_slot) X(blink_sched_params_t, chunk_start)                                \
+    X(blink_sched_params_t, chunk_len) X(blink_sched_params_t, chunk_sample)                                \
+    X(blink_sched_params_t, step_tokens) X(blink_sched_params_t, done) X(blink_sched_params_t, plan_scratch) \
+    X(blink_sched_params_t, state) X(blink_sched_params_t, control) X(blink_sched_params_t, stats)          \
+    X(blink_sched_params_t, step_graphs) X(blink_sched_params_t, policy)                                    \
+    X(blink_sched_params_t, window_limit) X(blink_sched_params_t, claim_cas)                                \
+    X(blink_sched_params_t, idle_sleep_ns) X(blink_sched_params_t, launch_retry_limit)                      \
+    X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \
+    X(blink_sched_params_t, step_timeout_ns) X(blink_sched_params_t, clock_offset_ns)
+
+long blink_struct_offset(const char *strct, const char *field) {
+#define X(S, F) if (!strcmp(strct, #S) && !strcmp(field, #F)) return (long)offsetof(S, F);
+    BLINK_FIELDS(X)
+#undef X
+    return -1;
+}
+
+long blink_struct_size(const char *strct) {
+    if (!strcmp(strct, "blink_policy_config_t")) return sizeof(blink_policy_config_t);
+    if (!strcmp(strct, "blink_req_t")) return sizeof(blink_req_t);
+    if (!strcmp(strct, "blink_sched_state_t")) return sizeof(blink_sched_state_t);
+    if (!strcmp(strct, "blink_sched_control_t")) return sizeof(blink_sched_control_t);
+    if (!strcmp(strct, "blink_sched_params_t")) return sizeof(blink_sched_params_t);
+    return -1;
+}
+
+}  /* extern "C" */

@@ -1,0 +1,539 @@
+/* The persistent scheduler's loop, written once for two platforms: the CUDA
+ * kernel (one block of 256 threads, sched_platform.cuh) and the CPU twin
+ * (a few host threads and a barrier, host_twin.cc). It is the mechanism around
+ * the decisions of sched_policy.h and mirrors gpu_backend/engine.py step for
+ * step, with the slot scan overlapped with the step graph in flight:
+ *
+ *   control  (thread 0)  stop / abort / ring shutdown, heartbeat, frontend epoch
+ *   scan     (all)       every slot's (state, cancel) word: claim PENDING by CAS,
+ *                        mark cancelled or stale requests for the reap
+ *   intake   (all)       copy + validate the claimed requests, queue them FCFS by seq
+ *   wait     (thread 0)  poll the flag the step graph's last kernel writes
+ *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
+ *   schedule (thread 0)  drop finished, reap aborted, blink_plan_step, preempt, admit,
+ *                        write the step descriptor, launch the step graph
+ *                        fire-and-forget, or tail-launch a fresh instance when
+ *                        this one's launch window is full
+ *
+ * Every piece of state that must outlive an instance lives in global memory
+ * (params->state, reqs, queues); the block-shared struct holds only values of
+ * one iteration and the instance's launch count.
+ */
+#ifndef BLINK_SCHED_LOOP_H
+#define BLINK_SCHED_LOOP_H
+
+#include <string.h>
+
+#include "echo_step.h"
+#include "sched_policy.h"
+
+typedef struct blink_sched_shared {
+    uint64_t fe_epoch;       /* the header's frontend_epoch, read by the control phase */
+    uint32_t exit;           /* BLINK_EXIT_*: every thread leaves the loop */
+    uint32_t launches;       /* fire-and-forget launches by this instance (the window) */
+    uint32_t n_arrivals;     /* slots claimed by this iteration's scan */
+    uint32_t n_valid;        /* of those, accepted into the waiting queue */
+    uint32_t n_tokens;       /* tokens published this iteration */
+    uint32_t n_completed;    /* slots completed by the parallel phases this iteration */
+    uint32_t draining;       /* copy of state->draining for the scan */
+    uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
+} blink_sched_shared_t;
+
+/* Ring writes that end a request: finish reason and error, then the state word. */
+template <class P>
+BLINK_DEV void blink_complete_slot(P &plat, const blink_sched_params_t *p, uint32_t slot, uint32_t finish,
+                                   uint32_t error) {
+    blink_slot_t *s = blink_slot_ptr(p, slot);
+    plat.st32(&s->finish_reason, finish);
+    plat.st32(&s->error_code, error);
+    if (plat.ld64(&s->t_last_ns) == 0) plat.st64(&s->t_last_ns, plat.now_ns(p));
+    plat.fence_sys();   /* finish reason, error, count and tokens before the state word that hands the slot back */
+    plat.st32(&s->state, BLINK_DECODE_COMPLETED);
+}
+
+template <class P>
+BLINK_DEV void blink_beat(P &plat, const blink_sched_params_t *p, uint64_t now) {
+    blink_ring_header_t *h = blink_header_ptr(p);
+    blink_sched_control_t *st = p->stats, *ctl = p->control;
+    p->state->last_beat_ns = now;
+    st->heartbeat += 1;
+    plat.st64(&h->backend_heartbeat_ns, now);
+    plat.fence_sys();   /* the beat's time before the counter that announces it */
+    plat.st64(&h->backend_heartbeat, st->heartbeat);
+    /* Counters to the host: plain stores into host-mapped memory, no reads back. */
+    const uint64_t *src = &st->heartbeat;
+    uint64_t *dst = &ctl->heartbeat;
+    const unsigned n = (unsigned)((&st->launch_ns - &st->heartbeat) + 1);
+    for (unsigned i = 0; i < n; ++i) plat.st64(&dst[i], src[i]);
+    plat.st32(&ctl->last_launch_error, (uint32_t)st->last_launch_error);
+}
+
+/* End every queued and running request (engine.abort_all: running, then waiting). */
+template <class P>
+BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t error) {
+    blink_sched_state_t *st = p->state;
+    for (uint32_t i = 0; i < st->n_running; ++i) {
+        blink_req_t *r = &p->reqs[p->running[i]];
+        if (r->status == BLINK_REQ_RUNNING) {
+            r->status = BLINK_REQ_FREE;
+            blink_complete_slot(plat, p, p->running[i], BLINK_FINISH_ABORT, error);
+            p->stats->completed += 1;
+        }
+    }
+    for (uint32_t k = 0; k < st->w_count; ++k) {
+        uint32_t slot = p->waiting[(st->w_head + k) % p->slot_count];
+        p->reqs[slot].status = BLINK_REQ_FREE;
+        blink_complete_slot(plat, p, slot, BLINK_FINISH_ABORT, error);
+        p->stats->completed += 1;
+    }
+    st->n_running = 0;
+    st->w_count = 0;
+    st->free_blocks = p->policy.num_blocks;
+}
+
+/* thread 0: stop and abort requests, the drain deadline, the heartbeat. */
+template <class P>
+BLINK_DEV void blink_phase_control(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
+    blink_sched_state_t *st = p->state;
+    blink_ring_header_t *h = blink_header_ptr(p);
+    /* Four independent loads, issued together: on the host-mapped ring each is a PCIe round trip. */
+    const uint32_t abort = plat.ld32(&p->control->abort);
+    const uint32_t stop = plat.ld32(&p->control->stop);
+    const uint32_t shutdown = plat.ld32(&h->shutdown);
+    sh->fe_epoch = plat.ld64(&h->frontend_epoch);
+    const uint64_t now = plat.now_ns(p);
+    p->stats->iterations += 1;
+    if (abort) {
+        blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
+        sh->exit = BLINK_EXIT_SHUTDOWN;
+        return;
+    }
+    if (!st->draining && (stop || shutdown)) {
+        st->draining = 1;
+        st->drain_deadline_ns = now + p->grace_ns;
+    }
+    if (st->draining) {
+        if (!st->in_flight && st->w_count == 0 && st->n_running == 0) {
+            sh->exit = BLINK_EXIT_SHUTDOWN;
+            return;
+        }
+        if (now >= st->drain_deadline_ns) {
+            blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
+            sh->exit = BLINK_EXIT_SHUTDOWN;
+            return;
+        }
+    }
+    if (now - st->last_beat_ns >= p->beat_interval_ns) blink_beat(plat, p, now);
+    sh->draining = st->draining;
+    sh->in_flight = st->in_flight;
+}
+
+/* all threads: one (state, cancel) load per slot, interleaved so a warp's loads are adjacent. */
+template <class P>
+BLINK_DEV void blink_phase_scan(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                unsigned nt) {
+    const uint64_t n = p->slot_count;
+    for (uint64_t i = tid; i < n; i += nt) {
+        blink_slot_t *s = blink_slot_ptr(p, i);
+        const uint64_t word = plat.ld64(&s->state);   /* state at byte 0, cancel at byte 4 */
+        const uint32_t state = (uint32_t)word, cancel = (uint32_t)(word >> 32);
+        if (state == BLINK_PREFILL_PENDING) {
+            if (sh->draining) continue;
+            plat.st64(&s->t_picked_ns, plat.now_ns(p));   /* PENDING is ours already; the stamp may precede the claim */
+            plat.fence_sys();   /* the pick-up stamp before the state word; also orders our later reads of the request */
+            uint32_t claimed;
+            if (p->claim_cas) {
+                claimed = plat.cas32(&s->state, BLINK_PREFILL_PENDING, BLINK_PREFILL_PROCESSING) == BLINK_PREFILL_PENDING;
+            } else {
+                plat.st32(&s->state, BLINK_PREFILL_PROCESSING);
+                claimed = 1;
+            }
+            if (claimed) p->arrivals[plat.add_shared(&sh->n_arrivals, 1)] = (uint32_t)i;
+            continue;
+        }
+        blink_req_t *r = &p->reqs[i];
+        if ((r->status == BLINK_REQ_WAITING || r->status == BLINK_REQ_RUNNING) && r->abort_finish == 0) {
+            if (r->epoch != sh->fe_epoch) {
+                r->abort_error = BLINK_ERR_STALE_EPOCH;
+                r->abort_finish = BLINK_FINISH_ABORT;
+            } else if (cancel) {
+                r->abort_error = BLINK_ERR_NONE;
+                r->abort_finish = BLINK_FINISH_ABORT;
+            }
+        }
+    }
+}
+
+/* all threads: claimed slots -> blink_req_t copies, checked as intake._read does;
+ * the accepted ones join the waiting queue ordered by (seq, slot). */
+template <class P>
+BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                  unsigned nt) {
+    const uint32_t n = sh->n_arrivals;
+    if (n == 0) return;
+    blink_sched_state_t *st = p->state;
+    const blink_policy_config_t *cfg = &p->policy;
+    plat.fence_sys();   /* the request fields and prompt were written before the PENDING state the scan saw */
+    for (uint32_t a = tid; a < n; a += nt) {
+        const uint32_t slot = p->arrivals[a];
+        blink_slot_t *s = blink_slot_ptr(p, slot);
+        blink_slot_t v;   /* one volatile read of every request field */
+        v.epoch = plat.ld64(&s->epoch);
+        v.cancel = plat.ld32(&s->cancel);
+        v.seq = plat.ld64(&s->seq);
+        v.prompt_offset = plat.ld32(&s->prompt_offset);
+        v.prompt_len = plat.ld32(&s->prompt_len);
+        v.output_offset = plat.ld32(&s->output_offset);
+        v.max_tokens = plat.ld32(&s->max_tokens);
+        uint32_t bits = plat.ld32(&s->temperature);
+        memcpy(&v.temperature, &bits, 4);
+        bits = plat.ld32(&s->top_p);
+        memcpy(&v.top_p, &bits, 4);
+        v.top_k = (int32_t)plat.ld32(&s->top_k);
+        v.flags = plat.ld32(&s->flags);
+        v.n_stop_ids = plat.ld32(&s->n_stop_ids);
+        blink_req_t *r = &p->reqs[slot];
+        r->seq = v.seq;
+        r->epoch = v.epoch;
+        r->prompt_offset = v.prompt_offset;
+        r->prompt_len = v.prompt_len;
+        r->output_offset = v.output_offset;
+        r->max_tokens = v.max_tokens;
+        r->flags = v.flags;
+        r->n_stop = v.n_stop_ids < BLINK_MAX_STOP_IDS ? v.n_stop_ids : BLINK_MAX_STOP_IDS;
+        for (uint32_t k = 0; k < BLINK_MAX_STOP_IDS; ++k)
+            r->stop_ids[k] = k < r->n_stop ? (int32_t)plat.ld32(&s->stop_ids[k]) : 0;
+        r->generated = r->num_computed = r->num_blocks = 0;
+        r->status = BLINK_REQ_FREE;
+        r->ring_state = BLINK_PREFILL_PROCESSING;
+        r->abort_finish = r->abort_error = 0;
+        r->intake_error = blink_intake_check(cfg, p->prompt_arena_tokens, p->output_arena_tokens, sh->fe_epoch, &v);
+    }
+    plat.sync();
+    /* Prompt token ids: few arrivals -> the block strides over each prompt; many -> one thread per prompt. */
+    const int32_t *arena = blink_prompt_arena(p);
+    if (n * 8 <= nt) {
+        for (uint32_t a = 0; a < n; ++a) {
+            blink_req_t *r = &p->reqs[p->arrivals[a]];
+            if (r->intake_error) continue;          /* uniform: every thread reads the same word */
+            int bad = 0;
+            for (uint32_t t = tid; t < r->prompt_len; t += nt)
+                bad |= !blink_token_ok(cfg, (int32_t)plat.ld32(&arena[r->prompt_offset + t]));
+            bad = plat.sync_or(bad);
+            if (bad && tid == 0) r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_TOKEN;
+        }
+    } else {
+        for (uint32_t a = tid; a < n; a += nt) {
+            blink_req_t *r = &p->reqs[p->arrivals[a]];
+            if (r->intake_error) continue;
+            for (uint32_t t = 0; t < r->prompt_len; ++t)
+                if (!blink_token_ok(cfg, (int32_t)plat.ld32(&arena[r->prompt_offset + t]))) {
+                    r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_TOKEN;
+                    break;
+                }
+        }
+    }
+    plat.sync();
+    /* Reject, or queue at the rank of (seq, slot) among this scan's accepted arrivals. */
+    for (uint32_t a = tid; a < n; a += nt) {
+        const uint32_t slot = p->arrivals[a];
+        blink_req_t *r = &p->reqs[slot];
+        if (r->intake_error) {
+            blink_complete_slot(plat, p, slot, r->intake_error >> 16, r->intake_error & 0xffffu);
+            plat.add_shared(&sh->n_completed, 1);
+            continue;
+        }
+        uint32_t rank = 0;
+        for (uint32_t b = 0; b < n; ++b) {
+            const uint32_t other = p->arrivals[b];
+            const blink_req_t *o = &p->reqs[other];
+            if (o->intake_error) continue;
+            if (o->seq < r->seq || (o->seq == r->seq && other < slot)) ++rank;
+        }
+        p->waiting[(st->w_head + st->w_count + rank) % p->slot_count] = slot;
+        plat.add_shared(&sh->n_valid, 1);
+    }
+    plat.sync();
+    if (tid == 0) {
+        for (uint32_t k = 0; k < sh->n_valid; ++k)
+            p->reqs[p->waiting[(st->w_head + st->w_count + k) % p->slot_count]].status = BLINK_REQ_WAITING;
+        st->w_count += sh->n_valid;
+        p->stats->claimed += n;
+    }
+}
+
+/* thread 0: poll the completion flag of the step in flight, beating meanwhile. */
+template <class P>
+BLINK_DEV void blink_phase_wait(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
+    blink_sched_state_t *st = p->state;
+    if (!st->in_flight) return;
+    const uint64_t t0 = plat.now_ns(p);
+    while (plat.ld32(p->done) != st->step_no) {
+        const uint64_t now = plat.now_ns(p);
+        if (now - st->last_beat_ns >= p->beat_interval_ns) {
+            blink_beat(plat, p, now);
+            if (plat.ld32(&p->control->abort)) {
+                blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
+                sh->exit = BLINK_EXIT_SHUTDOWN;
+                return;
+            }
+        }
+        if (now - st->step_launched_ns > p->step_timeout_ns) {
+            blink_abort_all(plat, p, BLINK_ERR_INTERNAL);
+            sh->exit = BLINK_EXIT_STEP_TIMEOUT;
+            return;
+        }
+    }
+    plat.fence_dev();   /* the step's tokens were written before its done flag */
+    p->stats->wait_ns += plat.now_ns(p) - t0;
+}
+
+/* all threads: the step's tokens into the ring (token, fence, count), then finish or move on. */
+template <class P>
+BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                   unsigned nt) {
+    if (!sh->in_flight) return;
+    const blink_sched_state_t *st = p->state;
+    int32_t *out = blink_output_arena(p);
+    for (uint32_t c = tid; c < st->n_chunks; c += nt) {
+        const uint32_t slot = p->chunk_slot[c];
+        blink_req_t *r = &p->reqs[slot];
+        if (r->status != BLINK_REQ_RUNNING) continue;
+        r->num_computed += p->chunk_len[c];
+        if (!p->chunk_sample[c]) continue;
+        const int32_t token = p->step_tokens[c];
+        blink_slot_t *s = blink_slot_ptr(p, slot);
+        plat.st32(&out[r->output_offset + r->generated], (uint32_t)token);
+        const uint64_t now = plat.now_ns(p);
+        if (r->generated == 0) plat.st64(&s->t_first_ns, now);
+        plat.st64(&s->t_last_ns, now);
+        plat.fence_sys();   /* the token and its stamps before the count that makes them visible */
+        r->generated += 1;
+        plat.st32(&s->generated, r->generated);
+        plat.add_shared(&sh->n_tokens, 1);
+        const uint32_t finish = blink_finish_reason(&p->policy, r, token);
+        if (finish != BLINK_FINISH_NONE) {
+            r->status = BLINK_REQ_FINISHED;
+            blink_complete_slot(plat, p, slot, finish, BLINK_ERR_NONE);
+            plat.add_shared(&sh->n_completed, 1);
+        } else if (r->ring_state != BLINK_DECODE_PROCESSING) {
+            /* No new payload since the fence above: the count is already ordered before this state. */
+            plat.st32(&s->state, BLINK_DECODE_PROCESSING);
+            r->ring_state = BLINK_DECODE_PROCESSING;
+        }
+    }
+}
+
+/* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
+template <class P>
+BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
+    blink_sched_state_t *st = p->state;
+    blink_sched_control_t *stats = p->stats;
+    const uint64_t cap = p->slot_count;
+    const uint64_t t0 = plat.now_ns(p);
+    const uint32_t did_work = st->in_flight || sh->n_arrivals;
+    st->in_flight = 0;
+    stats->tokens += sh->n_tokens;
+    stats->completed += sh->n_completed;
+    sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
+
+    /* engine._reap (waiting, then running) and the finished of the publish phase */
+    uint32_t kept = 0;
+    for (uint32_t k = 0; k < st->w_count; ++k) {
+        const uint32_t slot = p->waiting[(st->w_head + k) % cap];
+        blink_req_t *r = &p->reqs[slot];
+        if (r->abort_finish) {
+            r->status = BLINK_REQ_FREE;
+            blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
+            stats->completed += 1;
+        } else {
+            p->waiting[(st->w_head + kept++) % cap] = slot;
+        }
+    }
+    st->w_count = kept;
+    kept = 0;
+    for (uint32_t i = 0; i < st->n_running; ++i) {
+        const uint32_t slot = p->running[i];
+        blink_req_t *r = &p->reqs[slot];
+        if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {
+            if (r->status != BLINK_REQ_FINISHED) {
+                blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
+                stats->completed += 1;
+            }
+            st->free_blocks += r->num_blocks;
+            r->num_blocks = 0;
+            r->status = BLINK_REQ_FREE;
+        } else {
+            p->running[kept++] = slot;
+        }
+    }
+    st->n_running = kept;
+
+    blink_plan_t plan;
+    uint32_t *scratch = p->plan_scratch;
+    const uint32_t mb = p->policy.max_batch_size;
+    plan.prefill_id = scratch;
+    plan.prefill_len = scratch + mb;
+    plan.decode_id = scratch + 2 * mb;
+    plan.preempted_id = scratch + 3 * mb;
+    plan.admitted_id = scratch + 4 * mb;
+    plan.new_blocks_id = scratch + 5 * mb;
+    plan.new_blocks_n = scratch + 6 * mb;
+    blink_plan_step(&p->policy, p->reqs, p->waiting, st->w_head, st->w_count, (uint32_t)cap, p->running,
+                    st->n_running, st->free_blocks, st->prev_kind, &plan);
+
+    if (plan.kind != BLINK_STEP_IDLE && sh->launches >= p->window_limit) {
+        /* Window full: nothing was applied, so a fresh instance plans this step again. */
+        sh->exit = plat.tail_relaunch() == 0 ? BLINK_EXIT_RELAUNCH : BLINK_EXIT_LAUNCH_FAILED;
+        return;
+    }
+
+    for (uint32_t v = 0; v < plan.n_preempted; ++v) {        /* engine._preempt */
+        const uint32_t slot = plan.preempted_id[v];
+        uint32_t i = 0;
+        while (p->running[i] != slot) ++i;
+        for (; i + 1 < st->n_running; ++i) p->running[i] = p->running[i + 1];
+        st->n_running -= 1;
+        blink_req_t *r = &p->reqs[slot];
+        st->free_blocks += r->num_blocks;
+        r->num_blocks = r->num_computed = 0;
+        r->status = BLINK_REQ_WAITING;
+        if (r->ring_state != BLINK_DECODE_PAUSED) {
+            plat.fence_sys();   /* tokens and counts published before, then the state word */
+            plat.st32(&blink_slot_ptr(p, slot)->state, BLINK_DECODE_PAUSED);
+            r->ring_state = BLINK_DECODE_PAUSED;
+        }
+        st->w_head = (uint32_t)((st->w_head + cap - 1) % cap);
+        p->waiting[st->w_head] = slot;
+        st->w_count += 1;
+        stats->preempted += 1;
+    }
+    if (plan.kind == BLINK_STEP_IDLE) {
+        if (!did_work && !plan.n_preempted) plat.sleep_ns(p->idle_sleep_ns);
+        return;
+    }
+    for (uint32_t k = 0; k < plan.n_admitted; ++k) {          /* engine._schedule */
+        const uint32_t slot = p->waiting[st->w_head];
+        st->w_head = (uint32_t)((st->w_head + 1) % cap);
+        st->w_count -= 1;
+        p->reqs[slot].status = BLINK_REQ_RUNNING;
+        p->running[st->n_running++] = slot;
+    }
+    for (uint32_t k = 0; k < plan.n_new_blocks; ++k) {
+        p->reqs[plan.new_blocks_id[k]].num_blocks += plan.new_blocks_n[k];
+        st->free_blocks -= plan.new_blocks_n[k];
+    }
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < plan.n_prefill + plan.n_decode; ++k) {
+        const int pre = k < plan.n_prefill;
+        const uint32_t slot = pre ? plan.prefill_id[k] : plan.decode_id[k - plan.n_prefill];
+        const uint32_t len = pre ? plan.prefill_len[k] : 1u;
+        const blink_req_t *r = &p->reqs[slot];
+        p->chunk_slot[n] = slot;
+        p->chunk_start[n] = r->num_computed;
+        p->chunk_len[n] = len;
+        p->chunk_sample[n] = r->num_computed + len == blink_req_tokens(r);
+        ++n;
+    }
+    st->n_chunks = n;
+    st->step_no += 1;
+    st->prev_kind = plan.kind;
+    if (plan.kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;
+    else stats->steps_decode += 1;
+    plat.fence_dev();   /* the step descriptor and request copies before the child graph that reads them */
+    const uint64_t t_launch = plat.now_ns(p);
+    int err = 0;
+    for (uint32_t tries = 0;; ++tries) {
+        err = plat.launch_step(p, st->step_no % BLINK_STEP_GRAPHS);
+        if (err == 0) break;
+        stats->launch_retries += 1;
+        stats->last_launch_error = err;
+        if (tries >= p->launch_retry_limit) break;
+        plat.sleep_ns(200);   /* that graph's previous launch is still winding down */
+    }
+    const uint64_t now = plat.now_ns(p);
+    stats->launch_ns += now - t_launch;
+    stats->plan_ns += now - t0;
+    if (err != 0) {   /* engine.step: a failed step ends its requests ERROR/INTERNAL */
+        for (uint32_t c = 0; c < n; ++c) p->reqs[p->chunk_slot[c]].status = BLINK_REQ_FINISHED;
+        kept = 0;
+        for (uint32_t i = 0; i < st->n_running; ++i) {   /* dropped now: the next scan may reuse the slots */
+            const uint32_t slot = p->running[i];
+            blink_req_t *r = &p->reqs[slot];
+            if (r->status != BLINK_REQ_FINISHED) {
+                p->running[kept++] = slot;
+                continue;
+            }
+            st->free_blocks += r->num_blocks;
+            r->num_blocks = 0;
+            r->status = BLINK_REQ_FREE;
+            blink_complete_slot(plat, p, slot, BLINK_FINISH_ERROR, BLINK_ERR_INTERNAL);
+            stats->completed += 1;
+        }
+        st->n_running = kept;
+        return;
+    }
+    sh->launches += 1;
+    stats->launches += 1;
+    st->in_flight = 1;
+    st->step_launched_ns = now;
+}
+
+/* One scheduler instance: runs until shutdown or until its launch window is
+ * full (it then tail-launches its successor). Every thread of the block calls
+ * it; returns the BLINK_EXIT_* code. */
+template <class P>
+BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                   unsigned nt) {
+    if (tid == 0) {
+        blink_sched_state_t *st = p->state;
+        if (!st->started) {
+            st->w_head = st->w_count = st->n_running = 0;
+            st->free_blocks = p->policy.num_blocks;
+            st->prev_kind = BLINK_STEP_IDLE;
+            st->in_flight = 0;
+            st->started = 1;
+        }
+        sh->exit = 0;
+        sh->launches = sh->n_arrivals = sh->n_valid = sh->n_tokens = sh->n_completed = 0;
+        p->stats->windows += 1;
+        plat.st32(&p->control->running, 1);
+    }
+    plat.sync();
+    for (;;) {
+        if (tid == 0) blink_phase_control(plat, p, sh);
+        plat.sync();
+        if (sh->exit) break;
+        const uint64_t t_scan = tid == 0 ? plat.now_ns(p) : 0;
+        blink_phase_scan(plat, p, sh, tid, nt);
+        plat.sync();
+        if (tid == 0) {
+            p->stats->scan_ns += plat.now_ns(p) - t_scan;
+            p->stats->scans += 1;
+        }
+        blink_phase_intake(plat, p, sh, tid, nt);
+        plat.sync();
+        if (tid == 0) blink_phase_wait(plat, p, sh);
+        plat.sync();
+        if (sh->exit) break;
+        const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
+        blink_phase_publish(plat, p, sh, tid, nt);
+        plat.sync();
+        if (tid == 0) {
+            p->stats->publish_ns += plat.now_ns(p) - t_pub;
+            blink_phase_schedule(plat, p, sh);
+        }
+        plat.sync();
+        if (sh->exit) break;
+    }
+    if (tid == 0) {
+        p->stats->exit_code = sh->exit;
+        blink_beat(plat, p, plat.now_ns(p));
+        plat.st32(&p->control->exit_code, sh->exit);
+        plat.fence_sys();   /* every ring completion and counter before the host sees the scheduler gone */
+        if (sh->exit != BLINK_EXIT_RELAUNCH) plat.st32(&p->control->running, 0);
+    }
+    return sh->exit;
+}
+
+#endif /* BLINK_SCHED_LOOP_H */

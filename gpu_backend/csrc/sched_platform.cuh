@@ -1,0 +1,52 @@
+/* The device side of the scheduler's platform: how sched_loop.h touches the
+ * ring, orders memory, synchronises the block, reads the clock and launches
+ * graphs when it runs as the persistent kernel. host_twin.cc provides the same
+ * members for the CPU twin (threads + a barrier, __atomic builtins).
+ *
+ * Ring words are read and written through volatile pointers: on host-mapped
+ * memory they must reach the PCIe bus each time (a volatile access is a
+ * relaxed system-scope access in the PTX memory model), and the frontend
+ * never uses atomics on the ring.
+ */
+#ifndef BLINK_SCHED_PLATFORM_CUH
+#define BLINK_SCHED_PLATFORM_CUH
+
+#include <cuda_runtime.h>
+
+#include "sched_types.h"
+
+struct blink_device_platform {
+    __device__ uint32_t ld32(const void *p) const { return *(const volatile uint32_t *)p; }
+    __device__ uint64_t ld64(const void *p) const { return *(const volatile uint64_t *)p; }
+    __device__ void st32(void *p, uint32_t v) const { *(volatile uint32_t *)p = v; }
+    __device__ void st64(void *p, uint64_t v) const { *(volatile uint64_t *)p = v; }
+    /* Orders this thread's ring accesses as seen by the frontend (host or NIC). */
+    __device__ void fence_sys() const { __threadfence_system(); }
+    /* Orders device-memory accesses between this kernel and the step graph. */
+    __device__ void fence_dev() const { __threadfence(); }
+    /* Claims among the scheduler's own threads only: the frontend never writes a PENDING slot. */
+    __device__ uint32_t cas32(void *p, uint32_t expect, uint32_t desired) const {
+        return atomicCAS((unsigned int *)p, expect, desired);
+    }
+    __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd(p, v); }
+    __device__ void sync() const { __syncthreads(); }
+    __device__ int sync_or(int v) const { return __syncthreads_or(v); }
+    __device__ uint64_t now_ns(const blink_sched_params_t *p) const {
+        uint64_t t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return (uint64_t)((int64_t)t + p->clock_offset_ns);
+    }
+    __device__ void sleep_ns(uint32_t ns) const {
+        if (ns) __nanosleep(ns);
+    }
+    /* Fire-and-forget: the step graph runs beside this kernel as its child. */
+    __device__ int launch_step(const blink_sched_params_t *p, uint32_t which) const {
+        return (int)cudaGraphLaunch((cudaGraphExec_t)p->step_graphs[which], cudaStreamGraphFireAndForget);
+    }
+    /* A fresh instance of this graph starts once this one and its children are done. */
+    __device__ int tail_relaunch() const {
+        return (int)cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+    }
+};
+
+#endif /* BLINK_SCHED_PLATFORM_CUH */

@@ -1,0 +1,185 @@
+/* The scheduler's decisions as plain host+device C: the twin of
+ * gpu_backend/policy.py (plan_step) and of the engine's request checks
+ * (intake.py) and finish rule (engine._emit). No memory ordering, no ring
+ * access, no CUDA: the kernel (sched_loop.h) is the mechanism around these
+ * functions, and tests/gpu_backend/cuda diff-tests them against the Python
+ * through host_twin.cc (g++ -> ctypes).
+ *
+ *   requests (blink_req_t by slot id) + waiting deque + running list + free blocks
+ *     -> blink_plan_step -> blink_plan_t (kind, prefill chunks, decodes,
+ *        preemptions newest first, admissions, new blocks per scheduled id)
+ *
+ * Every rule below names the numbered rule of policy.py it mirrors; keep the
+ * two in step (the diff test fails otherwise).
+ */
+#ifndef BLINK_SCHED_POLICY_H
+#define BLINK_SCHED_POLICY_H
+
+#include "sched_types.h"
+
+typedef struct blink_plan {
+    uint32_t kind;                /* BLINK_STEP_* */
+    uint32_t n_prefill, n_decode, n_preempted, n_admitted, n_new_blocks;
+    uint32_t *prefill_id, *prefill_len;   /* (id, tokens this step): running first, then admissions */
+    uint32_t *decode_id;                  /* admission order */
+    uint32_t *preempted_id;               /* newest first */
+    uint32_t *admitted_id;                /* leaving the waiting queue, in order */
+    uint32_t *new_blocks_id, *new_blocks_n;  /* for every scheduled id, in schedule order */
+} blink_plan_t;
+
+static inline BLINK_HD int64_t blink_blocks_needed(int64_t tokens, int64_t block_size) {
+    return (tokens + block_size - 1) / block_size;
+}
+
+static inline BLINK_HD int64_t blink_min3(int64_t a, int64_t b, int64_t c) {
+    int64_t m = a < b ? a : b;
+    return m < c ? m : c;
+}
+
+static inline BLINK_HD uint32_t blink_req_tokens(const blink_req_t *r) {
+    return r->prompt_len + r->generated;
+}
+
+/* Rules 1-4 of policy.py. `waiting` is a deque of capacity w_cap starting at
+ * w_head; ids index `reqs`. Fills `plan` (its arrays hold max_batch_size
+ * entries, or n_running where that is larger). */
+static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, const blink_req_t *reqs,
+                                            const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
+                                            uint32_t w_cap, const uint32_t *running, uint32_t n_running,
+                                            uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
+    const int64_t bs = cfg->block_size;
+    plan->kind = BLINK_STEP_IDLE;
+    plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
+
+    uint32_t n_decoders = 0, n_prefilling = 0;
+    for (uint32_t i = 0; i < n_running; ++i) {
+        const blink_req_t *r = &reqs[running[i]];
+        int64_t remaining = (int64_t)blink_req_tokens(r) - r->num_computed;
+        if (remaining == 1) ++n_decoders;
+        else if (remaining > 1) ++n_prefilling;
+    }
+    int64_t seats = (int64_t)cfg->max_batch_size - n_running;
+    int prefill_work = n_prefilling > 0 || (w_count > 0 && seats > 0);
+
+    /* rule 1: decode pauses for one PREFILL step to admit arrivals, then resumes */
+    if (prefill_work && (n_decoders == 0 || prev_kind != BLINK_STEP_PREFILL)) {
+        int64_t budget = cfg->max_prefill_tokens, free = free_blocks;
+        int blocked = 0;
+        for (uint32_t i = 0; i < n_running; ++i) {                /* rule 2a */
+            const blink_req_t *r = &reqs[running[i]];
+            int64_t remaining = (int64_t)blink_req_tokens(r) - r->num_computed;
+            if (remaining <= 1) continue;
+            if (budget == 0) break;
+            int64_t chunk = blink_min3(remaining, budget,
+                                       ((int64_t)r->num_blocks + free) * bs - (int64_t)r->num_computed);
+            if (chunk <= 0) { blocked = 1; break; }            /* FCFS: nobody overtakes it */
+            int64_t need = blink_blocks_needed((int64_t)r->num_computed + chunk, bs) - r->num_blocks;
+            if (need < 0) need = 0;
+            free -= need;
+            budget -= chunk;
+            plan->prefill_id[plan->n_prefill] = running[i];
+            plan->prefill_len[plan->n_prefill++] = (uint32_t)chunk;
+            plan->new_blocks_id[plan->n_new_blocks] = running[i];
+            plan->new_blocks_n[plan->n_new_blocks++] = (uint32_t)need;
+        }
+        if (!blocked) {
+            int64_t reserve = 0;
+            for (uint32_t i = 0; i < n_running; ++i) {
+                const blink_req_t *r = &reqs[running[i]];
+                if ((int64_t)blink_req_tokens(r) - r->num_computed == 1 &&
+                    blink_blocks_needed((int64_t)r->num_computed + 1, bs) > (int64_t)r->num_blocks)
+                    ++reserve;
+            }
+            for (uint32_t k = 0; k < w_count; ++k) {               /* rule 2b */
+                if (budget == 0 || seats == 0) break;
+                uint32_t id = waiting[(w_head + k) % w_cap];
+                int64_t chunk = blink_min3(blink_req_tokens(&reqs[id]), budget, (free - reserve) * bs);
+                if (chunk <= 0) break;
+                int64_t need = blink_blocks_needed(chunk, bs);
+                free -= need;
+                budget -= chunk;
+                --seats;
+                plan->prefill_id[plan->n_prefill] = id;
+                plan->prefill_len[plan->n_prefill++] = (uint32_t)chunk;
+                plan->new_blocks_id[plan->n_new_blocks] = id;
+                plan->new_blocks_n[plan->n_new_blocks++] = (uint32_t)need;
+                plan->admitted_id[plan->n_admitted++] = id;
+            }
+        }
+        if (plan->n_prefill > 0) {
+            plan->kind = BLINK_STEP_PREFILL;
+            return;
+        }
+        plan->n_new_blocks = plan->n_admitted = 0;   /* nothing scheduled: fall through */
+    }
+
+    if (n_decoders > 0) {                                           /* rule 3 */
+        int64_t free = free_blocks;
+        uint32_t alive = n_running;   /* running[0..alive) still alive; victims come off the end */
+        for (uint32_t i = 0; i < n_running; ++i) {
+            if (i >= alive) break;    /* preempted as a victim: everyone after it is gone too */
+            const blink_req_t *r = &reqs[running[i]];
+            if ((int64_t)blink_req_tokens(r) - r->num_computed != 1) continue;
+            int64_t need = blink_blocks_needed((int64_t)r->num_computed + 1, bs) - r->num_blocks;
+            if (need < 0) need = 0;
+            int self_preempted = 0;
+            while (need > free) {
+                uint32_t victim = running[--alive];
+                plan->preempted_id[plan->n_preempted++] = victim;
+                free += reqs[victim].num_blocks;
+                if (victim == running[i]) { self_preempted = 1; break; }
+            }
+            if (self_preempted) break;
+            free -= need;
+            plan->decode_id[plan->n_decode++] = running[i];
+            plan->new_blocks_id[plan->n_new_blocks] = running[i];
+            plan->new_blocks_n[plan->n_new_blocks++] = (uint32_t)need;
+        }
+        plan->kind = BLINK_STEP_DECODE;
+        return;
+    }
+    if (n_prefilling > 0 && n_running > 1)                          /* rule 4: deadlock breaker */
+        plan->preempted_id[plan->n_preempted++] = running[n_running - 1];
+}
+
+/* Finish rule of engine._emit, after `token` was appended (r->generated counts it):
+ * a stop id (or EOS unless ignore_eos) -> STOP; max_tokens or a full context -> LENGTH. */
+static inline BLINK_HD uint32_t blink_finish_reason(const blink_policy_config_t *cfg, const blink_req_t *r,
+                                                    int32_t token) {
+    for (uint32_t i = 0; i < r->n_stop && i < BLINK_MAX_STOP_IDS; ++i)
+        if (r->stop_ids[i] == token) return BLINK_FINISH_STOP;
+    if (!(r->flags & BLINK_FLAG_IGNORE_EOS))
+        for (uint32_t i = 0; i < cfg->n_eos && i < BLINK_MAX_EOS_IDS; ++i)
+            if (cfg->eos_ids[i] == token) return BLINK_FINISH_STOP;
+    if (r->generated >= r->max_tokens || blink_req_tokens(r) >= cfg->max_model_len) return BLINK_FINISH_LENGTH;
+    return BLINK_FINISH_NONE;
+}
+
+static inline BLINK_HD int blink_is_finite(float x) {
+    return x == x && x - x == 0.0f;   /* NaN != NaN; inf - inf is NaN */
+}
+
+/* The checks of intake._read that need no prompt tokens, in its order:
+ * stale epoch, cancel flag, shared_layout.request_error, prompt too long.
+ * Returns FinishReason << 16 | ErrorCode; 0 when the request is acceptable
+ * so far (its token ids are checked separately: blink_token_ok). */
+static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *cfg, uint64_t prompt_arena_tokens,
+                                                   uint64_t output_arena_tokens, uint64_t frontend_epoch,
+                                                   const blink_slot_t *s) {
+    if (s->epoch != frontend_epoch) return BLINK_FINISH_ABORT << 16 | BLINK_ERR_STALE_EPOCH;
+    if (s->cancel) return BLINK_FINISH_ABORT << 16 | BLINK_ERR_NONE;
+    const uint32_t invalid = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
+    if (s->prompt_len == 0 || (uint64_t)s->prompt_offset + s->prompt_len > prompt_arena_tokens) return invalid;
+    if (s->max_tokens == 0 || (uint64_t)s->output_offset + s->max_tokens > output_arena_tokens) return invalid;
+    if (!blink_is_finite(s->temperature) || s->temperature < 0.0f) return invalid;
+    if (!(s->top_p > 0.0f && s->top_p <= 1.0f) || s->top_k < 0) return invalid;
+    if (s->n_stop_ids > BLINK_MAX_STOP_IDS) return invalid;
+    if (s->prompt_len >= cfg->max_model_len) return BLINK_FINISH_ERROR << 16 | BLINK_ERR_PROMPT_TOO_LONG;
+    return 0;
+}
+
+static inline BLINK_HD int blink_token_ok(const blink_policy_config_t *cfg, int32_t token) {
+    return token >= 0 && (uint32_t)token < cfg->vocab_size;
+}
+
+#endif /* BLINK_SCHED_POLICY_H */

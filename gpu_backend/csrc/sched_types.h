@@ -1,0 +1,167 @@
+/* The persistent scheduler's data: what lives in device memory across tail
+ * launches, what the host watches, and the one parameter block every kernel
+ * takes. Shared by nvcc (device) and g++ (the host twin and the ctypes shim);
+ * gpu_backend/cuda/structs.py mirrors these structs with ctypes and a test
+ * checks every offset against this header.
+ *
+ *   ring (host-mapped shm or device memory): header, slots, arenas  (frontend <-> scheduler)
+ *   blink_req_t[slot_count]      the scheduler's copy of each claimed request (device memory)
+ *   waiting[slot_count] deque, running[max_batch]   queues, slot ids (device memory)
+ *   blink_sched_state_t          queue heads, KV block count, the step in flight (device memory)
+ *   chunk_* / step_tokens        the step descriptor the step graph reads and its output
+ *   blink_sched_control_t        host-mapped: stop/abort from the host, counters to it
+ */
+#ifndef BLINK_SCHED_TYPES_H
+#define BLINK_SCHED_TYPES_H
+
+#include "blink_ring_layout.h"
+
+/* Functions of the scheduler loop: device code under nvcc, plain host code under g++. */
+#if defined(__CUDACC__)
+#define BLINK_DEV __device__
+#else
+#define BLINK_DEV
+#endif
+
+#define BLINK_MAX_EOS_IDS 8
+#define BLINK_STEP_GRAPHS 2          /* step graph instances, launched alternately */
+
+/* Step kinds: policy.StepKind */
+#define BLINK_STEP_IDLE 0u
+#define BLINK_STEP_PREFILL 1u
+#define BLINK_STEP_DECODE 2u
+
+/* blink_req_t.status */
+#define BLINK_REQ_FREE 0u
+#define BLINK_REQ_WAITING 1u
+#define BLINK_REQ_RUNNING 2u
+#define BLINK_REQ_FINISHED 3u        /* completed in the ring this iteration; dropped by the schedule phase */
+
+/* blink_sched_control_t.exit_code */
+#define BLINK_EXIT_NONE 0u
+#define BLINK_EXIT_SHUTDOWN 1u       /* stop/abort/ring shutdown: every request ended, scheduler gone */
+#define BLINK_EXIT_RELAUNCH 2u       /* window full: a fresh instance was tail-launched */
+#define BLINK_EXIT_STEP_TIMEOUT 3u   /* a step graph never signalled completion */
+#define BLINK_EXIT_LAUNCH_FAILED 4u  /* the tail relaunch itself failed */
+
+typedef struct BLINK_ALIGN8 blink_policy_config {
+    uint32_t max_batch_size;      /* running requests (seats) at most */
+    uint32_t max_prefill_tokens;  /* tokens in one PREFILL step at most */
+    uint32_t block_size;          /* tokens per KV block */
+    uint32_t num_blocks;          /* KV pool size in blocks */
+    uint32_t max_model_len;       /* prompt + output tokens at most */
+    uint32_t vocab_size;          /* prompt token ids must be below this */
+    uint32_t n_eos;               /* used entries of eos_ids (end a request unless ignore_eos) */
+    int32_t eos_ids[BLINK_MAX_EOS_IDS];
+    uint32_t reserved;            /* zero; pads the struct to 8 bytes */
+} blink_policy_config_t;
+
+/* One claimed request: copied out of its slot at the claim, then the
+ * scheduler's progress. num_tokens = prompt_len + generated. */
+typedef struct BLINK_ALIGN8 blink_req {
+    uint64_t seq;                 /* the frontend's request sequence number */
+    uint64_t epoch;               /* frontend epoch of the submitter */
+    uint32_t prompt_offset, prompt_len, output_offset, max_tokens;
+    uint32_t flags;               /* BLINK_FLAG_* */
+    uint32_t n_stop;              /* used entries of stop_ids */
+    int32_t stop_ids[BLINK_MAX_STOP_IDS];
+    uint32_t generated;           /* tokens published (== len(output)) */
+    uint32_t num_computed;        /* tokens whose K/V is cached */
+    uint32_t num_blocks;          /* KV blocks held */
+    uint32_t status;              /* BLINK_REQ_* */
+    uint32_t ring_state;          /* the slot state this scheduler last wrote */
+    uint32_t abort_finish;        /* set by the scan: cancel flag or stale epoch -> reaped next */
+    uint32_t abort_error;
+    uint32_t intake_error;        /* scratch of the intake phase: FinishReason << 16 | ErrorCode */
+} blink_req_t;
+
+typedef struct BLINK_ALIGN8 blink_sched_state {
+    uint32_t w_head;              /* waiting deque: first entry at waiting[w_head] */
+    uint32_t w_count;             /* entries in the deque (capacity slot_count) */
+    uint32_t n_running;           /* running[0..n_running), admission order */
+    uint32_t free_blocks;         /* KV blocks no request holds */
+    uint32_t prev_kind;           /* kind of the last launched step */
+    uint32_t in_flight;           /* 1: a step was launched and its tokens are not yet published */
+    uint32_t step_no;             /* steps launched so far; the step graph stores it into *done */
+    uint32_t n_chunks;            /* chunks of the step in flight */
+    uint32_t draining;            /* stop seen: no new claims; abort what is left at drain_deadline_ns */
+    uint32_t started;             /* 1 once the first instance initialised this state */
+    uint64_t drain_deadline_ns;
+    uint64_t last_beat_ns;
+    uint64_t step_launched_ns;    /* clock when the step in flight was launched */
+} blink_sched_state_t;
+
+/* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
+ * The device keeps its counters in a device-memory copy (params.stats) and
+ * copies them here at every heartbeat: a read-modify-write of host memory
+ * would cost a PCIe round trip per counter. */
+typedef struct BLINK_ALIGN8 blink_sched_control {
+    uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
+    uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
+    uint32_t running;             /* device: 1 while a scheduler instance runs */
+    uint32_t exit_code;           /* device: BLINK_EXIT_* of the last instance */
+    uint64_t heartbeat;           /* device: bumped with the ring's backend_heartbeat */
+    uint64_t iterations;          /* scheduler loop iterations */
+    uint64_t windows;             /* scheduler instances (1 + tail relaunches) */
+    uint64_t launches;            /* step graphs launched fire-and-forget */
+    uint64_t launch_retries;      /* device launches refused (previous launch of that graph still running) */
+    uint64_t steps_prefill, steps_decode;
+    uint64_t tokens;              /* tokens published */
+    uint64_t claimed;             /* slots claimed */
+    uint64_t completed;           /* slots completed (any finish reason) */
+    uint64_t preempted;
+    uint64_t scan_ns;             /* cumulative time in the slot scan */
+    uint64_t scans;
+    uint64_t wait_ns;             /* cumulative time waiting for step graphs */
+    uint64_t publish_ns;          /* cumulative time publishing tokens */
+    uint64_t plan_ns;             /* cumulative time planning + launching */
+    uint64_t launch_ns;           /* cumulative time inside the launch call */
+    int32_t last_launch_error;    /* cudaError_t of the last refused launch */
+    uint32_t reserved;
+} blink_sched_control_t;
+
+/* The one argument of every kernel; lives in device memory. */
+typedef struct BLINK_ALIGN8 blink_sched_params {
+    uint8_t *ring;                /* ring base as the scheduler sees it (header at 0) */
+    uint64_t slot_count, prompt_arena_tokens, output_arena_tokens;
+    uint64_t slots_offset, prompt_arena_offset, output_arena_offset;
+    blink_req_t *reqs;            /* [slot_count] */
+    uint32_t *waiting;            /* [slot_count] deque of slot ids */
+    uint32_t *running;            /* [max_batch_size] slot ids, admission order */
+    uint32_t *arrivals;           /* [slot_count] scratch: slots claimed by one scan */
+    uint32_t *chunk_slot;         /* [max_batch_size] step descriptor: slot of each chunk */
+    uint32_t *chunk_start;        /* [max_batch_size] first position computed */
+    uint32_t *chunk_len;          /* [max_batch_size] tokens computed */
+    uint32_t *chunk_sample;       /* [max_batch_size] 1: the chunk ends its sequence, sample a token */
+    int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
+    uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
+    uint32_t *plan_scratch;       /* [8 * max_batch_size] the planner's output lists */
+    blink_sched_state_t *state;
+    blink_sched_control_t *control;   /* host-mapped: the host reads it without CUDA calls */
+    blink_sched_control_t *stats;     /* device memory: counters accumulate here, copied to control at each beat */
+    uint64_t step_graphs[BLINK_STEP_GRAPHS];  /* cudaGraphExec_t, instantiated for device launch */
+    blink_policy_config_t policy;
+    uint32_t window_limit;        /* fire-and-forget launches per scheduler instance (<= 120) */
+    uint32_t claim_cas;           /* 1: claim with atomicCAS; 0: plain store (one scheduler block) */
+    uint32_t idle_sleep_ns;       /* back-off when a scan found nothing and no step runs */
+    uint32_t launch_retry_limit;  /* refused device launches retried this often before giving up */
+    uint64_t beat_interval_ns;    /* heartbeat period */
+    uint64_t grace_ns;            /* drain period after a stop before the rest is aborted */
+    uint64_t step_timeout_ns;     /* a step graph silent this long ends the scheduler */
+    int64_t clock_offset_ns;      /* device %globaltimer + offset = host CLOCK_MONOTONIC */
+} blink_sched_params_t;
+
+static inline BLINK_HD blink_slot_t *blink_slot_ptr(const blink_sched_params_t *p, uint64_t i) {
+    return (blink_slot_t *)(p->ring + p->slots_offset + i * sizeof(blink_slot_t));
+}
+static inline BLINK_HD blink_ring_header_t *blink_header_ptr(const blink_sched_params_t *p) {
+    return (blink_ring_header_t *)p->ring;
+}
+static inline BLINK_HD int32_t *blink_prompt_arena(const blink_sched_params_t *p) {
+    return (int32_t *)(p->ring + p->prompt_arena_offset);
+}
+static inline BLINK_HD int32_t *blink_output_arena(const blink_sched_params_t *p) {
+    return (int32_t *)(p->ring + p->output_arena_offset);
+}
+
+#endif /* BLINK_SCHED_TYPES_H */

@@ -1,0 +1,42 @@
+/* Kernels of the CUDA executor: the persistent scheduler, the stand-in step
+ * graph's kernel (echo), and the clock probe used to put device timestamps on
+ * the host's CLOCK_MONOTONIC. Built with relocatable device code and linked
+ * with the device runtime (cudadevrt) because the scheduler launches graphs
+ * from the device (gpu_backend/cuda/build.py holds the flags).
+ *
+ *   host (cuda-python, once): graphs instantiated for device launch, uploaded,
+ *     scheduler graph launched on a non-default stream
+ *   blink_scheduler (1 block x 256 threads, a node of a device graph)
+ *     -> cudaGraphLaunch(step graph, fire-and-forget) -> blink_echo_step
+ *        -> step_tokens, *done = step_no -> blink_scheduler publishes them
+ *     -> window full: cudaGraphLaunch(itself, tail launch) and return
+ */
+#include <cuda_runtime.h>
+
+#include "sched_platform.cuh"
+#include "sched_loop.h"
+
+extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler(const blink_sched_params_t *p) {
+    __shared__ blink_sched_shared_t sh;
+    blink_device_platform plat;
+    blink_sched_run(plat, p, &sh, threadIdx.x, blockDim.x);
+}
+
+/* The stand-in step graph: one kernel; its last write is the completion flag. */
+extern "C" __global__ void __launch_bounds__(256) blink_echo_step(const blink_sched_params_t *p) {
+    blink_device_platform plat;
+    blink_echo_chunks(plat, p, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();   /* every chunk's token before the flag the scheduler polls */
+        plat.st32(p->done, p->state->step_no);
+    }
+}
+
+/* %globaltimer into host-mapped memory; the host brackets it with its own clock. */
+extern "C" __global__ void blink_clock_probe(unsigned long long *out) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    *(volatile unsigned long long *)out = t;
+    __threadfence_system();   /* the stamp reaches host memory before the kernel counts as done */
+}

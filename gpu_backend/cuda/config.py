@@ -1,0 +1,80 @@
+"""SchedulerConfig: the persistent scheduler's knobs, and the parameter block
+(structs.SchedParams) they become for a given ring and buffer set.
+
+    ExecutorOptions (daemon flags) -> SchedulerConfig -> params(ring geometry,
+    buffer addresses) -> SchedParams -> device memory (runtime.py) or the CPU twin
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from shared_layout import RingGeometry
+
+from . import structs
+
+DEVICE_LAUNCH_LIMIT = 120     # fire-and-forget launches one graph execution may make (CUDA guide)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 256
+    max_prefill_tokens: int = 1 << 20
+    block_size: int = 16
+    num_blocks: int = 0                 # 0: room for a full context in every seat (no preemption)
+    max_model_len: int = 8192
+    vocab_size: int = 49152
+    eos_ids: tuple[int, ...] = ()       # the stand-in (null model) has none
+    window_limit: int = DEVICE_LAUNCH_LIMIT
+    claim_cas: bool = True
+    idle_sleep_ns: int = 2000           # back-off when a scan found nothing and no step runs
+    launch_retry_limit: int = 1 << 20
+    beat_interval_s: float = 0.01
+    grace_s: float = 2.0
+    step_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_prefill_tokens", "block_size", "max_model_len", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 1 <= self.window_limit <= DEVICE_LAUNCH_LIMIT:
+            raise ValueError(f"window_limit must be in 1..{DEVICE_LAUNCH_LIMIT}, got {self.window_limit}")
+        if len(self.eos_ids) > structs.MAX_EOS_IDS:
+            raise ValueError(f"at most {structs.MAX_EOS_IDS} eos ids, got {len(self.eos_ids)}")
+        if self.kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"KV pool of {self.kv_blocks} x {self.block_size} tokens cannot hold one "
+                             f"{self.max_model_len}-token context")
+
+    @property
+    def kv_blocks(self) -> int:
+        if self.num_blocks:
+            return self.num_blocks
+        return self.max_batch_size * -(-self.max_model_len // self.block_size)
+
+    def policy(self) -> structs.PolicyConfig:
+        pc = structs.PolicyConfig(max_batch_size=self.max_batch_size, max_prefill_tokens=self.max_prefill_tokens,
+                                  block_size=self.block_size, num_blocks=self.kv_blocks,
+                                  max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                  n_eos=len(self.eos_ids))
+        for i, t in enumerate(self.eos_ids):
+            pc.eos_ids[i] = t
+        return pc
+
+    def params(self, geom: RingGeometry, ring_addr: int, buffers: dict[str, int], control_addr: int,
+               step_graphs: tuple[int, ...] = (0, 0), clock_offset_ns: int = 0) -> structs.SchedParams:
+        """The parameter block for a ring at `ring_addr` and buffers at the given addresses
+        (keys of structs.buffer_sizes), as the code that reads it addresses them."""
+        p = structs.SchedParams(
+            ring=ring_addr, slot_count=geom.slot_count, prompt_arena_tokens=geom.prompt_arena_tokens,
+            output_arena_tokens=geom.output_arena_tokens, slots_offset=geom.slots_offset,
+            prompt_arena_offset=geom.prompt_arena_offset, output_arena_offset=geom.output_arena_offset,
+            control=control_addr, policy=self.policy(), window_limit=self.window_limit,
+            claim_cas=int(self.claim_cas), idle_sleep_ns=self.idle_sleep_ns,
+            launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),
+            grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
+            clock_offset_ns=clock_offset_ns)
+        for name, addr in buffers.items():
+            setattr(p, name, addr)
+        for i, g in enumerate(step_graphs):
+            p.step_graphs[i] = g
+        return p

@@ -1,0 +1,85 @@
+"""ctypes mirror of gpu_backend/csrc/sched_types.h (and the ring's slot record).
+
+    Python config -> SchedParams (ctypes) -> bytes copied to device memory (or
+    handed to the CPU twin by pointer) -> every kernel reads it
+
+tests/gpu_backend/cuda/test_structs.py compares every offset and size here with
+what g++ computes from the header, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from shared_layout.layout import MAX_STOP_IDS
+
+MAX_EOS_IDS = 8
+STEP_GRAPHS = 2
+
+STEP_IDLE, STEP_PREFILL, STEP_DECODE = 0, 1, 2
+REQ_FREE, REQ_WAITING, REQ_RUNNING, REQ_FINISHED = 0, 1, 2, 3
+EXIT_NONE, EXIT_SHUTDOWN, EXIT_RELAUNCH, EXIT_STEP_TIMEOUT, EXIT_LAUNCH_FAILED = 0, 1, 2, 3, 4
+EXIT_NAMES = {EXIT_NONE: "none", EXIT_SHUTDOWN: "shutdown", EXIT_RELAUNCH: "relaunch",
+              EXIT_STEP_TIMEOUT: "step graph timed out", EXIT_LAUNCH_FAILED: "tail relaunch failed"}
+
+u32, i32, u64, i64, ptr = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64
+
+
+class _Struct(ctypes.Structure):
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name, *_ in self._fields_}
+
+
+class PolicyConfig(_Struct):
+    _fields_ = [("max_batch_size", u32), ("max_prefill_tokens", u32), ("block_size", u32),
+                ("num_blocks", u32), ("max_model_len", u32), ("vocab_size", u32), ("n_eos", u32),
+                ("eos_ids", i32 * MAX_EOS_IDS), ("reserved", u32)]
+
+
+class Req(_Struct):
+    _fields_ = [("seq", u64), ("epoch", u64), ("prompt_offset", u32), ("prompt_len", u32),
+                ("output_offset", u32), ("max_tokens", u32), ("flags", u32), ("n_stop", u32),
+                ("stop_ids", i32 * MAX_STOP_IDS), ("generated", u32), ("num_computed", u32),
+                ("num_blocks", u32), ("status", u32), ("ring_state", u32), ("abort_finish", u32),
+                ("abort_error", u32), ("intake_error", u32)]
+
+
+class SchedState(_Struct):
+    _fields_ = [("w_head", u32), ("w_count", u32), ("n_running", u32), ("free_blocks", u32),
+                ("prev_kind", u32), ("in_flight", u32), ("step_no", u32), ("n_chunks", u32),
+                ("draining", u32), ("started", u32), ("drain_deadline_ns", u64), ("last_beat_ns", u64),
+                ("step_launched_ns", u64)]
+
+
+COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
+            "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
+            "publish_ns", "plan_ns", "launch_ns")
+
+
+class SchedControl(_Struct):
+    _fields_ = [("stop", u32), ("abort", u32), ("running", u32), ("exit_code", u32),
+                *[(name, u64) for name in COUNTERS], ("last_launch_error", i32), ("reserved", u32)]
+
+
+class SchedParams(_Struct):
+    _fields_ = [("ring", ptr), ("slot_count", u64), ("prompt_arena_tokens", u64), ("output_arena_tokens", u64),
+                ("slots_offset", u64), ("prompt_arena_offset", u64), ("output_arena_offset", u64),
+                ("reqs", ptr), ("waiting", ptr), ("running", ptr), ("arrivals", ptr), ("chunk_slot", ptr),
+                ("chunk_start", ptr), ("chunk_len", ptr), ("chunk_sample", ptr), ("step_tokens", ptr),
+                ("done", ptr), ("plan_scratch", ptr), ("state", ptr), ("control", ptr), ("stats", ptr),
+                ("step_graphs", u64 * STEP_GRAPHS), ("policy", PolicyConfig), ("window_limit", u32),
+                ("claim_cas", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
+                ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
+                ("clock_offset_ns", i64)]
+
+
+C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",
+           SchedControl: "blink_sched_control_t", SchedParams: "blink_sched_params_t"}
+
+
+def buffer_sizes(slot_count: int, max_batch_size: int) -> dict[str, int]:
+    """Bytes of each device buffer the scheduler needs (pointer fields of SchedParams)."""
+    return {"reqs": slot_count * ctypes.sizeof(Req), "waiting": 4 * slot_count, "running": 4 * max_batch_size,
+            "arrivals": 4 * slot_count, "chunk_slot": 4 * max_batch_size, "chunk_start": 4 * max_batch_size,
+            "chunk_len": 4 * max_batch_size, "chunk_sample": 4 * max_batch_size,
+            "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * 8 * max_batch_size,
+            "state": ctypes.sizeof(SchedState), "stats": ctypes.sizeof(SchedControl)}

@@ -1,0 +1,146 @@
+"""The scheduler on the CPU: the C++ of gpu_backend/csrc built with g++ and
+called through ctypes. Two uses:
+
+    plan_step(PolicyInput, PolicyConfig) -> StepPlan   the device's planner, for the
+        diff test against gpu_backend/policy.py (same signature as policy.plan_step)
+    TwinScheduler(ring, SchedulerConfig).start()         the whole persistent loop
+        (scan, claim, intake, publish, plan, window relaunch, shutdown) on host
+        threads over a real ring, with the echo step run inline; the kernel
+        runs the same source
+
+Needs g++ (build.build_host_twin); raises build.BuildError without one.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import numpy as np
+
+from shared_layout import Ring
+from shared_layout.layout import SLOT_DTYPE
+
+from .. import policy as py_policy
+from . import build, structs
+from .config import SchedulerConfig
+
+LAUNCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
+
+
+@functools.cache
+def lib() -> ctypes.CDLL:
+    so = ctypes.CDLL(str(build.build_host_twin()))
+    so.blink_twin_run.restype = ctypes.c_uint32
+    so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    so.blink_plan.restype = None
+    so.blink_finish.restype = ctypes.c_uint32
+    so.blink_intake.restype = ctypes.c_uint32
+    so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+    so.blink_struct_offset.restype = ctypes.c_long
+    so.blink_struct_offset.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    so.blink_struct_size.restype = ctypes.c_long
+    so.blink_struct_size.argtypes = [ctypes.c_char_p]
+    return so
+
+
+def _u32(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.uint32))
+
+
+def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_policy.StepPlan:
+    """policy.plan_step computed by the device's C++ planner."""
+    ids = [w.id for w in inp.waiting] + [r.id for r in inp.running]
+    reqs = (structs.Req * max(1, len(ids)))()
+    for i, w in enumerate(inp.waiting):
+        reqs[i].prompt_len = w.num_tokens
+    for j, r in enumerate(inp.running):
+        q = reqs[len(inp.waiting) + j]
+        q.prompt_len, q.num_computed, q.num_blocks = r.num_tokens, r.num_computed, r.num_blocks
+    pc = structs.PolicyConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
+                              block_size=cfg.block_size)
+    cap = max(1, cfg.max_batch_size + len(inp.waiting) + len(inp.running))   # room even for off-invariant inputs
+    waiting = _u32(range(len(inp.waiting)))
+    running = _u32(range(len(inp.waiting), len(ids)))
+    counts = np.zeros(6, np.uint32)
+    lists = np.zeros(7 * cap, np.uint32)
+    vp = ctypes.c_void_p
+    lib().blink_plan(ctypes.byref(pc), ctypes.byref(reqs), vp(waiting.ctypes.data), ctypes.c_uint32(len(waiting)),
+                     vp(running.ctypes.data), ctypes.c_uint32(len(running)), ctypes.c_uint32(inp.free_blocks),
+                     ctypes.c_uint32(int(inp.prev_kind)), vp(counts.ctypes.data), vp(lists.ctypes.data),
+                     ctypes.c_uint32(cap))
+    kind, n_pre, n_dec, n_preempt, n_adm, n_new = (int(c) for c in counts)
+    col = [lists[k * cap:(k + 1) * cap] for k in range(7)]
+    name = lambda h: ids[int(h)]   # noqa: E731  index -> request id
+    return py_policy.StepPlan(
+        py_policy.StepKind(kind),
+        prefill=tuple((name(col[0][i]), int(col[1][i])) for i in range(n_pre)),
+        decode=tuple(name(h) for h in col[2][:n_dec]),
+        preempted=tuple(name(h) for h in col[3][:n_preempt]),
+        admitted=tuple(name(h) for h in col[4][:n_adm]),
+        new_blocks=tuple((name(col[5][i]), int(col[6][i])) for i in range(n_new)))
+
+
+def finish_reason(cfg: SchedulerConfig, req: structs.Req, token: int) -> int:
+    """The device's finish rule for a request whose `generated` already counts `token`."""
+    pc = cfg.policy()
+    return int(lib().blink_finish(ctypes.byref(pc), ctypes.byref(req), ctypes.c_int32(token)))
+
+
+def intake_check(cfg: SchedulerConfig, geom, frontend_epoch: int, record: np.ndarray) -> tuple[int, int]:
+    """(FinishReason, ErrorCode) the device's intake gives a slot record (before token ids)."""
+    rec = np.ascontiguousarray(record, dtype=SLOT_DTYPE)
+    pc = cfg.policy()
+    code = int(lib().blink_intake(ctypes.byref(pc), geom.prompt_arena_tokens, geom.output_arena_tokens,
+                                  frontend_epoch, rec.ctypes.data))
+    return code >> 16, code & 0xFFFF
+
+
+class TwinScheduler:
+    """The persistent scheduler's loop on host threads over `ring` (held in memory we can address)."""
+
+    def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None):
+        self.ring, self.config, self.threads = ring, config, threads
+        sizes = structs.buffer_sizes(ring.geom.slot_count, config.max_batch_size)
+        self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
+        self.control = structs.SchedControl()
+        ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
+        self.params = config.params(ring.geom, ring_addr, {k: v.ctypes.data for k, v in self._buffers.items()},
+                                    ctypes.addressof(self.control))
+        self._cb = LAUNCH_CB(launch_cb) if launch_cb is not None else None
+        self._thread: threading.Thread | None = None
+        self.exit_code: int | None = None
+
+    def buffer(self, name: str, dtype=np.uint32) -> np.ndarray:
+        return self._buffers[name].view(dtype)
+
+    @property
+    def state(self) -> structs.SchedState:
+        return structs.SchedState.from_address(self._buffers["state"].ctypes.data)
+
+    @property
+    def stats(self) -> structs.SchedControl:
+        return structs.SchedControl.from_address(self._buffers["stats"].ctypes.data)
+
+    def run(self) -> int:
+        """Serve in this thread until shutdown; returns the exit code (structs.EXIT_*)."""
+        cb = ctypes.cast(self._cb, ctypes.c_void_p) if self._cb is not None else None
+        self.exit_code = int(lib().blink_twin_run(ctypes.addressof(self.params), self.threads, cb, None))
+        return self.exit_code
+
+    def start(self) -> "TwinScheduler":
+        self._thread = threading.Thread(target=self.run, name="blink-twin-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, abort: bool = False) -> None:
+        """Ask for a drain (stop claiming, finish within the grace period) or an abort."""
+        if abort:
+            self.control.abort = 1
+        self.control.stop = 1
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
