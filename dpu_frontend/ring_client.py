@@ -181,6 +181,8 @@ class RingClient:
             "held_slots": len(s.flights) if s else 0,
             "prompt_arena_free_tokens": s.prompts.free_tokens if s else 0,
             "output_arena_free_tokens": s.outputs.free_tokens if s else 0,
+            "prompt_arena_used_tokens": s.geom.prompt_arena_tokens - s.prompts.free_tokens if s else 0,
+            "output_arena_used_tokens": s.geom.output_arena_tokens - s.outputs.free_tokens if s else 0,
             "frontend_epoch": s.epoch if s else 0,
             "attach_total": self._attaches,
             "backend": dataclasses.asdict(h),
@@ -244,9 +246,10 @@ class RingClient:
             raise InvalidRequest("prompt token ids must be integers")
         vocab = self.vocab_size
         lo, hi = int(prompt.min()), int(prompt.max())
-        if lo < 0 or (vocab and hi >= vocab):
+        limit = vocab or 2**31
+        if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab or 2**31})")
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {limit})")
         plen = int(prompt.size)
         max_len = self.model_max_len
         if max_len and plen >= max_len:
@@ -395,17 +398,18 @@ class RingClient:
             return
         try:
             session = RingSession.attach(transport)
+            health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
+            reader = TokenReader(session, health, self.config.reader)
+            res = reader.poll()   # learn the backend's state before the first submit
         except (TransportError, ValueError) as e:
             transport.close()
             self._down_message = f"ring unavailable: {e}"
             return
-        self._session = session
+        self._session, self._health, self._reader = session, health, reader
         self._attaches += 1
-        self._health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
-        self._reader = TokenReader(session, self._health, self.config.reader)
+        self._displaced = None
         self._lost = False
         self._next_stale_check_s = time.monotonic() + self.config.stale_check_interval_s
-        res = self._reader.poll()   # learn the backend's state before the first submit
         self._last_states = res.states
         log.info("attached ring %r as frontend epoch %d", transport, session.epoch)
 

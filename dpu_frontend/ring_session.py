@@ -20,6 +20,7 @@ from shared_layout.layout import HEADER, HEADER_DTYPE
 from shared_layout.arena import ArenaFull, TokenArena
 
 from .request_handle import RequestHandle
+from .slot_snapshot import SlotSnapshot
 from .slot_tracker import SlotTracker
 from .transport.base import Transport
 
@@ -53,7 +54,8 @@ class RingSession:
         self.received = np.zeros(n, np.int64)   # [slots] tokens read, per held slot
         self.seqs = np.zeros(n, np.uint64)      # [slots] seq we wrote, per held slot
         self.next_seq = 1
-        self.snapshot_bytes = self.geom.slots_offset + n * SLOT.size   # header + every slot record
+        self._output_base = self.geom.output_arena_offset   # byte offset of output token 0
+        self.snapshot = SlotSnapshot(transport, self.geom)
 
     @classmethod
     def attach(cls, transport: Transport) -> "RingSession":
@@ -62,30 +64,22 @@ class RingSession:
         epoch = int(header["frontend_epoch"]) + 1
         transport.write(HEADER.offset("frontend_epoch"), np.array([epoch], "<u8").tobytes())
         session = cls(transport, epoch)
-        _, slots = session.read_snapshot()
-        states = slots["state"]
-        done = np.flatnonzero(states == SlotState.DECODE_COMPLETED)
-        session.write_resets(done.tolist())
-        states = states.copy()
-        states[done] = SlotState.EMPTY
-        session.tracker.refresh(states)
+        snap = session.snapshot
+        snap.refresh_full(session.tracker.held)
+        done = np.flatnonzero(snap.slots["state"] == SlotState.DECODE_COMPLETED).tolist()
+        session.write_resets(done)
+        snap.mark_empty(done)
+        session.tracker.refresh(snap.slots["state"])
         return session
 
     # -- reads ------------------------------------------------------------------
-    def read_snapshot(self) -> tuple[np.void, np.ndarray]:
-        """One bulk read of the header and every slot record (copies)."""
-        raw = self.transport.read(0, self.snapshot_bytes)
-        header = np.frombuffer(raw, HEADER_DTYPE, 1, 0)[0]
-        slots = np.frombuffer(raw, SLOT_DTYPE, self.geom.slot_count, self.geom.slots_offset)
-        return header, slots
-
     def read_slot(self, slot: int) -> np.void:
         raw = self.transport.read(self.geom.slot_offset(slot), SLOT.size)
         return np.frombuffer(raw, SLOT_DTYPE, 1)[0]
 
     def read_tokens(self, flight: Flight, start: int, stop: int) -> list[int]:
-        off = self.geom.output_token_offset(flight.output_offset + start)
-        raw = self.transport.read(off, (stop - start) * 4)
+        """Output tokens [start, stop) of `flight` (the caller saw `generated` >= stop)."""
+        raw = self.transport.read(self._output_base + (flight.output_offset + start) * 4, (stop - start) * 4)
         return np.frombuffer(raw, "<i4").tolist()
 
     # -- submissions ------------------------------------------------------------

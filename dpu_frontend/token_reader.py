@@ -1,6 +1,7 @@
 """Token reader (paper §4.4): one bulk read per poll, new tokens out to the handles.
 
-    poll: read header + all slot records (one Transport.read)
+    poll: read header + slot records (slot_snapshot.py: every slot now and then,
+          else the arc covering our in-flight slots: one Transport.read, two if it wraps)
           -> health.observe(header), tracker.refresh(states)
           -> slots whose generated count, state or seq moved (vectorised over the snapshot)
           -> read tokens [received, generated) per slot -> handle._deliver
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,12 +56,27 @@ def finish_of(finish_reason: int, error_code: int) -> tuple[str, str | None]:
     return "error", _ERROR_TEXT.get(ec, f"request failed ({fr.name.lower()}, {ec.name.lower()})")
 
 
+_PROGRESS_FIELDS = ("state", "seq", "epoch", "generated", "t_picked_ns", "t_first_ns", "t_last_ns")
+
+
+class _Progress(NamedTuple):
+    """The words of one slot record the reader acts on."""
+    state: int
+    seq: int
+    epoch: int
+    generated: int
+    t_picked_ns: int
+    t_first_ns: int
+    t_last_ns: int
+
+
 @dataclasses.dataclass(frozen=True)
 class ReaderConfig:
     spin_s: float = 200e-6          # keep polling back to back this long after progress
     busy_interval_s: float = 0.001  # poll interval while requests are in flight
     idle_interval_s: float = 0.02   # poll interval with nothing in flight (health only)
     max_slots_per_poll: int = 1024  # token reads per poll; the rest next poll
+    full_scan_interval_s: float = 0.1   # read every slot this often; otherwise only the watched arc
 
 
 @dataclasses.dataclass
@@ -67,7 +84,7 @@ class PollResult:
     progress: bool = False      # tokens delivered or slots completed
     freed: int = 0              # slots reset to EMPTY (the wait queue may move)
     backlog: bool = False       # capped: more slots to look at right away
-    states: np.ndarray | None = None   # [slots] state words of this snapshot
+    states: np.ndarray | None = None   # [slots] state words as the frontend now knows them
     frontend_epoch: int = 0            # header word: changes if another frontend attached
 
 
@@ -78,6 +95,7 @@ class TokenReader:
         self.config = config
         self.urgent: set[int] = set()     # slots submitted whose first token we have not seen
         self._last_progress_s = 0.0
+        self._last_full_s = 0.0
         self.polls = 0
 
     def track(self, flight: Flight) -> None:
@@ -86,21 +104,33 @@ class TokenReader:
 
     def poll(self) -> PollResult:
         s = self.session
-        header, slots = s.read_snapshot()
+        snap = s.snapshot
+        held = s.tracker.held
         now_s = time.monotonic()
+        full = now_s - self._last_full_s >= self.config.full_scan_interval_s
+        if full:
+            snap.refresh_full(held)
+            self._last_full_s = now_s
+        else:
+            snap.refresh_watched(held)
+        header, slots = snap.header[0], snap.slots
         self.polls += 1
         self.health.observe(header, now_s)
         states = slots["state"]
-        s.tracker.refresh(states)
-        held = s.tracker.held
+        if full:
+            # Between full reads the cache only changes where we watch, and the tracker
+            # already follows our own takes and resets.
+            s.tracker.refresh(states)
         res = PollResult(states=states, frontend_epoch=int(header["frontend_epoch"]))
-        done = states == SlotState.DECODE_COMPLETED
 
         # Completed slots nobody here holds: left by an earlier frontend.
-        foreign = np.flatnonzero(done & ~held).tolist()
+        fidx = np.flatnonzero(snap.foreign)
+        foreign = fidx[states[fidx] == SlotState.DECODE_COMPLETED].tolist()
         # Our slots that moved: new tokens, completion, or (never expected) another seq.
-        moved = np.flatnonzero(held & (done | (slots["generated"] != s.received)
-                                       | (slots["seq"] != s.seqs))).tolist()
+        hidx = np.flatnonzero(held)
+        mine = slots[hidx]   # [held] records, gathered
+        moved = hidx[(mine["state"] == SlotState.DECODE_COMPLETED) | (mine["generated"] != s.received[hidx])
+                     | (mine["seq"] != s.seqs[hidx])].tolist()
         if len(moved) > self.config.max_slots_per_poll:
             first = [i for i in moved if i in self.urgent]
             rest = [i for i in moved if i not in self.urgent]
@@ -108,69 +138,70 @@ class TokenReader:
             res.backlog = True
 
         resets: list[int] = list(foreign)
-        for slot in moved:
-            flight = s.flights.get(slot)
-            if flight is None:   # held but unknown: cannot happen; never touch it
-                continue
-            if self._read_slot(flight, slots[slot], resets):
-                res.progress = True
+        if moved:
+            sel = np.array(moved)
+            # One gather per column, then plain ints: per-slot numpy record access is slow.
+            cols = zip(moved, *(slots[name][sel].tolist() for name in _PROGRESS_FIELDS))
+            for slot, *words in cols:
+                flight = s.flights.get(slot)
+                if flight is None:   # held but unknown: cannot happen; never touch it
+                    continue
+                if self._read_slot(flight, _Progress(*words), resets):
+                    res.progress = True
         if resets:
             s.write_resets(resets)
             for slot in resets:
                 s.retire(slot)
                 self.urgent.discard(slot)
+            snap.mark_empty(resets)
             res.freed = len(resets)
             res.progress = True
-            res.states = states.copy()
-            res.states[resets] = SlotState.EMPTY   # what the ring holds now, for stats
         if res.progress:
             self._last_progress_s = now_s
         return res
 
-    def _read_slot(self, flight: Flight, rec: np.void, resets: list[int]) -> bool:
+    def _read_slot(self, flight: Flight, p: "_Progress", resets: list[int]) -> bool:
         """Hand over what moved in one of our slots; True if anything did."""
         s = self.session
-        if int(rec["seq"]) != flight.seq or int(rec["epoch"]) != s.epoch:
+        if p.seq != flight.seq or p.epoch != s.epoch:
             # Another writer reused our slot (a second frontend on this ring). Its tokens are
             # not ours: end the request and forget the slot without touching it again.
             if flight.handle is not None:
                 flight.handle._end("error", f"slot {flight.slot} was taken over by another frontend "
-                                            f"(seq {int(rec['seq'])}, epoch {int(rec['epoch'])})")
+                                            f"(seq {p.seq}, epoch {p.epoch})")
             s.flights.pop(flight.slot, None)
             return True
-        state = int(rec["state"])
-        if state == SlotState.DECODE_COMPLETED:
-            rec = s.read_slot(flight.slot)   # final count and finish words, read after the state
-        gen = min(int(rec["generated"]), flight.max_tokens)
+        completed = p.state == SlotState.DECODE_COMPLETED
+        if completed:
+            # Final count, finish words and timestamps, read after the state word that covers them.
+            rec = s.read_slot(flight.slot)
+            p = _Progress(*(int(rec[name]) for name in _PROGRESS_FIELDS))
+        gen = min(p.generated, flight.max_tokens)
         h = flight.handle
         moved = False
         if gen > flight.received:
-            tokens = s.read_tokens(flight, flight.received, gen)
+            tokens = s.read_tokens(flight, flight.received, gen) if h is not None else []
             flight.received = gen
             s.received[flight.slot] = gen
             self.urgent.discard(flight.slot)
             moved = True
-            if h is not None:
-                h.t_picked_ns, h.t_first_ns, h.t_last_ns = (int(rec["t_picked_ns"]), int(rec["t_first_ns"]),
-                                                            int(rec["t_last_ns"]))
+            if h is not None:   # nobody listens to an abandoned slot: its tokens are skipped
+                h.t_picked_ns, h.t_first_ns, h.t_last_ns = p.t_picked_ns, p.t_first_ns, p.t_last_ns
                 if flight.extra_stops:
                     tokens, stopped = _cut_at_stop(tokens, flight.extra_stops)
                     h._deliver(tokens)
                     if stopped and not h.finished:
                         h._end("stop")
                         flight.handle = None
-                        if state != SlotState.DECODE_COMPLETED:
+                        if not completed:
                             s.write_cancels([flight.slot])
-                        h = None
                 else:
                     h._deliver(tokens)
-                h = flight.handle   # _deliver may have cancelled it (consumer too slow)
-        if state == SlotState.DECODE_COMPLETED:
+                h = flight.handle   # None if the stop cut it or _deliver cancelled it (consumer too slow)
+        if completed:
             if h is not None:
-                h.t_picked_ns, h.t_first_ns, h.t_last_ns = (int(rec["t_picked_ns"]), int(rec["t_first_ns"]),
-                                                            int(rec["t_last_ns"]))
-                reason, err = finish_of(int(rec["finish_reason"]), int(rec["error_code"]))
-                h._end(reason, err)
+                h.t_picked_ns, h.t_first_ns, h.t_last_ns = p.t_picked_ns, p.t_first_ns, p.t_last_ns
+                h._end(*finish_of(int(rec["finish_reason"]), int(rec["error_code"])))
             resets.append(flight.slot)
             moved = True
         return moved

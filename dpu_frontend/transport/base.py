@@ -43,6 +43,9 @@ class Transport(Protocol):
     def read(self, offset: int, nbytes: int) -> bytes | memoryview:
         """Copy of ring bytes [offset, offset + nbytes)."""
 
+    # Optional: `read_into(offset, out: memoryview)` fills `out` with the same bytes
+    # `read` would return, sparing a copy on bulk reads; callers fall back to `read`.
+
     def write(self, offset: int, data: bytes) -> None:
         """Write `data` at `offset`, ordered after this process's earlier ring accesses."""
 

@@ -65,6 +65,12 @@ class ShmTransport:
         fence()  # this read after every earlier access: a count is read before the tokens it covers
         return bytes(mv[offset:offset + nbytes])
 
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Copy ring bytes [offset, offset + len(out)) into `out` (one copy, for bulk reads)."""
+        mv = self._check(offset, out.nbytes)
+        fence()  # as in read
+        out[:] = mv[offset:offset + out.nbytes]
+
     def write(self, offset: int, data: bytes) -> None:
         mv = self._check(offset, len(data))
         fence()  # this write after every earlier access: e.g. a reset after our reads of the slot

@@ -371,3 +371,18 @@ async def test_event_loop_keeps_running_while_tokens_stream(backend):
     assert all(len(o) == 2000 for o in outs)
     assert len(gaps) > 10   # the loop kept turning while the reader polled
     await client.close()
+
+
+async def test_a_second_frontend_displaces_the_first(players):
+    a = await started(players.name)
+    h = await a.submit([1, 2], SamplingParams(max_tokens=20_000))
+    b = await started(players.name)
+    await wait_until(lambda: h.finished, 10)
+    assert h.finish_reason == "error" and "another frontend" in h.error
+    assert not a.health().healthy and "another frontend" in a.health().message
+    with pytest.raises(BackendUnavailable, match="another frontend"):
+        await a.submit([1], SamplingParams(max_tokens=1))
+    h2 = await b.submit([3], SamplingParams(max_tokens=4))
+    assert await h2.result() == players.expected(h2, [3], 4)
+    await a.close()
+    await b.close()
