@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Protocol
 
+import numpy as np
+
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
 
 from .intake import Intake, IntakeConfig
@@ -77,13 +79,17 @@ class Engine:
         self.prev_kind = StepKind.IDLE
         self.admitting = True
         self.scenario = scenario
+        self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
+        self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> bool:
         """One scheduling step; False when there was nothing to do."""
         if self.admitting:
-            self.waiting.extend(self.intake.scan())
+            for s in self.intake.scan():
+                self.waiting.append(s)
+                self.owned[s.slot] = s
         self._reap()
         inp = self._policy_input()
         plan = plan_step(inp, self.config.policy)
@@ -116,12 +122,15 @@ class Engine:
 
     def _reap(self) -> None:
         """End cancelled requests and those of a restarted frontend (within one step)."""
-        cancel = self.ring.cancel_flags
         epoch = self.ring.get("frontend_epoch")
-        for s in [s for s in self.waiting if cancel[s.slot] or s.epoch != epoch] + \
-                 [s for s in self.running if cancel[s.slot] or s.epoch != epoch]:
-            self._finish(s, FinishReason.ABORT,
-                         ErrorCode.STALE_EPOCH if s.epoch != epoch else ErrorCode.NONE)
+        if epoch != self._epoch_checked:     # a frontend restart: every older request is stale
+            for s in [s for s in self.owned.values() if s.epoch != epoch]:
+                self._finish(s, FinishReason.ABORT, ErrorCode.STALE_EPOCH)
+            self._epoch_checked = epoch
+        for slot in np.flatnonzero(self.ring.cancel_flags).tolist():
+            s = self.owned.get(slot)
+            if s is not None:
+                self._finish(s, FinishReason.ABORT)
 
     def _preempt(self, victims: tuple[int, ...]) -> None:
         """Recompute preemption: free the blocks, pause the slot, requeue at the front."""
@@ -178,6 +187,7 @@ class Engine:
     def _drop(self, s: Sequence) -> None:
         self.allocator.free(s.blocks)
         s.blocks = []
+        self.owned.pop(s.slot, None)
         if s in self.running:
             self.running.remove(s)
         else:

@@ -246,3 +246,14 @@ def test_ring_with_other_geometry_is_not_replaced(ring_name):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "another layout" in p.stderr and "Traceback" not in p.stderr
     assert Ring.attach(region.buf).geom == geom
+
+
+def test_unloadable_model_is_one_line(ring_name):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run(BLINK + ["gpu-daemon", "--model", "/nonexistent/model.gguf", "--ring", ring_name,
+                                *GEOM_FLAGS], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot load model" in lines[0] and "not found" in lines[0]
+    ring = Ring.attach(ShmRegion.open(ring_name).buf)
+    assert ring.get("backend_status") == BackendStatus.DOWN
