@@ -21,7 +21,7 @@ import time
 from aiohttp import web
 
 from . import openai_api as api
-from .completions import CHAT, COMPLETIONS, Endpoint, GenerationService, handle_generation
+from .completions import CHAT, COMPLETIONS, STREAM_STARTED, Endpoint, GenerationService, code_trace, handle_generation
 from .config import FrontendConfig
 from .metrics import FrontendMetrics
 from .openai_api import ApiError
@@ -139,8 +139,10 @@ async def _errors(request: web.Request, handler):
         raise
     except Exception as e:
         # The message may quote the prompt; the type and the traceback (code only) do not.
-        log.error("unhandled %s in %s %s", type(e).__name__, request.method, request.path,
-                  exc_info=(type(e), None, e.__traceback__))
+        log.error("unhandled %s in %s %s\n%s", type(e).__name__, request.method, request.path, code_trace(e))
+        started = request.get(STREAM_STARTED)
+        if started is not None:
+            return started   # headers and some events are out; aiohttp ends the stream
         err = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
     if endpoint is not None:
         request.app[METRICS].outcome(endpoint.name, _OUTCOME_BY_STATUS.get(err.status, "internal_error"))

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import traceback
 
 from aiohttp import web
 
@@ -28,6 +29,10 @@ from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, Que
 from .tokenizer import ChatTemplateError, ModelTokenizer
 
 log = logging.getLogger(__name__)
+
+# Set on the request once SSE headers are out: the error middleware must not answer twice.
+STREAM_STARTED = (web.RequestKey("stream_started", web.StreamResponse) if hasattr(web, "RequestKey")
+                  else "blink.stream_started")   # aiohttp < 3.12 has no typed request keys
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -173,6 +178,7 @@ class GenerationService:
         finish = None
         try:
             await resp.prepare(request)
+            request[STREAM_STARTED] = resp
             async for batch in handle:
                 delta = detok.feed(batch)
                 last = delta.finished or handle.finished
@@ -219,8 +225,7 @@ class GenerationService:
             if not resp.prepared:
                 raise   # nothing sent yet: the error middleware answers with a 500
             # Headers are out: end the stream with an error event instead of a broken body.
-            log.error("unhandled %s while streaming %s", type(e).__name__, gen.rid,
-                      exc_info=(type(e), None, e.__traceback__))
+            log.error("unhandled %s while streaming %s\n%s", type(e).__name__, gen.rid, code_trace(e))
             outcome = "internal_error"
             err = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
             try:
@@ -249,6 +254,11 @@ class GenerationService:
             m.ttft.observe((t_first_ns - gen.t_arrival_ns) / 1e9)
             if n_tokens > 1:
                 m.tpot.observe((now - t_first_ns) / 1e9 / (n_tokens - 1))
+
+
+def code_trace(e: BaseException) -> str:
+    """The traceback of `e`, frames and code lines only: its message may quote the prompt."""
+    return "".join(traceback.format_tb(e.__traceback__)).rstrip()
 
 
 async def read_json(request: web.Request):

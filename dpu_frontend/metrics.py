@@ -136,9 +136,10 @@ class FrontendMetrics:
                         [({"state": str(k)}, float(v)) for k, v in sorted(slots.items())])
         for key, name, help_text in (
                 ("queue_depth", "blink_queue_depth", "Requests waiting for a free slot."),
-                ("inflight", "blink_requests_inflight", "Requests holding a slot."),
-                ("output_arena_used_tokens", "blink_output_arena_used_tokens", "Output arena tokens reserved."),
-                ("prompt_arena_used_tokens", "blink_prompt_arena_used_tokens", "Prompt arena tokens reserved.")):
+                ("inflight", "blink_requests_inflight", "Requests with a listener, holding a slot."),
+                ("held_slots", "blink_held_slots", "Slots this frontend submitted and has not reset yet."),
+                ("output_arena_free_tokens", "blink_output_arena_free_tokens", "Output arena tokens free."),
+                ("prompt_arena_free_tokens", "blink_prompt_arena_free_tokens", "Prompt arena tokens free.")):
             if key in stats:
                 lines += _gauge(name, help_text, [({}, float(stats[key]))])
         if health is not None:

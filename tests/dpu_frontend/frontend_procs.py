@@ -41,6 +41,8 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes, dict]:
             return r.status, r.read(), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read(), dict(e.headers)
+    except (urllib.error.URLError, ConnectionError):
+        return 0, b"", {}   # nobody listening (yet)
 
 
 def metric(text: str, name: str, **labels) -> float:
