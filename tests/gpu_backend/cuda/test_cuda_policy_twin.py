@@ -1,0 +1,136 @@
+"""The device's decision core (csrc/sched_policy.h, compiled with g++) against
+the Python policy and intake: random inputs, and scenarios recorded as JSON
+from the real engine (gpu_backend.engine) serving traffic with a KV pool small
+enough to preempt."""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_backend import policy as P
+from gpu_backend.engine import Engine, EngineConfig
+from gpu_backend.executors.null import EchoRunner
+from gpu_backend.intake import Intake, IntakeConfig
+from shared_layout import BackendPort, Ring, RingGeometry, SlotRequest, SlotState
+from shared_layout.layout import SLOT_DTYPE
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from frontend_player import FrontendPlayer  # noqa: E402
+
+
+def _random_input(rng: random.Random, cfg: P.PolicyConfig, max_running: int) -> P.PolicyInput:
+    ids = rng.sample(range(1000), 40)
+    waiting = [P.WaitingReq(ids.pop(), rng.randint(1, 120)) for _ in range(rng.randint(0, 6))]
+    running = []
+    for _ in range(rng.randint(0, max_running)):
+        n = rng.randint(1, 120)
+        done = rng.choice([n - 1, n - 1, rng.randint(0, n - 1)])
+        held = rng.choice([P.blocks_needed(done, cfg.block_size), P.blocks_needed(done + 1, cfg.block_size)])
+        running.append(P.RunningReq(ids.pop(), n, done, held))
+    free = rng.choice([0, 0, 1, rng.randint(0, 40)])
+    return P.PolicyInput(tuple(waiting), tuple(running), free, P.StepKind(rng.randint(0, 2)))
+
+
+def test_random_inputs_plan_alike(twin_lib):
+    from gpu_backend.cuda import twin
+    rng = random.Random(20261122)
+    kinds = set()
+    for _ in range(4000):
+        cfg = P.PolicyConfig(rng.randint(1, 8), rng.choice([1, 3, 16, 64, 2048]), rng.choice([1, 2, 4, 16]))
+        inp = _random_input(rng, cfg, min(6, cfg.max_batch_size))
+        want = P.plan_step(inp, cfg)
+        assert twin.plan_step(inp, cfg) == want, (inp, cfg)
+        kinds.add((want.kind, bool(want.preempted), bool(want.admitted)))
+    # the sample reached every kind of decision, preemptions and admissions included
+    assert {(P.StepKind.DECODE, True, False), (P.StepKind.IDLE, True, False),
+            (P.StepKind.PREFILL, False, True), (P.StepKind.IDLE, False, False)} <= kinds
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 12), budget=st.integers(1, 300),
+       block=st.sampled_from([1, 2, 4, 8, 16]))
+def test_hypothesis_inputs_plan_alike(twin_lib, seed, batch, budget, block):
+    from gpu_backend.cuda import twin
+    cfg = P.PolicyConfig(batch, budget, block)
+    inp = _random_input(random.Random(seed), cfg, batch + 1)   # one past the seat limit too
+    assert twin.plan_step(inp, cfg) == P.plan_step(inp, cfg)
+
+
+def _record_engine_scenario(seed: int) -> P.Scenario:
+    """Serve random traffic through the real engine (echo runner) and record every decision."""
+    rng = np.random.default_rng(seed)
+    geom = RingGeometry(24, 1 << 14, 1 << 14)
+    ring = Ring.create(bytearray(geom.total_size), geom)
+    policy = P.PolicyConfig(max_batch_size=int(rng.integers(2, 7)), max_prefill_tokens=int(rng.integers(8, 64)),
+                            block_size=int(rng.choice([2, 4, 8])))
+    max_len = 96
+    num_blocks = P.blocks_needed(max_len, policy.block_size) + int(rng.integers(0, 12))   # tight: preemptions
+    scenario = P.Scenario(policy, name=f"engine-seed{seed}")
+    engine = Engine(ring, EchoRunner(), EngineConfig(policy, num_blocks), IntakeConfig(49152, max_len),
+                    scenario=scenario)
+    fp = FrontendPlayer(ring)
+    submitted = 0
+    for _ in range(400):
+        while submitted < 40 and len(fp.inflight) < geom.slot_count and rng.random() < 0.5:
+            fp.submit(rng.integers(0, 1000, int(rng.integers(1, 60))).tolist(), int(rng.integers(1, 40)))
+            submitted += 1
+        if fp.inflight and rng.random() < 0.03:
+            fp.cancel(int(rng.choice(list(fp.inflight))))
+        engine.step()
+        for slot in [s for s in fp.inflight if fp.done(s)]:
+            fp.collect(slot)
+    return scenario
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_recorded_engine_scenarios_replay_alike(twin_lib, seed, tmp_path):
+    from gpu_backend.cuda import twin
+    recorded = _record_engine_scenario(seed)
+    path = tmp_path / "scenario.json"
+    recorded.dump(path)
+    scenario = P.Scenario.from_json(json.loads(path.read_text()))
+    assert len(scenario.steps) > 100
+    assert any(plan.preempted for _, plan in scenario.steps), "the tight pool should force preemptions"
+    for i, (inp, plan) in enumerate(scenario.steps):
+        assert twin.plan_step(inp, scenario.config) == plan, f"step {i} of {scenario.name}"
+
+
+def test_intake_checks_match_python(twin_lib):
+    """Corrupted and valid slot records get the same (finish, error) from both intakes."""
+    from gpu_backend.cuda import twin
+    from gpu_backend.cuda.config import SchedulerConfig
+    geom = RingGeometry(4, 4096, 4096)
+    ring = Ring.create(bytearray(geom.total_size), geom)
+    ring.set("frontend_epoch", 7)
+    max_len = 512
+    intake = Intake(ring, BackendPort(ring), IntakeConfig(49152, max_len))
+    cfg = SchedulerConfig(max_model_len=max_len, max_batch_size=4)
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(3000):
+        rec = SlotRequest(seq=1, prompt_offset=rng.randint(0, 100), prompt_len=rng.randint(1, 50),
+                          output_offset=rng.randint(0, 100), max_tokens=rng.randint(1, 50), epoch=7).record()
+        r = rec[0]
+        field = rng.choice(["none", "prompt_len", "prompt_offset", "max_tokens", "output_offset", "temperature",
+                            "top_p", "top_k", "n_stop_ids", "epoch", "cancel"])
+        bad = {"prompt_len": [0, 600, 5000], "prompt_offset": [4090, 2**32 - 1], "max_tokens": [0, 5000],
+               "output_offset": [4095, 2**31], "temperature": [-1.0, float("nan"), float("inf"), 0.7],
+               "top_p": [0.0, 1.5, float("nan"), 0.3], "top_k": [-1, 5], "n_stop_ids": [9, 8],
+               "epoch": [6, 8], "cancel": [1]}.get(field)
+        if bad:
+            r[field] = rng.choice(bad)
+        ring.slots[0] = r
+        ring.prompt_arena[:] = 1
+        _, want_finish, want_error = intake._read(0, 7)
+        got = twin.intake_check(cfg, geom, 7, ring.slots[0:1])
+        assert got == (int(want_finish), int(want_error)), (field, r)
+        seen.add(got)
+    assert len(seen) >= 5
+    assert ring.slots.dtype == SLOT_DTYPE and SlotState.EMPTY == 0
