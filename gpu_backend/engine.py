@@ -150,7 +150,8 @@ class Engine:
             self.running.append(s)
         by_slot = {s.slot: s for s in self.running}
         for slot, n in plan.new_blocks:
-            by_slot[slot].blocks.extend(self.allocator.allocate(n))
+            if n:
+                by_slot[slot].blocks.extend(self.allocator.allocate(n))
         chunks = [(by_slot[slot], n) for slot, n in plan.prefill] + [(by_slot[slot], 1) for slot in plan.decode]
         return StepBatch(plan.kind, tuple(
             ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens) for s, n in chunks))
