@@ -221,16 +221,18 @@ class RingClient:
             # Submissions arriving in this loop iteration go out in one batch of writes.
             self._flush_handle = loop.call_soon(self._flush)
         if not w.fut.done():
-            timer = loop.call_later(max(queue_timeout_s, 0.0), self._expire, w, queue_timeout_s)
+            timer = (loop.call_later(max(queue_timeout_s, 0.0), self._expire, w, queue_timeout_s)
+                     if math.isfinite(queue_timeout_s) else None)
             try:
                 await w.fut
             except asyncio.CancelledError:
                 self._remove_waiter(w)
                 if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
-                    w.fut.result().cancel()
+                    w.fut.result().cancel()   # placed just before the caller gave up
                 raise
             finally:
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
         return w.fut.result()
 
     def _validate(self, s: RingSession, prompt_ids, params: SamplingParams) -> tuple[np.ndarray, int]:
@@ -449,6 +451,7 @@ class RingClient:
         """End every live handle with an error; raise their cancel flags for a daemon to come."""
         s = self._session
         live = [f for f in s.flights.values() if f.handle is not None]
+        log.warning("%s; ending %d in-flight requests", message, len(live))
         for f in live:
             f.handle, h = None, f.handle
             h._end("error", message)
@@ -462,6 +465,7 @@ class RingClient:
         s = self._session
         self._session = self._reader = None
         self._down_message = message
+        log.warning("detached from the ring: %s", message)
         self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
         if s is not None:
             for f in s.flights.values():

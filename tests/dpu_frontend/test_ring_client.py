@@ -21,7 +21,7 @@ import pytest
 
 from dpu_frontend.ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RingClient,
                                       RingClientConfig, SamplingParams)
-from dpu_frontend.transport import shm_factory
+from dpu_frontend.transport import ShmTransport, shm_factory
 from shared_layout import Ring, RingGeometry, SlotState
 from shared_layout.shm import ShmRegion
 
@@ -386,3 +386,26 @@ async def test_a_second_frontend_displaces_the_first(players):
     assert await h2.result() == players.expected(h2, [3], 4)
     await a.close()
     await b.close()
+
+
+class CountingShm(ShmTransport):
+    """The real shm transport, recording the size of every write batch."""
+    batches: list[int] = []
+
+    def write_batch(self, writes):
+        CountingShm.batches.append(len(writes))
+        super().write_batch(writes)
+
+
+async def test_a_burst_of_submissions_goes_out_as_one_batch_of_writes(players):
+    CountingShm.batches = []
+    client = RingClient(lambda: CountingShm.open(players.name), RingClientConfig())
+    await client.start()
+    await wait_until(lambda: client.health().healthy, 30)
+    before = len(CountingShm.batches)
+    hs = await asyncio.gather(*[client.submit([i + 1, 2], SamplingParams(max_tokens=3)) for i in range(16)])
+    # 16 submissions of one event-loop turn: prompt, body and state word each, in one batch
+    assert CountingShm.batches[before] == 16 * 3
+    for i, h in enumerate(hs):
+        assert await h.result() == players.expected(h, [i + 1, 2], 3)
+    await client.close()
