@@ -186,6 +186,10 @@ class RdmaRingServer:
                 log.warning("frontend %s: %s", peer, e)
                 _send_quietly(conn, encode_error(str(e)))
                 return
+            except Exception as e:   # a bug here must not kill the bootstrap thread silently
+                log.exception("frontend %s: cannot connect a queue pair", peer)
+                _send_quietly(conn, encode_error(f"daemon error while connecting: {e!r}"))
+                return
             conn.sendall(encode_server_hello(reply))
             log.info("frontend %s connected (QPN %#x -> our QPN %#x)", peer, hello.qp.qpn, reply.qp.qpn)
             conn.settimeout(None)
@@ -222,6 +226,10 @@ class RdmaRingServer:
         """Disconnect every frontend, deregister the ring, release the device. Idempotent."""
         self._stop.set()
         if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)   # wakes the accept() blocked in its thread
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:

@@ -274,7 +274,10 @@ class HostBuffer:
     def close(self) -> None:
         self.view.release()
         del self._anchor
-        self.mm.close()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass   # a caller still holds a view; the mapping goes with it
 
 
 def buffer_address(buf) -> tuple[int, object]:
@@ -304,7 +307,7 @@ class VerbsPort:
             self.max_qp_rd_atom = int(dev.max_qp_rd_atom)          # READs a responder QP accepts
             self.max_qp_init_rd_atom = int(dev.max_qp_init_rd_atom)  # READs a requester QP issues
             self.gid_index = pick_gid_index(port) if gid_index is None else gid_index
-            self.gid = str(self.ctx.query_gid(port.port, self.gid_index))
+            self.gid = ipaddress.IPv6Address(str(self.ctx.query_gid(port.port, self.gid_index))).exploded
         except PyverbsError as e:
             self.ctx.close()
             raise TransportError(f"cannot set up {port}: {e}") from None

@@ -129,6 +129,14 @@ class VerbsTransport:
             self.region.remote_addr(offset, nbytes)   # ValueError outside the ring
             return self._read_locked(offset, nbytes)
 
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with ring bytes [offset, offset + len(out)) (one copy, for bulk reads)."""
+        out = memoryview(out).cast("B")
+        with self._lock:
+            self._usable()
+            self.region.remote_addr(offset, out.nbytes)
+            self._read_into_locked(offset, out)
+
     def write(self, offset: int, data: bytes) -> None:
         self.write_batch([(offset, data)])
 
@@ -218,12 +226,17 @@ class VerbsTransport:
 
     # -- helpers -----------------------------------------------------------------------
     def _read_locked(self, offset: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        self._read_into_locked(offset, memoryview(out))
+        return bytes(out)
+
+    def _read_into_locked(self, offset: int, out: memoryview) -> None:
+        nbytes = out.nbytes
         if nbytes == 0:
-            return b""
+            return
         want = min(max(nbytes, self.config.read_buffer_bytes), self.config.max_read_buffer_bytes)
         if want > self._read_buf.nbytes:
             self._grow_read_buffer(want)
-        out = bytearray(nbytes)
         pos = 0
         for ops in plan_reads(offset, nbytes, self._read_buf.nbytes, self.vport.max_msg_bytes,
                               max_wrs=self.qp.sq_depth):
@@ -235,7 +248,6 @@ class VerbsTransport:
             n = sum(op.length for op in ops)
             out[pos:pos + n] = self._read_buf.view[:n]
             pos += n
-        return bytes(out)
 
     def _grow_read_buffer(self, nbytes: int) -> None:
         buf = HostBuffer(nbytes)
