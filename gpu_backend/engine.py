@@ -88,6 +88,10 @@ class Engine:
         """One scheduling step; False when there was nothing to do."""
         if self.admitting:
             for s in self.intake.scan():
+                old = self.owned.get(s.slot)
+                if old is not None:      # the frontend reused a slot we still held: forget the old request
+                    log.error("slot %d resubmitted while its request %d ran; dropping that one", s.slot, old.seq)
+                    self._drop(old)
                 self.waiting.append(s)
                 self.owned[s.slot] = s
         self._reap()

@@ -43,13 +43,20 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return torch.softmax(x, dim=-1)
 
 
+# Below this temperature sampling is argmax in all but name, and logits / T
+# would overflow float32 into inf/NaN probabilities.
+MIN_TEMPERATURE = 1e-5
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [N, vocab] float32, row i for seqs[i] -> N token ids."""
     out = logits.argmax(dim=-1).tolist()      # host sync: tokens go to the ring
     for i, s in enumerate(seqs):
         p = s.params
-        if p.greedy:
+        if p.temperature < MIN_TEMPERATURE:
             continue
         probs = filter_logits(logits[i].float(), p.temperature, p.top_k, p.top_p)
+        if not bool(torch.isfinite(probs).all()):
+            continue                          # degenerate row: keep argmax rather than fail the batch
         out[i] = int(torch.multinomial(probs, 1, generator=generator_for(s)))
     return out

@@ -257,3 +257,20 @@ def test_unloadable_model_is_one_line(ring_name):
     assert len(lines) == 1 and "cannot load model" in lines[0] and "not found" in lines[0]
     ring = Ring.attach(ShmRegion.open(ring_name).buf)
     assert ring.get("backend_status") == BackendStatus.DOWN
+
+
+def test_policy_trace_records_replayable_decisions(ring_name, daemon, tmp_path):
+    import json
+
+    from gpu_backend.policy import Scenario
+    trace = tmp_path / "trace.json"
+    proc = daemon("--policy-trace", str(trace), "--max-batch-size", "3", "--max-prefill-tokens", "8")
+    ring = wait_ready(ring_name, proc)
+    fe = FrontendPlayer(ring)
+    slots = [fe.submit(list(range(1, 2 + 3 * i)), 6) for i in range(5)]
+    for s in slots:
+        fe.wait(s)
+    assert stop(proc) == 0
+    sc = Scenario.from_json(json.loads(trace.read_text()))
+    assert sc.config.max_batch_size == 3 and sc.config.max_prefill_tokens == 8
+    assert any(p.prefill for _, p in sc.steps) and not sc.mismatches()

@@ -50,3 +50,9 @@ def test_unseeded_sequences_differ():
     a, b = seq(temperature=1.0), seq(temperature=1.0)
     draws = [sample(logits, [a, b]) for _ in range(10)]
     assert [d[0] for d in draws] != [d[1] for d in draws]
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1)) * 30
+    out = sample(logits, [seq(temperature=1e-30, seed=1), seq(temperature=1e-4, top_p=0.5, seed=2)])
+    assert out == logits.argmax(-1).tolist()
