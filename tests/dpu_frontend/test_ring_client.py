@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from dpu_frontend.ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RingClient,

@@ -1,5 +1,4 @@
 """RingSession + TokenReader over a real shm ring; this test plays the backend with BackendPort."""
-import dataclasses
 
 import numpy as np
 import pytest
