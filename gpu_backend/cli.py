@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from shared_layout import RingGeometry
 from shared_layout.layout import DEFAULT_OUTPUT_ARENA_TOKENS, DEFAULT_PROMPT_ARENA_TOKENS, DEFAULT_SLOTS
@@ -62,9 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-trace", default=None, metavar="PATH",
                    help="record every batching decision to PATH as a policy Scenario (JSON) on exit")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from . import rdma_server       # --transport shm|verbs and the RDMA bootstrap flags
+    rdma_server.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import rdma_server
     from .daemon import DaemonConfig, run_daemon
     logging.basicConfig(level=args.log_level.upper(), format="blink gpu-daemon: %(message)s")
     sizes = (args.slots, args.prompt_arena_tokens, args.output_arena_tokens)
@@ -75,12 +79,17 @@ def run(args: argparse.Namespace) -> int:
                                     args.prompt_arena_tokens or DEFAULT_PROMPT_ARENA_TOKENS,
                                     args.output_arena_tokens or DEFAULT_OUTPUT_ARENA_TOKENS)
         except ValueError as e:
-            print(f"blink gpu-daemon: {e}")
+            print(f"blink gpu-daemon: {e}", file=sys.stderr)
             return 2
     options = ExecutorOptions(model=args.model, max_batch_size=args.max_batch_size,
                               max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
                               threads=args.threads, shutdown_grace_s=args.shutdown_grace_s,
                               policy_trace=args.policy_trace)
+    try:
+        rdma = rdma_server.config_from_args(args)      # before the model loads: no RDMA, one line
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
     return run_daemon(DaemonConfig(ring_name=args.ring, geometry=geometry, executor=args.executor,
-                                   options=options))
+                                   options=options, rdma=rdma))

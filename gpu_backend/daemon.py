@@ -1,7 +1,8 @@
 """The daemon: one-time setup, then hand the ring over to an executor.
 
     resolve the executor (one-line error and exit 2 if it cannot run here)
-    -> open_ring (attach or create the shm file) -> begin: STARTING, epoch + 1,
+    -> open_ring (attach or create the shm file) [-> RDMA bootstrap server over
+       it with --transport verbs] -> begin: STARTING, epoch + 1,
        leftover slots of a dead daemon aborted -> heartbeat thread
     -> executor = spec.create(options) (loads the model)
     -> publish vocab / max_len, READY -> executor.serve(ring, stop)
@@ -32,6 +33,7 @@ class DaemonConfig:
     executor: str = "cpu"
     options: ExecutorOptions = ExecutorOptions()
     heartbeat_interval_s: float = 0.05
+    rdma: object | None = None              # rdma_server.RdmaServerConfig for --transport verbs
 
 
 def _say(msg: str) -> None:
@@ -49,6 +51,15 @@ def run_daemon(config: DaemonConfig) -> int:
     except ring_host.RingError as e:
         _say(str(e))
         return 2
+    rdma_server = None
+    if config.rdma is not None:       # remote frontends reach the host ring over RDMA
+        from .rdma_server import serve_host_ring
+        try:
+            rdma_server = serve_host_ring(config.rdma, region.buf, ring.geom.total_size)
+        except SystemExit as e:
+            _say(str(e).removeprefix("blink gpu-daemon: "))
+            region.close()
+            return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     epoch = ring_host.begin(ring)
@@ -78,6 +89,8 @@ def run_daemon(config: DaemonConfig) -> int:
             log.info("%d requests ended ABORT/BACKEND_SHUTDOWN", n)
         if executor is not None:
             executor.close()
+        if rdma_server is not None:
+            rdma_server.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         region.close()

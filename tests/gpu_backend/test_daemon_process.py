@@ -274,3 +274,16 @@ def test_policy_trace_records_replayable_decisions(ring_name, daemon, tmp_path):
     sc = Scenario.from_json(json.loads(trace.read_text()))
     assert sc.config.max_batch_size == 3 and sc.config.max_prefill_tokens == 8
     assert any(p.prefill for _, p in sc.steps) and not sc.mismatches()
+
+
+def test_verbs_transport_without_rdma_device_is_one_line(ring_name):
+    import glob
+    if glob.glob("/sys/class/infiniband/*"):
+        pytest.skip("this machine has an RDMA device")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run(BLINK + ["gpu-daemon", "--model", "null", "--ring", ring_name, "--transport", "verbs",
+                                *GEOM_FLAGS], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blink gpu-daemon: ") and "RDMA" in lines[0]
+    assert not ShmRegion.exists(ring_name)
