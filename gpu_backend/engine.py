@@ -214,7 +214,7 @@ class Engine:
         (no new claims) and abort whatever is left with ABORT/BACKEND_SHUTDOWN."""
         idle = 0
         while not stop.is_set():
-            if self.step():
+            if self._safe_step():
                 idle = 0
             else:
                 # Back off from 50 us to idle_sleep_max_s so a quiet ring costs little CPU.
@@ -223,6 +223,24 @@ class Engine:
         self.admitting = False
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.has_work() and time.monotonic() < deadline:
-            if not self.step():
+            if not self._safe_step():
                 time.sleep(0.0005)
         self.abort_all(ErrorCode.BACKEND_SHUTDOWN)
+
+    def _safe_step(self) -> bool:
+        """step(), with a last-resort net: an engine bug ends the requests in flight with
+        ERROR/INTERNAL and starts over from a clean pool instead of killing the daemon."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("engine step failed; ending %d requests with ERROR/INTERNAL", len(self.owned))
+            for s in list(self.owned.values()):
+                try:
+                    self.port.complete(s.slot, FinishReason.ERROR, ErrorCode.INTERNAL)
+                except Exception:
+                    pass
+            self.owned.clear()
+            self.waiting.clear()
+            self.running.clear()
+            self.allocator = BlockAllocator(self.config.num_blocks)
+            return True

@@ -220,3 +220,28 @@ def test_cpu_executor_sizes_its_pool_and_caps_the_context(model):
     assert ex.pool.config.num_blocks == 1024 * 1024 // per_block
     assert ex.max_model_len == min(cfg.max_position_embeddings, ex.pool.config.num_blocks * 16)
     assert ex.vocab_size == cfg.vocab_size and ex.eos_ids == cfg.eos_token_ids
+
+
+def test_an_engine_bug_ends_requests_with_internal_error_and_serving_goes_on(model):
+    import threading
+    engine, fe = make_engine(model)
+    rng = random.Random(8)
+    a = fe.submit(rand_prompt(rng, 5), 50)
+    engine.step()
+    engine._schedule = lambda plan: 1 / 0     # sabotage: a bug outside the runner
+    assert engine._safe_step()
+    del engine._schedule
+    r = fe.collect(a)
+    assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INTERNAL)
+    assert not engine.owned and engine.allocator.free_count == engine.allocator.num_blocks
+    p = rand_prompt(rng, 6)
+    b = fe.submit(p, 4)
+    stop = threading.Event()
+    t = threading.Thread(target=engine.serve, args=(stop,))
+    t.start()
+    try:
+        r = fe.wait(b)
+    finally:
+        stop.set()
+        t.join()
+    assert r.tokens == greedy_generate(model, p, 4)
