@@ -1,0 +1,214 @@
+"""The systemd units, their installer and uninstaller (in a throwaway root), and the start check.
+
+`systemd-analyze verify` (Debian's systemd package) must be present under CI=true; elsewhere
+its absence skips the verify tests with the reason.
+"""
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from shared_layout import BackendStatus, Ring, RingGeometry
+from shared_layout.shm import ShmRegion
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+VENV = Path(sys.prefix)                 # the environment running the tests has `blink` installed
+UNITS = ("blink-gpu-daemon", "blink-dpu-frontend")
+WAIT_READY = SCRIPTS / "systemd" / "blink-wait-ready"
+
+
+def _analyze() -> str:
+    path = shutil.which("systemd-analyze")
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("systemd-analyze missing on CI: apt-get install -y systemd")
+        pytest.skip("systemd-analyze not installed (Debian: apt-get install systemd)")
+    return path
+
+
+def _install(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPTS / "install_services.sh"), "--root", str(root), "--venv", str(VENV), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    if shutil.which("systemd-sysusers") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("systemd-sysusers missing on CI: apt-get install -y systemd")
+        pytest.skip("systemd-sysusers not installed (Debian: apt-get install systemd)")
+    root = tmp_path_factory.mktemp("root")
+    out = _install(root, "--role", "both")
+    assert out.returncode == 0, out.stderr
+    return root
+
+
+def _verify(*unit_files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([_analyze(), "verify", *map(str, unit_files)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_units_pass_systemd_analyze_verify_without_a_warning(installed):
+    files = [installed / f"etc/systemd/system/{u}.service" for u in UNITS]
+    out = _verify(*files)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip() == "" and out.stdout.strip() == "", out.stderr + out.stdout
+
+
+def test_verify_would_catch_a_broken_unit(installed, tmp_path):
+    text = (installed / "etc/systemd/system/blink-gpu-daemon.service").read_text()
+    bad = tmp_path / "blink-gpu-daemon.service"
+    bad.write_text(text.replace("LimitMEMLOCK=", "LimitMEMLOKC=").replace(str(VENV), "/nonexistent"))
+    out = _verify(bad)
+    assert "LimitMEMLOKC" in out.stderr and out.returncode != 0
+
+
+def test_installed_files_modes_and_paths(installed):
+    for u in UNITS:
+        unit = installed / f"etc/systemd/system/{u}.service"
+        text = unit.read_text()
+        assert "@VENV@" not in text and "@LIBEXEC@" not in text
+        assert f"ExecStart={VENV}/bin/blink " in text
+        assert stat.S_IMODE(unit.stat().st_mode) == 0o644
+        env = installed / f"etc/blink/{u.removeprefix('blink-')}.env"
+        assert stat.S_IMODE(env.stat().st_mode) == 0o640
+        assert f"EnvironmentFile=/etc/blink/{env.name}" in text
+    wait = installed / "usr/local/lib/blink/blink-wait-ready"
+    assert stat.S_IMODE(wait.stat().st_mode) == 0o755
+    assert (installed / "usr/local/share/doc/blink/deployment.md").read_text() == \
+        (REPO / "docs/deployment.md").read_text()
+    passwd = (installed / "etc/passwd").read_text()
+    assert re.search(r"^blink:x:\d+:\d+:[^:]*:/var/lib/blink:/usr/sbin/nologin$", passwd, re.M)
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_every_variable_the_unit_uses_is_set_in_its_env_file(unit):
+    text = (SCRIPTS / "systemd" / f"{unit}.service").read_text()
+    env = (SCRIPTS / "systemd" / f"{unit.removeprefix('blink-')}.env").read_text()
+    defined = {line.split("=", 1)[0] for line in env.splitlines() if line and not line.startswith("#")}
+    used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", text))
+    assert used and used <= defined, used - defined
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_units_keep_the_devices_reachable_and_run_unprivileged(unit):
+    text = (SCRIPTS / "systemd" / f"{unit}.service").read_text()
+    assert "PrivateDevices=yes" not in text
+    assert "DeviceAllow=char-infiniband_verbs rw" in text
+    assert "User=blink" in text and "Restart=on-failure" in text and "LimitMEMLOCK=infinity" in text
+    if unit == "blink-gpu-daemon":
+        assert "DeviceAllow=char-nvidia-frontend rw" in text and "DeviceAllow=char-nvidia-uvm rw" in text
+
+
+def test_reinstall_keeps_the_administrators_settings(installed):
+    env = installed / "etc/blink/dpu-frontend.env"
+    env.write_text(env.read_text().replace("BLINK_PORT=8000", "BLINK_PORT=9999"))
+    out = _install(installed, "--role", "dpu")
+    assert out.returncode == 0, out.stderr
+    assert "keeping existing /etc/blink/dpu-frontend.env" in out.stdout
+    assert "BLINK_PORT=9999" in env.read_text()
+    users = [line for line in (installed / "etc/passwd").read_text().splitlines() if line.startswith("blink:")]
+    assert len(users) == 1   # the user is not duplicated
+
+
+def test_one_role_installs_one_unit(tmp_path):
+    if shutil.which("systemd-sysusers") is None:
+        pytest.skip("systemd-sysusers not installed")
+    assert _install(tmp_path, "--role", "dpu").returncode == 0
+    assert (tmp_path / "etc/systemd/system/blink-dpu-frontend.service").exists()
+    assert not (tmp_path / "etc/systemd/system/blink-gpu-daemon.service").exists()
+    assert not (tmp_path / "etc/blink/gpu-daemon.env").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "--role gpu|dpu|both is required"),
+    (("--role", "gpu", "--venv", "relative/venv"), "--venv must be an absolute path"),
+    (("--role", "tpu"), "--role gpu|dpu|both is required"),
+    (("--role", "gpu", "--frobnicate"), "unknown argument --frobnicate"),
+])
+def test_installer_rejects_bad_arguments(tmp_path, args, message):
+    out = subprocess.run([str(SCRIPTS / "install_services.sh"), "--root", str(tmp_path), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr
+    assert not any(tmp_path.iterdir())   # nothing half-installed
+
+
+def test_uninstall_then_purge(tmp_path):
+    if shutil.which("systemd-sysusers") is None:
+        pytest.skip("systemd-sysusers not installed")
+    assert _install(tmp_path, "--role", "both").returncode == 0
+    un = [str(SCRIPTS / "uninstall_services.sh"), "--root", str(tmp_path)]
+    out = subprocess.run(un, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not list((tmp_path / "etc/systemd/system").glob("blink-*"))
+    assert not (tmp_path / "usr/local/lib/blink").exists()
+    assert (tmp_path / "etc/blink/gpu-daemon.env").exists()          # settings kept
+    out = subprocess.run(un + ["--purge"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "etc/blink").exists()
+    assert "blink:" not in (tmp_path / "etc/passwd").read_text()
+
+
+# -- the start check (ExecStartPost) --------------------------------------------------
+def _wait_ready(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(WAIT_READY), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def test_gpu_daemon_is_ready_when_the_ring_says_ready(ring_name):
+    geom = RingGeometry(slot_count=4, prompt_arena_tokens=64, output_arena_tokens=64)
+    region = ShmRegion.create(ring_name, geom.total_size)
+    try:
+        ring = Ring.create(region.buf, geom)
+        ring.set("backend_status", BackendStatus.STARTING)
+        out = _wait_ready("gpu-daemon", "--timeout-s", "0.6", "--interval-s", "0.1", env={"BLINK_RING": ring_name})
+        assert out.returncode == 1 and "backend status STARTING" in out.stderr
+        ring.set("backend_status", BackendStatus.READY)
+        out = _wait_ready("gpu-daemon", "--timeout-s", "5", env={"BLINK_RING": ring_name})
+        assert out.returncode == 0 and "ready" in out.stdout
+        del ring
+    finally:
+        region.close()
+
+
+def test_wait_ready_gives_up_at_once_when_the_service_died():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = _wait_ready("gpu-daemon", "--timeout-s", "30", env={"BLINK_RING": "blink-no-such-ring-x",
+                                                              "MAINPID": str(dead.pid)})
+    assert out.returncode == 1 and "exited before it was ready" in out.stderr
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_frontend_is_started_once_health_answers_even_503():
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = _wait_ready("dpu-frontend", "--timeout-s", "10",
+                          env={"BLINK_HOST": "0.0.0.0", "BLINK_PORT": str(srv.server_port)})
+        assert out.returncode == 0 and "-> 503" in out.stdout
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out = _wait_ready("dpu-frontend", "--timeout-s", "0.5", "--interval-s", "0.1",
+                      env={"BLINK_HOST": "127.0.0.1", "BLINK_PORT": str(srv.server_port)})
+    assert out.returncode == 1 and "not answering" in out.stderr
+
