@@ -501,6 +501,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
     }
     plat.sync();
     for (;;) {
+        /* Every thread has read the previous iteration's exit flag before thread 0 may write it again. */
+        plat.sync();
         if (tid == 0) blink_phase_control(plat, p, sh);
         plat.sync();
         if (sh->exit) break;

@@ -1,0 +1,264 @@
+"""The persistent scheduler's loop (csrc/sched_loop.h) on CPU threads over a
+real shared-memory ring: the same source the kernel runs, with the echo step
+inline and the window's tail relaunch replaced by a fresh instance. Checked
+against the engine the CPU executor uses (gpu_backend.engine, null runner)."""
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpu_backend.cuda import structs
+from gpu_backend.cuda.config import SchedulerConfig
+from gpu_backend.engine import Engine, EngineConfig
+from gpu_backend.executors.null import EchoRunner
+from gpu_backend.intake import IntakeConfig
+from gpu_backend.policy import PolicyConfig, blocks_needed
+from shared_layout import ErrorCode, FinishReason, Ring, RingGeometry, SlotState
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from frontend_player import FrontendPlayer  # noqa: E402
+
+GEOM = RingGeometry(64, 1 << 16, 1 << 16)
+
+
+def echo(prompt, n):
+    return [prompt[i % len(prompt)] for i in range(n)]
+
+
+def drain(fp: FrontendPlayer, timeout_s: float = 30.0) -> dict:
+    """Collect every in-flight request; slot -> Result."""
+    out, deadline = {}, time.monotonic() + timeout_s
+    while fp.inflight:
+        assert time.monotonic() < deadline, f"{len(fp.inflight)} requests never completed"
+        for slot in [s for s in fp.inflight if fp.done(s)]:
+            r = fp.collect(slot)
+            out[r.seq] = r
+        time.sleep(0.001)
+    return out
+
+
+def twin(ring, **cfg):
+    from gpu_backend.cuda.twin import TwinScheduler
+    base = dict(max_batch_size=8, max_model_len=512, idle_sleep_ns=50_000, beat_interval_s=0.005, grace_s=2.0)
+    base.update(cfg)
+    threads = base.pop("threads", 4)
+    cb = base.pop("launch_cb", None)
+    tw = TwinScheduler(ring, SchedulerConfig(**base), threads=threads, launch_cb=cb)
+    return tw
+
+
+def stop(tw, abort=False):
+    tw.stop(abort)
+    assert tw.join(30), "twin scheduler did not exit"
+    return tw.exit_code
+
+
+def test_echo_through_many_launch_windows(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = twin(ring, window_limit=3).start()
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(1), {}
+    for _ in range(120):
+        if len(fp.inflight) >= 48:
+            for r in drain(fp).values():
+                assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 40))).tolist()
+        n = int(rng.integers(1, 80))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    for r in drain(fp).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    s = tw.stats
+    assert s.windows > 20 and s.launches == s.steps_prefill + s.steps_decode
+    assert s.claimed == s.completed == 120 and s.tokens == sum(len(v) for v in want.values())
+    assert tw.control.running == 0
+
+
+def _serve_workload(ring, serve_until_idle, rng_seed: int):
+    """Submit a mixed workload (stop ids, EOS, ignore_eos, context limit, bad requests); seq -> (tokens, finish, error)."""
+    fp, rng = FrontendPlayer(ring), np.random.default_rng(rng_seed)
+    results = {}
+    for _ in range(60):
+        if len(fp.inflight) >= 40:
+            results.update(serve_until_idle(fp))
+        plen = int(rng.integers(1, 30))
+        prompt = rng.integers(0, 50, plen).tolist()
+        kind = rng.integers(0, 8)
+        params = {}
+        n = int(rng.integers(1, 60))
+        if kind == 0:
+            params["stop_ids"] = (int(rng.choice(prompt)),)
+        elif kind == 1:
+            params["ignore_eos"] = True
+        elif kind == 2:
+            prompt = rng.integers(0, 50, 500).tolist()      # 500 + n tokens > max_model_len 512: LENGTH early
+        elif kind == 3:
+            prompt[0] = 60000                              # outside the vocabulary
+        elif kind == 4:
+            prompt = [1] * 512                             # prompt_len >= max_model_len
+        elif kind == 5:
+            params["top_p"] = 0.0                          # invalid sampling parameter
+        fp.submit(prompt, n, **params)
+    results.update(serve_until_idle(fp))
+    return {seq: (r.tokens, int(r.finish), int(r.error)) for seq, r in results.items()}
+
+
+def test_same_results_as_the_cpu_engine(twin_lib, shm_ring):
+    eos = (7,)
+    ring = shm_ring(GEOM)
+    tw = twin(ring, eos_ids=eos, window_limit=5, max_batch_size=5, max_prefill_tokens=64, block_size=4).start()
+    got = _serve_workload(ring, drain, 3)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+
+    ref_ring = Ring.create(bytearray(GEOM.total_size), GEOM)
+    policy = PolicyConfig(max_batch_size=5, max_prefill_tokens=64, block_size=4)
+    engine = Engine(ref_ring, EchoRunner(), EngineConfig(policy, 5 * blocks_needed(512, 4)),
+                    IntakeConfig(49152, 512, eos_ids=eos))
+
+    def engine_drain(fp):
+        while any(not fp.done(s) for s in fp.inflight):
+            engine.step()
+        return drain(fp)
+
+    want = _serve_workload(ref_ring, engine_drain, 3)
+    assert got == want
+    finishes = {(f, e) for _, f, e in want.values()}
+    assert {(FinishReason.STOP, 0), (FinishReason.LENGTH, 0), (FinishReason.ERROR, ErrorCode.INVALID_TOKEN),
+            (FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG), (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)} <= finishes
+
+
+def test_preemption_with_a_tight_kv_pool(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = twin(ring, max_batch_size=8, block_size=4, max_model_len=128, num_blocks=blocks_needed(128, 4) + 6,
+              window_limit=7).start()
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(7), {}
+    for _ in range(40):
+        prompt = rng.integers(0, 1000, int(rng.integers(10, 40))).tolist()
+        n = int(rng.integers(20, 80))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    for r in drain(fp).values():
+        assert r.tokens == want[r.seq]
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    assert tw.stats.preempted > 0
+
+
+def test_fcfs_admission_by_seq(twin_lib, shm_ring):
+    """Requests pending together are served in submit order (one seat)."""
+    ring = shm_ring(GEOM)
+    fp = FrontendPlayer(ring)
+    for i in range(20):                       # submitted before the scheduler runs: one scan sees them all
+        fp.submit([i + 1], 3)
+    # scatter the seqs over slots so slot order differs from seq order
+    tw = twin(ring, max_batch_size=1).start()
+    results = drain(fp)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    order = sorted(results.values(), key=lambda r: r.t_first_ns)
+    assert [r.seq for r in order] == sorted(results)
+
+
+class SlowEcho:
+    """A launch callback: the echo in Python with a delay, so a request runs long enough to cancel."""
+
+    def __init__(self, tw, ring, delay_s: float):
+        self.tw, self.ring, self.delay_s = tw, ring, delay_s
+
+    def __call__(self, ctx, which) -> int:
+        tw, st = self.tw, self.tw.state
+        reqs = (structs.Req * self.ring.geom.slot_count).from_address(tw.buffer("reqs").ctypes.data)
+        slots, sample, out = tw.buffer("chunk_slot"), tw.buffer("chunk_sample"), tw.buffer("step_tokens", np.int32)
+        for c in range(st.n_chunks):
+            if sample[c]:
+                r = reqs[int(slots[c])]
+                out[c] = self.ring.prompt_arena[r.prompt_offset + r.generated % r.prompt_len]
+        time.sleep(self.delay_s)
+        tw.buffer("done")[0] = st.step_no
+        return 0
+
+
+def _slow_twin(ring, **cfg):
+    holder = {}
+    tw = twin(ring, launch_cb=lambda ctx, which: holder["cb"](ctx, which), **cfg)
+    holder["cb"] = SlowEcho(tw, ring, 0.001)
+    return tw
+
+
+def test_cancel_and_stale_epoch_end_requests_within_a_step(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = _slow_twin(ring, max_model_len=8192).start()
+    fp = FrontendPlayer(ring)
+    slots = [fp.submit([3, 4, 5], 4000) for _ in range(6)]
+    time.sleep(0.05)
+    for s in slots[:3]:
+        fp.cancel(s)
+    time.sleep(0.05)
+    ring.set("frontend_epoch", ring.get("frontend_epoch") + 1)     # a restarted frontend
+    results = drain(fp, 10)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    by_slot = {r.slot: r for r in results.values()}
+    for s in slots[:3]:
+        assert (by_slot[s].finish, by_slot[s].error) == (FinishReason.ABORT, ErrorCode.NONE)
+    for s in slots[3:]:
+        assert (by_slot[s].finish, by_slot[s].error) == (FinishReason.ABORT, ErrorCode.STALE_EPOCH)
+    for r in results.values():                                    # tokens published before the end are echoes
+        assert 0 < len(r.tokens) < 4000 and r.tokens == echo([3, 4, 5], len(r.tokens))
+
+
+def test_stop_drains_in_flight_within_the_grace_period(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = _slow_twin(ring, grace_s=5.0).start()
+    fp = FrontendPlayer(ring)
+    for _ in range(4):
+        fp.submit([9, 8], 50)
+    time.sleep(0.02)
+    tw.stop()
+    assert tw.join(20)
+    assert tw.exit_code == structs.EXIT_SHUTDOWN
+    late = fp.submit([1], 5)                                     # after the stop: never claimed
+    results = drain_except(fp, late)
+    assert all(r.finish == FinishReason.LENGTH and r.tokens == echo([9, 8], 50) for r in results)
+    assert ring.state[late] == SlotState.PREFILL_PENDING
+
+
+def drain_except(fp, keep):
+    deadline = time.monotonic() + 10
+    out = []
+    while set(fp.inflight) - {keep}:
+        assert time.monotonic() < deadline
+        for slot in [s for s in fp.inflight if s != keep and fp.done(s)]:
+            out.append(fp.collect(slot))
+        time.sleep(0.001)
+    return out
+
+
+def test_grace_expiry_and_abort_end_requests_backend_shutdown(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = _slow_twin(ring, grace_s=0.05, max_model_len=8192).start()
+    fp = FrontendPlayer(ring)
+    for _ in range(3):
+        fp.submit([1, 2], 3000)
+    time.sleep(0.05)
+    tw.stop()
+    assert tw.join(10) and tw.exit_code == structs.EXIT_SHUTDOWN
+    for r in drain(fp, 5).values():
+        assert (r.finish, r.error) == (FinishReason.ABORT, ErrorCode.BACKEND_SHUTDOWN)
+        assert r.tokens == echo([1, 2], len(r.tokens))
+
+
+def test_ring_shutdown_word_and_heartbeat(twin_lib, shm_ring):
+    ring = shm_ring(GEOM)
+    tw = twin(ring, beat_interval_s=0.002).start()
+    b0 = ring.get("backend_heartbeat")
+    time.sleep(0.1)
+    b1 = ring.get("backend_heartbeat")
+    assert b1 > b0 and abs(ring.get("backend_heartbeat_ns") - time.monotonic_ns()) < 1e9
+    assert tw.control.running == 1 and tw.control.heartbeat > 0
+    ring.set("shutdown", 1)
+    assert tw.join(10) and tw.exit_code == structs.EXIT_SHUTDOWN
+    assert tw.control.running == 0
+    assert ctypes.sizeof(tw.control) == ctypes.sizeof(structs.SchedControl)
