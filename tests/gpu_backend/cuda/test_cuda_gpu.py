@@ -1,0 +1,245 @@
+"""The persistent scheduler on a real GPU (marked `gpu`: skipped without an
+NVIDIA GPU of compute capability >= 9.0, its driver and cuda-python).
+
+    host-mapped shm ring -> SchedulerRuntime (device graphs, tail relaunches)
+    device-memory ring   -> the same, the frontend's writes copied in by the driver
+    `blink gpu-daemon --executor cuda --model null` + the real RingClient:
+        10,000 requests with random lengths and cancellations through 4096 slots
+
+None of these use pytest-asyncio (the GPU image lacks it): async code runs
+under asyncio.run inside plain tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpu_backend.cuda import structs
+from gpu_backend.cuda.config import SchedulerConfig
+from shared_layout import (ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState, submit_writes)
+from shared_layout.layout import SLOT
+from shared_layout.shm import ShmRegion
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from frontend_player import FrontendPlayer  # noqa: E402
+from test_cuda_twin_loop import GEOM, _serve_workload, drain, echo  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def device():
+    from gpu_backend.cuda import driver
+    return driver.open_device(0)
+
+
+@pytest.fixture(scope="module")
+def module(device):
+    from gpu_backend.cuda.runtime import Module
+    return Module()
+
+
+def runtime_on(ring: Ring, device, module, **cfg):
+    from gpu_backend.cuda.device_ring import HostMappedRing
+    from gpu_backend.cuda.runtime import SchedulerRuntime
+    base = dict(max_batch_size=8, max_model_len=512, beat_interval_s=0.005, grace_s=2.0)
+    base.update(cfg)
+    mapped = HostMappedRing(ring)
+    rt = SchedulerRuntime(device, SchedulerConfig(**base), ring.geom, mapped.device_addr, module)
+    rt.start()
+    return rt, mapped
+
+
+def shut(rt, mapped, abort=False):
+    rt.request_stop(abort)
+    assert rt.wait(30), "scheduler did not exit"
+    s = rt.stats()
+    rt.close()
+    mapped.close()
+    return s
+
+
+@pytest.mark.parametrize("claim_cas", [True, False])
+def test_echo_through_tail_relaunch_windows(ring_name, device, module, claim_cas):
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, window_limit=4, claim_cas=claim_cas)
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
+    for _ in range(150):
+        if len(fp.inflight) >= 48:
+            for r in drain(fp).values():
+                assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 40))).tolist()
+        n = int(rng.integers(1, 120))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    for r in drain(fp).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+        assert r.t_picked_ns <= r.t_first_ns and abs(r.t_first_ns - time.monotonic_ns()) < 60e9
+    s = shut(rt, mapped)
+    assert s.exit_code == structs.EXIT_SHUTDOWN and not s.running
+    assert s.counters["windows"] > 50 and s.counters["completed"] == 150
+    assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
+
+
+def test_same_results_as_the_cpu_engine(ring_name, device, module):
+    from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.executors.null import EchoRunner
+    from gpu_backend.intake import IntakeConfig
+    from gpu_backend.policy import PolicyConfig, blocks_needed
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, eos_ids=(7,), window_limit=5, max_batch_size=5,
+                            max_prefill_tokens=64, block_size=4)
+    got = _serve_workload(ring, drain, 3)
+    assert shut(rt, mapped).exit_code == structs.EXIT_SHUTDOWN
+    ref = Ring.create(bytearray(GEOM.total_size), GEOM)
+    engine = Engine(ref, EchoRunner(), EngineConfig(PolicyConfig(5, 64, 4), 5 * blocks_needed(512, 4)),
+                    IntakeConfig(49152, 512, eos_ids=(7,)))
+
+    def engine_drain(fp):
+        while any(not fp.done(s) for s in fp.inflight):
+            engine.step()
+        return drain(fp)
+
+    assert got == _serve_workload(ref, engine_drain, 3)
+
+
+def test_cancel_stale_epoch_and_abort(ring_name, device, module):
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, max_model_len=8192, grace_s=0.2)
+    fp = FrontendPlayer(ring)
+    slots = [fp.submit([3, 4, 5], 8000) for _ in range(6)]
+    for s in slots[:3]:
+        fp.cancel(s)
+    ring.set("frontend_epoch", ring.get("frontend_epoch") + 1)
+    res = {r.slot: r for r in drain(fp, 20).values()}
+    for s in slots[:3]:
+        assert res[s].finish == FinishReason.ABORT and res[s].error in (ErrorCode.NONE, ErrorCode.STALE_EPOCH)
+    for s in slots[3:]:
+        assert (res[s].finish, res[s].error) == (FinishReason.ABORT, ErrorCode.STALE_EPOCH)
+    long_ones = [fp.submit([1, 2], 8000) for _ in range(3)]
+    time.sleep(0.01)
+    s = shut(rt, mapped)          # drain for 0.2 s, then ABORT/BACKEND_SHUTDOWN
+    assert s.exit_code == structs.EXIT_SHUTDOWN
+    for r in drain(fp, 5).values():
+        assert r.slot in long_ones and r.tokens == echo([1, 2], len(r.tokens))
+        assert (r.finish, r.error) in ((FinishReason.ABORT, ErrorCode.BACKEND_SHUTDOWN), (FinishReason.LENGTH, 0))
+
+
+def test_ring_in_device_memory(device, module):
+    from gpu_backend.cuda.device_ring import DeviceRing
+    from gpu_backend.cuda.runtime import SchedulerRuntime
+    geom = RingGeometry(4096, 1 << 18, 1 << 18)
+    dring = DeviceRing(geom)
+    rt = SchedulerRuntime(device, SchedulerConfig(max_batch_size=64, idle_sleep_ns=0, window_limit=16), geom,
+                          dring.device_addr, module)
+    rt.start()
+    rng = np.random.default_rng(5)
+    want = {}
+    for i in range(200):
+        slot = int(rng.integers(0, 4096)) if i else 4095
+        while slot in want:
+            slot = (slot + 1) % 4096
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 30))).astype(np.int32)
+        n = int(rng.integers(1, 60))
+        req = SlotRequest(seq=i + 1, prompt_offset=i * 64, prompt_len=len(prompt), output_offset=i * 64, max_tokens=n)
+        dring.write_batch(submit_writes(geom, slot, req, prompt))
+        want[slot] = (i * 64, echo(prompt.tolist(), n))
+    deadline = time.monotonic() + 30
+    while True:
+        states = np.frombuffer(dring.read(geom.slots_offset, geom.slot_count * SLOT.size), np.uint8)
+        st = states.reshape(geom.slot_count, SLOT.size)[:, :4].copy().view("<u4")[:, 0]
+        if all(st[s] == SlotState.DECODE_COMPLETED for s in want):
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for slot, (ooff, toks) in want.items():
+        out = np.frombuffer(dring.read(geom.output_token_offset(ooff), 4 * len(toks)), "<i4").tolist()
+        assert out == toks
+    rt.request_stop()
+    assert rt.wait(30) and rt.stats().counters["scans"] > 0
+    rt.close()
+    dring.close()
+
+
+# -- the real frontend against the daemon process ---------------------------------------------------
+
+def _start_daemon(ring_name: str, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", "cuda", "--model",
+                             "null", "--ring", ring_name, *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+async def _serve_10k(ring_name: str, n_requests: int, seed: int) -> dict:
+    from dpu_frontend.ring_client import QueueFull, RingClient, RingClientConfig, SamplingParams
+    from dpu_frontend.transport import shm_factory
+    client = RingClient(shm_factory(ring_name), RingClientConfig(max_queue=8192, health_window_s=10.0))
+    await client.start()
+    deadline = time.monotonic() + 120
+    while not client.health().healthy:
+        assert time.monotonic() < deadline, client.health()
+        await asyncio.sleep(0.05)
+    rng = random.Random(seed)
+    tally = {"length": 0, "abort": 0, "long": 0, "tokens": 0}
+    sem = asyncio.Semaphore(3000)
+
+    async def one(i: int):
+        async with sem:
+            long_one = rng.random() < 0.02
+            prompt = [rng.randrange(49152) for _ in range(rng.randint(1, 64))]
+            n = rng.randint(1000, 3000) if long_one else rng.randint(1, 64)
+            cancel_after = rng.randint(0, n) if rng.random() < 0.05 else None
+            while True:
+                try:
+                    h = await client.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True), queue_timeout_s=60)
+                    break
+                except QueueFull as e:
+                    await asyncio.sleep(e.retry_after_s)
+            got: list[int] = []
+            async for batch in h:
+                got.extend(batch)
+                if cancel_after is not None and len(got) >= cancel_after:
+                    h.cancel()
+                    cancel_after = None
+            assert got == echo(prompt, len(got)), f"request {i}: tokens mixed up or duplicated"
+            if h.finish_reason == "length":
+                assert len(got) == n, f"request {i}: {len(got)} of {n} tokens"
+            else:
+                assert h.finish_reason == "abort", (i, h.finish_reason, h.error)
+            tally[h.finish_reason] += 1
+            tally["long"] += long_one and len(got) >= 1000
+            tally["tokens"] += len(got)
+
+    await asyncio.gather(*(one(i) for i in range(n_requests)))
+    await client.close()
+    return tally
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_10k_requests_through_the_frontend_and_daemon(ring_name):
+    proc = _start_daemon(ring_name, "--slots", "4096", "--prompt-arena-tokens", str(1 << 22),
+                         "--output-arena-tokens", str(1 << 24), "--max-batch-size", "256")
+    try:
+        tally = asyncio.run(_serve_10k(ring_name, 10_000, seed=2026))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert tally["length"] + tally["abort"] == 10_000
+    assert tally["long"] > 50 and tally["abort"] > 100
+    assert "persistent scheduler started" in err
