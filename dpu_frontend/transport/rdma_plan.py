@@ -2,6 +2,7 @@
 
     [(ring offset, bytes), ...]  --coalesce-->  pieces  --plan_write_chains-->  chains of WriteOp
     (offset, nbytes)             --plan_reads-->         rounds of ReadOp
+    [(offset, nbytes), ...]      --plan_read_batch-->    rounds of ReadOp (many ranges, one chain)
 
 One RC queue pair executes RDMA WRITEs in the order they are posted, and the
 NIC places consecutive messages into host memory in that order (PCIe posted
@@ -159,6 +160,32 @@ def plan_reads(offset: int, nbytes: int, buffer_bytes: int, max_msg_bytes: int, 
             local += n
             pos += n
         rounds.append(ops)
+    return rounds
+
+
+def plan_read_batch(reads: list[tuple[int, int]], buffer_bytes: int, max_msg_bytes: int, max_wrs: int
+                    ) -> list[list[tuple[ReadOp, int, int]]]:
+    """Rounds of READs for many ranges at once: (op, index of the range, position in it).
+
+    Each round is one chain filling the read buffer at most once, so a poll that
+    needs the new tokens of many requests pays one round trip, not one per request.
+    """
+    chunk = min(max_msg_bytes, buffer_bytes)
+    rounds: list[list[tuple[ReadOp, int, int]]] = []
+    cur: list[tuple[ReadOp, int, int]] = []
+    local = 0
+    for i, (offset, nbytes) in enumerate(reads):
+        if nbytes < 0 or offset < 0:
+            raise ValueError(f"bad read [{offset}, +{nbytes})")
+        for pos in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - pos)
+            if cur and (len(cur) == max_wrs or local + n > buffer_bytes):
+                rounds.append(cur)
+                cur, local = [], 0
+            cur.append((ReadOp(offset + pos, n, local), i, pos))
+            local += n
+    if cur:
+        rounds.append(cur)
     return rounds
 
 

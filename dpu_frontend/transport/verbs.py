@@ -4,7 +4,8 @@
         (rdma_bootstrap) -> QP to RTS -> RDMA READ the header -> geometry
     write_batch: coalesce (publish words alone) -> chains -> copy into the staging MR
         -> one post_send per chain, last WR signaled; returns without waiting
-    read:  RDMA READ chain into the read MR -> progress until it completes -> bytes copy
+    read / read_into / read_batch: RDMA READ chain into the read MR -> progress until it
+        completes -> copies (read_batch: many ranges, e.g. new tokens of many requests, one chain)
     progress: poll the CQ -> finish chains in order -> release staging / queue room;
         the first failed completion breaks the transport (TransportError from then on)
 
@@ -33,8 +34,8 @@ from .rdma_bootstrap import (DEFAULT_PORT, BootstrapError, BootstrapUnreachable,
                              client_handshake, parse_endpoint, peer_closed)
 from .rdma_device import (HostBuffer, RcQueuePair, VerbsPort, import_pyverbs, pick_port, read_chain, scan_ports,
                           write_chain)
-from .rdma_plan import ChainLimits, StagingRing, chain_payload, coalesce, plan_reads, plan_write_chains, \
-    publish_words
+from .rdma_plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch, plan_reads,
+                        plan_write_chains, publish_words)
 from .rdma_progress import CompletionTracker
 
 
@@ -48,7 +49,7 @@ class VerbsConfig:
     connect_timeout_s: float = 5.0     # TCP bootstrap
     op_timeout_s: float = 5.0          # one RDMA READ, or waiting for send-queue / staging room
     sq_depth: int = 256                # send queue entries (WRs in flight)
-    staging_bytes: int = 8 << 20       # registered buffer write payloads are copied into
+    staging_bytes: int = 2 << 20       # registered buffer write payloads are copied into
     read_buffer_bytes: int = 1 << 20   # initial READ target; grows to the largest read
     max_read_buffer_bytes: int = 64 << 20
     inline_bytes: int = 64             # payloads this small travel inside the WQE
@@ -67,8 +68,7 @@ class VerbsConfig:
 class VerbsTransport:
     shares_clock = False   # the daemon stamps heartbeat_ns with another machine's clock
 
-    def __init__(self, config: VerbsConfig, vport, qp, sock: socket.socket, region: RingRegion,
-                 max_rd_atomic: int):
+    def __init__(self, config: VerbsConfig, vport, qp, sock: socket.socket, region: RingRegion):
         self.config = config
         self.vport, self.qp, self.sock, self.region = vport, qp, sock, region
         self.E = vport.E
@@ -80,7 +80,6 @@ class VerbsTransport:
         self._grow_read_buffer(config.read_buffer_bytes)
         self._limits = ChainLimits(max_wrs=qp.sq_depth, staging_bytes=config.staging_bytes,
                                    max_msg_bytes=vport.max_msg_bytes, inline_bytes=qp.inline_bytes)
-        self._max_rd = max(1, max_rd_atomic)
         self._lock = threading.RLock()
         self._closed = False
         self.geometry: RingGeometry = RingGeometry.from_header(self._read_locked(0, HEADER.size))
@@ -115,7 +114,7 @@ class VerbsTransport:
                 raise TransportError(str(e)) from None
             max_rd = min(max_rd, reply.max_dest_rd_atomic) or 1
             qp.connect(reply.qp, max_rd_atomic=max_rd, max_dest_rd_atomic=1)
-            return cls(config, vport, qp, sock, reply.ring, max_rd)
+            return cls(config, vport, qp, sock, reply.ring)
         except BaseException:
             if sock is not None:
                 sock.close()
@@ -136,6 +135,24 @@ class VerbsTransport:
             self._usable()
             self.region.remote_addr(offset, out.nbytes)
             self._read_into_locked(offset, out)
+
+    def read_batch(self, reads: list[tuple[int, int]]) -> list[bytes]:
+        """Copies of several ring ranges, fetched as one chain of RDMA READs (one round trip)."""
+        with self._lock:
+            self._usable()
+            for off, n in reads:
+                self.region.remote_addr(off, n)
+            outs = [bytearray(n) for _, n in reads]
+            total = sum(n for _, n in reads)
+            want = min(max(total, self.config.read_buffer_bytes), self.config.max_read_buffer_bytes)
+            if want > self._read_buf.nbytes:
+                self._grow_read_buffer(want)
+            for rnd in plan_read_batch(reads, self._read_buf.nbytes, self.vport.max_msg_bytes, self.qp.sq_depth):
+                self._read_round([op for op, _, _ in rnd])
+                view = self._read_buf.view
+                for op, i, pos in rnd:
+                    outs[i][pos:pos + op.length] = view[op.local_offset:op.local_offset + op.length]
+            return [bytes(b) for b in outs]
 
     def write(self, offset: int, data: bytes) -> None:
         self.write_batch([(offset, data)])
@@ -240,14 +257,18 @@ class VerbsTransport:
         pos = 0
         for ops in plan_reads(offset, nbytes, self._read_buf.nbytes, self.vport.max_msg_bytes,
                               max_wrs=self.qp.sq_depth):
-            self._wait_for(lambda: self.tracker.room(len(ops)) or None, "send queue room")
-            chain_id = self.tracker.posted(len(ops), "RDMA READ")
-            self._post(read_chain(self.E, ops, chain_id, self._read_buf.addr, self._read_mr.lkey,
-                                  self.region.rkey, self.region.addr))
-            self._wait_for(lambda: self.tracker.finished(chain_id) or None, "an RDMA READ")
+            self._read_round(ops)
             n = sum(op.length for op in ops)
             out[pos:pos + n] = self._read_buf.view[:n]
             pos += n
+
+    def _read_round(self, ops: list) -> None:
+        """Post one chain of READs into the read buffer and progress until it completes."""
+        self._wait_for(lambda: self.tracker.room(len(ops)) or None, "send queue room")
+        chain_id = self.tracker.posted(len(ops), "RDMA READ")
+        self._post(read_chain(self.E, ops, chain_id, self._read_buf.addr, self._read_mr.lkey,
+                              self.region.rkey, self.region.addr))
+        self._wait_for(lambda: self.tracker.finished(chain_id) or None, "an RDMA READ")
 
     def _grow_read_buffer(self, nbytes: int) -> None:
         buf = HostBuffer(nbytes)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.transport.rdma_plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_reads,
-                                              plan_write_chains, publish_words)
+from dpu_frontend.transport.rdma_plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch,
+                                              plan_reads, plan_write_chains, publish_words)
 from shared_layout import HEADER, SLOT, RingGeometry, SlotRequest, SlotState, submit_writes
 
 GEOM = RingGeometry(slot_count=8, prompt_arena_tokens=4096, output_arena_tokens=4096)
@@ -175,6 +175,29 @@ def test_reads_split_by_buffer_message_and_queue():
         assert [op.local_offset for op in r] == [sum(o.length for o in r[:i]) for i in range(len(r))]
     assert plan_reads(0, 0, 4096, 1000, 3) == []
     assert len(plan_reads(0, 512 * 1024, 1 << 20, 1 << 30, 256)) == 1   # a whole-ring snapshot: one READ
+
+
+@settings(max_examples=150, deadline=None)
+@given(reads=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 3000)), max_size=20),
+       buffer_bytes=st.sampled_from([512, 4096, 1 << 20]), max_msg=st.sampled_from([100, 1 << 30]),
+       max_wrs=st.integers(1, 8))
+def test_read_batch_rounds_reassemble_every_range(reads, buffer_bytes, max_msg, max_wrs):
+    ring = bytes(range(256)) * 60   # 15360 bytes of "remote" memory
+    outs = [bytearray(n) for _, n in reads]
+    for rnd in plan_read_batch(reads, buffer_bytes, max_msg, max_wrs):
+        assert 1 <= len(rnd) <= max_wrs
+        buf = bytearray(buffer_bytes)
+        for op, _, _ in rnd:   # the NIC fills the read buffer
+            assert op.length <= max_msg and op.local_offset + op.length <= buffer_bytes
+            buf[op.local_offset:op.local_offset + op.length] = ring[op.remote_offset:op.remote_offset + op.length]
+        for op, i, pos in rnd:
+            outs[i][pos:pos + op.length] = buf[op.local_offset:op.local_offset + op.length]
+    assert [bytes(o) for o in outs] == [ring[off:off + n] for off, n in reads]
+
+
+def test_new_tokens_of_many_requests_are_one_round():
+    reads = [(GEOM.output_token_offset(64 * s), 4 * 3) for s in range(8)]
+    assert len(plan_read_batch(reads, 1 << 20, 1 << 30, 256)) == 1
 
 
 def test_staging_ring_wraps_and_releases_in_order():

@@ -105,6 +105,12 @@ def test_tokens_published_by_the_backend_are_read_back(players):
         rec = session.read_slot(f.slot)
         assert int(rec["state"]) == SlotState.DECODE_COMPLETED and int(rec["generated"]) == 3
         assert session.read_tokens(f, 0, 3) == [7, 8, 9]
+        off = t.geometry.output_token_offset(f.output_offset)
+        assert t.read_batch([(off, 12), (0, 8), (off + 4, 4)]) == [
+            np.array([7, 8, 9], "<i4").tobytes(), bytes(players.buf[:8]), np.array([8], "<i4").tobytes()]
+        out = bytearray(12)
+        t.read_into(off, memoryview(out))
+        assert np.frombuffer(out, "<i4").tolist() == [7, 8, 9]
         session.write_resets([f.slot])
         t.read(0, 8)
         assert players.ring.state[f.slot] == SlotState.EMPTY
