@@ -1,0 +1,335 @@
+"""CUDA scheduler benchmark (needs a GPU of compute capability >= 9.0): the
+control-plane costs of the persistent scheduler, each against its host-side
+counterpart measured in the same run.
+
+    scan      blink_bench_scan: one scan of every slot's state word, ring in device
+              memory and host-mapped (paper: 1-5 us for 4096 slots)
+    launch    blink_bench_launch inside a device graph: fire-and-forget launch of a
+              one-kernel graph (API call, launch -> child start, launch -> child done
+              seen) vs cuGraphLaunch of the same graph from the host (paper: ~2 us
+              vs 11-17 us); blink_bench_tail: a tail self-relaunch
+    workload  the stand-in echo workload (R requests x T tokens, batch B) served by
+              the persistent scheduler vs by a host-driven loop (the same C++ loop on
+              a host thread that launches the same echo graph from the host each
+              step and waits for it): makespan, per-step time and scheduler overhead
+
+    python -m bench.cuda_scheduler [--machine h100] [--out DIR]
+      -> DIR/<date>-<machine>-cuda_scheduler.json + .md (DIR: $OUT if set, else bench/results)
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import numpy as np
+
+from gpu_backend.cuda import driver, structs
+from gpu_backend.cuda.config import SchedulerConfig
+from gpu_backend.cuda.device_ring import DeviceRing, HostMappedRing
+from gpu_backend.cuda.driver import bindings, check
+from gpu_backend.cuda.runtime import KernelArgs, Module, PinnedMapped, SchedulerRuntime, calibrate_clock
+from shared_layout import Ring, RingGeometry, SlotRequest, SlotState
+from shared_layout.layout import SLOT, SLOT_DTYPE
+
+DATE = "2026-11-22"
+LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary_us(ns_values) -> dict:
+    us = [v / 1e3 for v in ns_values]
+    return {"median_us": round(statistics.median(us), 3), "p10_us": round(_pct(us, 0.1), 3),
+            "p90_us": round(_pct(us, 0.9), 3), "n": len(us)}
+
+
+class Bench:
+    def __init__(self):
+        self.d = bindings()
+        self.device = driver.open_device(0)
+        self.module = Module()
+        self.stream = check(self.d.cuStreamCreate(int(self.d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+
+    def sync(self):
+        check(self.d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def dev_alloc(self, nbytes: int) -> int:
+        addr = int(check(self.d.cuMemAlloc(nbytes), "cuMemAlloc"))
+        check(self.d.cuMemsetD8(addr, 0, nbytes))
+        return addr
+
+    def dtoh(self, addr: int, n: int, dtype=np.uint64) -> np.ndarray:
+        out = np.empty(n, dtype)
+        check(self.d.cuMemcpyDtoH(out.ctypes.data, addr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def params_block(self, geom: RingGeometry, ring_addr: int) -> int:
+        p = SchedulerConfig(max_batch_size=1).params(geom, ring_addr, {}, 0)
+        addr = self.dev_alloc(ctypes.sizeof(p))
+        check(self.d.cuMemcpyHtoD(addr, ctypes.addressof(p), ctypes.sizeof(p)))
+        return addr
+
+    # -- scan --------------------------------------------------------------------
+    def scan(self, slots: int = 4096, reps: int = 2000) -> dict:
+        geom = RingGeometry(slots, 1 << 16, 1 << 16)
+        out = self.dev_alloc(8 * reps)
+        res = {}
+        dring = DeviceRing(geom)
+        host = Ring.create(bytearray(geom.total_size), geom)
+        mapped_mem = PinnedMapped(geom.total_size)
+        hring = Ring.create((ctypes.c_char * geom.total_size).from_address(mapped_mem.host_addr), geom)
+        for name, addr in (("device_memory", dring.device_addr), ("host_mapped", mapped_mem.device_addr)):
+            p = self.params_block(geom, addr)
+            args = KernelArgs(p, out, reps)
+            self.module.launch("blink_bench_scan", self.stream, args, block=256)   # warm-up
+            self.sync()
+            self.module.launch("blink_bench_scan", self.stream, args, block=256)
+            self.sync()
+            res[name] = summary_us(self.dtoh(out, reps)[1:])
+        del host, hring
+        dring.close()
+        mapped_mem.close()
+        return {"slots": slots, "threads": 256, **res}
+
+    # -- launch latency ----------------------------------------------------------
+    def launch(self, windows: int = 20) -> dict:
+        d = self.d
+        flag = self.dev_alloc(8)
+        starts = self.dev_alloc(8 * (LAUNCHES_PER_WINDOW + 1))
+        children = [self.module.device_graph("blink_bench_child", self.stream, KernelArgs(flag, starts))
+                    for _ in range(2)]
+        child_tab = self.dev_alloc(16)
+        tab = np.array([int(e) for _, e in children], np.uint64)
+        check(d.cuMemcpyHtoD(child_tab, tab.ctypes.data, 16))
+        out = self.dev_alloc(8 * 4 * LAUNCHES_PER_WINDOW)
+        parent = self.module.device_graph("blink_bench_launch", self.stream,
+                                          KernelArgs(child_tab, 2, flag, out, LAUNCHES_PER_WINDOW))
+        call, start, rtt, errors = [], [], [], 0
+        for w in range(windows + 1):
+            check(d.cuMemsetD8(flag, 0, 8))
+            check(d.cuGraphLaunch(parent[1], self.stream), "cuGraphLaunch(bench parent)")
+            self.sync()
+            o = self.dtoh(out, 4 * LAUNCHES_PER_WINDOW).reshape(-1, 4)
+            s = self.dtoh(starts, LAUNCHES_PER_WINDOW)
+            errors += int(((o[:, 3] & 0xFFFFFFFF) != 0).sum())
+            if w == 0:
+                continue   # warm-up
+            call += o[:, 0].tolist()
+            rtt += o[:, 1].tolist()
+            start += (s.astype(np.int64) - o[:, 2].astype(np.int64)).tolist()
+        device = {"api_call": summary_us(call), "launch_to_child_start": summary_us(start),
+                  "launch_to_done_seen": summary_us(rtt), "launch_errors": errors}
+
+        # the same child graph launched from the host; completion seen through host-mapped memory
+        hflag = PinnedMapped(8)
+        hstarts = self.dev_alloc(8 * 4096)
+        hchild = self.module.device_graph("blink_bench_child", self.stream, KernelArgs(hflag.device_addr, hstarts))
+        offset = calibrate_clock(self.module, self.stream)
+        flag_view = ctypes.c_uint32.from_address(hflag.host_addr)
+        h_call, h_rtt, h_t0 = [], [], []
+        n = windows * 50
+        for i in range(n + 20):
+            t0 = time.monotonic_ns()
+            check(d.cuGraphLaunch(hchild[1], self.stream), "cuGraphLaunch(host)")
+            t1 = time.monotonic_ns()
+            while flag_view.value != i + 1:
+                pass
+            t2 = time.monotonic_ns()
+            if i >= 20:
+                h_call.append(t1 - t0)
+                h_rtt.append(t2 - t0)
+                h_t0.append(t0)
+        self.sync()
+        hs = self.dtoh(hstarts, n + 20)[20:].astype(np.int64) + offset
+        host = {"api_call": summary_us(h_call), "launch_to_child_start": summary_us((hs - np.array(h_t0)).tolist()),
+                "launch_to_done_seen": summary_us(h_rtt),
+                "note": "child start uses the calibrated device->host clock offset (+- a few us)"}
+        hflag.close()
+
+        counter = self.dev_alloc(8)
+        stamps = self.dev_alloc(8 * 1000)
+        tail = self.module.device_graph("blink_bench_tail", self.stream, KernelArgs(counter, stamps, 1000))
+        check(d.cuGraphLaunch(tail[1], self.stream))
+        self.sync()
+        st = self.dtoh(stamps, 1000).astype(np.int64)
+        tail_res = summary_us(np.diff(st)[10:].tolist())
+        return {"device_fire_and_forget": device, "host_launch": host, "device_tail_relaunch": tail_res,
+                "ratio_host_over_device_start": round(host["launch_to_child_start"]["median_us"] /
+                                                      max(1e-9, device["launch_to_child_start"]["median_us"]), 2),
+                "ratio_host_over_device_done": round(host["launch_to_done_seen"]["median_us"] /
+                                                     max(1e-9, device["launch_to_done_seen"]["median_us"]), 2)}
+
+    # -- the echo workload -------------------------------------------------------
+    @staticmethod
+    def _fill(ring: Ring, n_req: int, prompt_len: int, tokens: int) -> None:
+        rng = np.random.default_rng(0)
+        for i in range(n_req):
+            req = SlotRequest(seq=i + 1, prompt_offset=i * prompt_len, prompt_len=prompt_len,
+                              output_offset=i * tokens, max_tokens=tokens)
+            ring.prompt_arena[i * prompt_len:(i + 1) * prompt_len] = rng.integers(0, 49152, prompt_len)
+            rec = req.record()
+            rec["state"] = SlotState.PREFILL_PENDING
+            ring.slots[i] = rec[0]
+
+    def _wait_done(self, ring: Ring, n_req: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not (ring.state[:n_req] == SlotState.DECODE_COMPLETED).all():
+            if time.monotonic() > deadline:
+                raise RuntimeError("workload did not complete")
+            time.sleep(0.0002)
+
+    def _check(self, ring: Ring, n_req: int, prompt_len: int, tokens: int) -> None:
+        for i in (0, n_req // 2, n_req - 1):
+            p = ring.prompt_arena[i * prompt_len:(i + 1) * prompt_len]
+            want = [int(p[k % prompt_len]) for k in range(tokens)]
+            assert ring.output_arena[i * tokens:(i + 1) * tokens].tolist() == want, f"request {i}: wrong tokens"
+
+    def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16) -> dict:
+        geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
+        cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0)
+        out = {"batch": batch, "requests": n_req, "tokens_per_request": tokens, "prompt_len": prompt_len}
+
+        # persistent scheduler over a host-mapped ring (the one-box deployment)
+        mem = PinnedMapped(geom.total_size)
+        ring = Ring.create((ctypes.c_char * geom.total_size).from_address(mem.host_addr), geom)
+        self._fill(ring, n_req, prompt_len, tokens)
+        rt = SchedulerRuntime(self.device, cfg, geom, mem.device_addr, self.module)
+        t0 = time.monotonic_ns()
+        rt.start()
+        self._wait_done(ring, n_req)
+        t1 = time.monotonic_ns()
+        rt.request_stop()
+        rt.wait(30)
+        c = rt.stats().counters
+        rt.close()
+        self._check(ring, n_req, prompt_len, tokens)
+        steps = c["steps_prefill"] + c["steps_decode"]
+        out["persistent"] = {
+            "makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps, "windows": c["windows"],
+            "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
+            "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
+            "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
+            "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
+            "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3),
+            "launch_retries": c["launch_retries"]}
+        del ring
+        mem.close()
+
+        # host-driven loop: the same C++ loop on a host thread, the same echo graph launched by the host
+        out["host_loop"] = self._host_loop(geom, cfg, n_req, prompt_len, tokens)
+        out["ratio_makespan_host_over_persistent"] = round(
+            out["host_loop"]["makespan_ms"] / out["persistent"]["makespan_ms"], 2)
+        return out
+
+    def _host_loop(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
+        from gpu_backend.cuda.twin import TwinScheduler
+        d = self.d
+        mem = PinnedMapped(geom.total_size)
+        ring = Ring.create((ctypes.c_char * geom.total_size).from_address(mem.host_addr), geom)
+        self._fill(ring, n_req, prompt_len, tokens)
+        bufs = {k: PinnedMapped(-(-n // 8) * 8) for k, n in structs.buffer_sizes(4096, cfg.max_batch_size).items()}
+        # the echo graph reads the same buffers through their device addresses
+        dev_params = cfg.params(geom, mem.device_addr, {k: b.device_addr for k, b in bufs.items()}, 0)
+        p_addr = self.dev_alloc(ctypes.sizeof(dev_params))
+        check(d.cuMemcpyHtoD(p_addr, ctypes.addressof(dev_params), ctypes.sizeof(dev_params)))
+        graph, exe = self.module.device_graph("blink_echo_step", self.stream, KernelArgs(p_addr), block=256)
+        self.sync()
+        stream = self.stream
+
+        def launch(ctx, which) -> int:
+            err, = d.cuGraphLaunch(exe, stream)
+            return 0 if err == d.CUresult.CUDA_SUCCESS else int(err)
+
+        tw = TwinScheduler(ring, cfg, threads=1, launch_cb=launch, buffers={k: b.host_addr for k, b in bufs.items()})
+        t0 = time.monotonic_ns()
+        tw.start()
+        self._wait_done(ring, n_req)
+        t1 = time.monotonic_ns()
+        tw.stop()
+        tw.join(30)
+        s = tw.stats
+        steps = s.steps_prefill + s.steps_decode
+        self._check(ring, n_req, prompt_len, tokens)
+        res = {"makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps,
+               "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
+               "scheduler_overhead_us_per_step": round((s.scan_ns + s.publish_ns + s.plan_ns) / 1e3 / steps, 3),
+               "wait_us_per_step": round(s.wait_ns / 1e3 / steps, 3)}
+        del ring, tw
+        for b in bufs.values():
+            b.close()
+        mem.close()
+        return res
+
+
+def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{DATE}-{machine}-cuda_scheduler"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    lines = [f"# CUDA persistent scheduler, {machine} ({results['device']})", "",
+             "Medians; every comparison is within this one run.", "",
+             "| measurement | value |", "|---|---|"]
+    sc = results["scan"]
+    lines += [f"| scan of {sc['slots']} slots, ring in device memory | {sc['device_memory']['median_us']} us |",
+              f"| scan of {sc['slots']} slots, ring host-mapped (PCIe) | {sc['host_mapped']['median_us']} us |"]
+    la = results["launch"]
+    dev, host = la["device_fire_and_forget"], la["host_launch"]
+    lines += [f"| device fire-and-forget: API call | {dev['api_call']['median_us']} us |",
+              f"| device fire-and-forget: launch -> child starts | {dev['launch_to_child_start']['median_us']} us |",
+              f"| host cuGraphLaunch: launch -> child starts | {host['launch_to_child_start']['median_us']} us |",
+              f"| host / device launch-to-start | {la['ratio_host_over_device_start']}x |",
+              f"| device launch -> done seen / host launch -> done seen | {dev['launch_to_done_seen']['median_us']} / "
+              f"{host['launch_to_done_seen']['median_us']} us ({la['ratio_host_over_device_done']}x) |",
+              f"| device tail self-relaunch | {la['device_tail_relaunch']['median_us']} us |"]
+    lines += ["", "| batch | requests x tokens | persistent ms | us/step | overhead us/step | host loop ms | "
+              "us/step | host/persistent |", "|---|---|---|---|---|---|---|---|"]
+    for w in results["workloads"]:
+        p, h = w["persistent"], w["host_loop"]
+        lines.append(f"| {w['batch']} | {w['requests']} x {w['tokens_per_request']} | {p['makespan_ms']} | "
+                     f"{p['us_per_step']} | {p['scheduler_overhead_us_per_step']} | {h['makespan_ms']} | "
+                     f"{h['us_per_step']} | {w['ratio_makespan_host_over_persistent']}x |")
+    lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler --machine h100`).", ""]
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    return stem
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--machine", default="h100")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(pathlib.Path(__file__).parent / "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and workloads")
+    args = ap.parse_args(argv)
+    why = driver.unavailable_reason()
+    if why is not None:
+        print(f"bench.cuda_scheduler: needs a GPU of compute capability >= 9.0 ({why})")
+        return 2
+    b = Bench()
+    results = {"date": DATE, "machine": args.machine, "device": b.device.name,
+               "sms": b.device.multiprocessors}
+    results["scan"] = b.scan(reps=200 if args.quick else 2000)
+    print("scan", json.dumps(results["scan"]), flush=True)
+    results["launch"] = b.launch(windows=4 if args.quick else 20)
+    print("launch", json.dumps(results["launch"]), flush=True)
+    shapes = [(1, 8, 256), (16, 64, 256), (64, 256, 256), (256, 1024, 128)]
+    if args.quick:
+        shapes = shapes[:2]
+    results["workloads"] = []
+    for batch, n_req, tokens in shapes:
+        w = b.workload(batch, n_req, tokens)
+        print("workload", json.dumps(w), flush=True)
+        results["workloads"].append(w)
+    stem = write_results(results, pathlib.Path(args.out), args.machine)
+    print(stem.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Outputs of a run: JSON (every request), CSV (one row per level), markdown summary, PNG plots.
+
+    results dict (sweep.Runner.run) -> write_all(results, out_dir, name)
+        NAME.json  everything, NaN as null
+        NAME.csv   system, condition, offered load, throughput, latency percentiles, stages
+        NAME.md    setup, Table 6/7-style summary with colocated/isolated ratios, per-level tables
+        NAME-latency.png, NAME-throughput.png  (plots.py)
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+
+from .stages import STAGES, missing_stages
+from .sweep import nan_to_none
+
+CSV_FIELDS = ("system", "condition", "offered", "requests", "completed", "failed", "timeouts", "duration_s",
+              "request_throughput", "output_throughput", "total_token_throughput", "goodput",
+              "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p95_ms", "ttft_p99_ms", "ttft_p99.9_ms",
+              "tpot_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p95_ms", "tpot_p99_ms", "tpot_p99.9_ms",
+              "itl_mean_ms", "itl_p50_ms", "itl_p90_ms", "itl_p95_ms", "itl_p99_ms", "itl_p99.9_ms",
+              "e2e_mean_ms", "e2e_p50_ms", "e2e_p90_ms", "e2e_p95_ms", "e2e_p99_ms", "e2e_p99.9_ms",
+              *(f"stage_{s}_ms" for s in STAGES), "cpu_busy")
+
+
+def csv_rows(results: dict) -> list[dict]:
+    rows = []
+    for run in results["runs"]:
+        for lv in run["levels"]:
+            s = lv["summary"]
+            row = {"system": run["system"], "condition": run["condition"], "offered": lv["offered"]}
+            for k in CSV_FIELDS[3:12]:
+                row[k] = s.get(k)
+            for metric in ("ttft", "tpot", "itl", "e2e"):
+                for stat in ("mean", "p50", "p90", "p95", "p99", "p99.9"):
+                    row[f"{metric}_{stat}_ms"] = s[metric].get(f"{stat}_ms")
+            st = lv.get("stages") or {}
+            for stage in STAGES:
+                row[f"stage_{stage}_ms"] = (st.get(stage) or {}).get("mean_ms")
+            row["cpu_busy"] = " ".join(f"cpu{k}={v}" for k, v in (lv.get("cpu_busy") or {}).items())
+            rows.append(row)
+    return rows
+
+
+def write_csv(results: dict, path: pathlib.Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for row in csv_rows(results):
+            w.writerow({k: _cell(v) for k, v in row.items()})
+
+
+def _cell(v):
+    if isinstance(v, float):
+        return "" if not math.isfinite(v) else f"{v:.4g}"
+    return "" if v is None else v
+
+
+def _f(v, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{v:.{digits}f}"
+
+
+def _x(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.2f}x"
+
+
+def markdown(results: dict, name: str, notes: str = "") -> str:
+    meta, an = results["meta"], results.get("analysis") or {}
+    m = meta["machine"]
+    load, wl, pl = meta["load"], meta["workload"], meta["placement"]
+    unit = "concurrent requests" if load["mode"] == "concurrency" else "req/s"
+    lines = [f"# Interference benchmark: {name}", ""]
+    if notes:
+        lines += [notes.strip(), ""]
+    lines += [
+        "## Setup", "",
+        f"- Date: {meta['started']} to {meta.get('finished', '?')}",
+        f"- Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['mem_total_gib']} GiB, "
+        f"{m['os']}, Python {m['python']}; load average at start {m.get('loadavg_at_start')}",
+        f"- Model: {meta['model']}; workload {wl['name']} (input {wl['input_len']}, output {wl['output_len']} "
+        f"tokens, fixed with ignore_eos), seed {wl['seed']}",
+        f"- Load: {load['mode']}, levels {', '.join(f'{x:g}' for x in load['levels'])} {unit}, "
+        f"{load['duration_s']:g} s per level, {load['warmup_requests']} warm-up requests, "
+        f"per-request timeout {load['timeout_s']:g} s (counted as a failure)",
+        f"- Placement: server CPUs {pl['server_cpus']} ({pl['server_threads']} threads), "
+        f"client CPUs {pl['client_cpus']}",
+        f"- Command: `{' '.join(meta.get('argv') or [])}`", ""]
+    systems = {}
+    for run in results["runs"]:
+        systems.setdefault(run["system"], run["server"])
+    if systems:
+        lines += ["### Systems", ""]
+        for sysname, srv in systems.items():
+            lines.append(f"- **{sysname}**: {srv['version']}; `{srv['command']}`"
+                         + (f"; request extras {srv['request_extras']}" if srv.get("request_extras") else ""))
+        lines.append("")
+    inter = {i["kind"]: i for run in results["runs"] for i in run.get("interferers", [])}
+    if inter:
+        lines += ["### Interferers", ""]
+        for i in inter.values():
+            lines.append(f"- **{i['kind']}** x{i['threads']} on CPUs {i['cpus']} ({i['version']}): `{i['command']}`")
+        lines.append("")
+    if results.get("skipped"):
+        lines += ["### Not run", ""]
+        for s in results["skipped"]:
+            what = s.get("system") or s.get("condition")
+            lines.append(f"- {what}: {s['reason'].splitlines()[0]}")
+        lines.append("")
+    ref = an.get("reference")
+    if ref:
+        fit = ref.get("fit") or {}
+        lines += ["## Summary (paper Tables 6 and 7)", "",
+                  f"Operating range from the two-segment fit of **{ref['system']}** ({ref['condition']}): "
+                  f"knee at {_f(fit.get('knee'), 2)} {unit} "
+                  f"({'saturated' if fit.get('saturated') else 'no plateau inside the sweep'}), "
+                  f"so levels {', '.join(f'{x:g}' for x in ref['operating_levels'])}; throughput is read at "
+                  f"{ref['saturation_level']:g} {unit}. Geometric means over those levels; "
+                  f"[brackets] = colocated / isolated of the same system.", "",
+                  "| system | condition | geo P99 TTFT (ms) | geo P99 TPOT (ms) | req/s at sat. | tok/s at sat. |",
+                  "|---|---|---|---|---|---|"]
+        for row in an["table"]:
+            r = row.get("ratio") or {}
+            br = (lambda k: f" [{_x(r.get(k))}]" if r else "")
+            lines.append(f"| {row['system']} | {row['condition']} | {_f(row['geo_p99_ttft_ms'])}{br('geo_p99_ttft_ms')} "
+                         f"| {_f(row['geo_p99_tpot_ms'])}{br('geo_p99_tpot_ms')} "
+                         f"| {_f(row['tput_at_sat_rps'], 3)}{br('tput_at_sat_rps')} "
+                         f"| {_f(row['tok_tput_at_sat'])}{br('tok_tput_at_sat')} |")
+        lines.append("")
+    if an.get("fits"):
+        lines += ["### Saturation fits (every curve)", "", "| run | knee | plateau req/s | saturated |", "|---|---|---|---|"]
+        for key, fit in an["fits"].items():
+            lines.append(f"| {key} | {_f(fit['knee'], 2)} | {_f(fit['plateau'], 3)} | {fit['saturated']} |")
+        lines.append("")
+    lines += ["## Per level", ""]
+    for run in results["runs"]:
+        lines += [f"### {run['system']} / {run['condition']}", ""]
+        if run.get("error"):
+            lines += [f"Error: {run['error']}", ""]
+        if not run["levels"]:
+            continue
+        lines += [f"| {unit} | done/sent | fail (timeout) | req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms "
+                  f"| ITL p50/p99 ms | E2E p50/p99 ms | goodput | CPU busy |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for lv in run["levels"]:
+            s = lv["summary"]
+            busy = " ".join(f"{k}:{v:.0%}" for k, v in (lv.get("cpu_busy") or {}).items()
+                            if isinstance(v, float) and math.isfinite(v))
+            lines.append(
+                f"| {lv['offered']:g} | {s['completed']}/{s['requests']} | {s['failed']} ({s['timeouts']}) "
+                f"| {_f(s['request_throughput'], 3)} | {_f(s['output_throughput'])} "
+                f"| {_f(s['ttft']['p50_ms'])} / {_f(s['ttft']['p99_ms'])} "
+                f"| {_f(s['tpot']['p50_ms'])} / {_f(s['tpot']['p99_ms'])} "
+                f"| {_f(s['itl']['p50_ms'])} / {_f(s['itl']['p99_ms'])} "
+                f"| {_f(s['e2e']['p50_ms'])} / {_f(s['e2e']['p99_ms'])} "
+                f"| {_f(s['goodput'], 3) if s['goodput'] is not None else '-'} | {busy} |")
+        lines.append("")
+        budgets = [lv["stages"] for lv in run["levels"] if lv.get("stages")]
+        if budgets:
+            shown = [k for k in STAGES if any(b.get(k) for b in budgets)]
+            lines += ["Server-side stage budget (mean ms per request, from /metrics):", "",
+                      f"| {unit} | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+            for lv in run["levels"]:
+                st = lv.get("stages") or {}
+                lines.append(f"| {lv['offered']:g} | " + " | ".join(_f((st.get(k) or {}).get("mean_ms"), 2)
+                                                              for k in shown) + " |")
+            missing = missing_stages(budgets)
+            if missing:
+                lines.append("")
+                lines.append(f"Not exposed by this server's /metrics: {', '.join(missing)}.")
+            lines.append("")
+    for note in an.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_all(results: dict, out_dir: pathlib.Path, name: str, notes: str = "", plots: bool = True) -> list[pathlib.Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    jp = out_dir / f"{name}.json"
+    jp.write_text(json.dumps(nan_to_none(results), indent=1, allow_nan=False) + "\n")
+    paths.append(jp)
+    cp = out_dir / f"{name}.csv"
+    write_csv(results, cp)
+    paths.append(cp)
+    mp = out_dir / f"{name}.md"
+    if plots:
+        from .plots import plot_all
+        pngs = plot_all(results, out_dir, name)
+        paths += pngs
+        notes = (notes + "\n\n" if notes else "") + "\n".join(f"![{p.stem}]({p.name})" for p in pngs)
+    mp.write_text(markdown(results, name, notes))
+    paths.insert(2, mp)
+    return paths

@@ -1,0 +1,295 @@
+"""One benchmark run: every system, isolated and under each interference condition.
+
+    BenchPlan (systems, conditions, load, workload, placement)
+      for each system: start its server pinned to the server CPUs -> ready
+        for each condition: start the interferer(s) pinned to their CPUs
+          warm-up -> for each offered level: scrape /metrics, sample per-core
+          busy time, run_level(), scrape again -> level dict
+          stop the interferer(s)
+        stop the server
+      -> results dict (JSON-ready: every request's timings) -> analyze()
+
+A system that is not installed, or fails to start, is recorded with its reason
+and skipped; so is an interferer whose tool is missing. Nothing is silently dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import math
+import pathlib
+import sys
+import time
+from typing import Callable
+
+from . import analysis, stages
+from .client import Endpoint
+from .interference import (InterferenceError, InterfererSpec, format_cpus, missing_reason, start_interferer)
+from .load import LoadConfig, LevelResult, new_session, run_level, warm_up
+from .machine import cpu_busy, cpu_times, machine_info
+from .metrics import RequestRecord, Slo, summarize
+from .progress import Progress
+from .servers import RunningServer, ServerError, ServerSpec, http_get, server_spec, start_server, wait_ready
+from .workload import WorkRequest, WorkloadSpec, build_requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """'isolated', or one or more interferers running together."""
+    interferers: tuple[InterfererSpec, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return "isolated" if not self.interferers else "colocated:" + "+".join(i.label for i in self.interferers)
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.interferers)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPlan:
+    systems: tuple[str, ...]
+    conditions: tuple[Condition, ...]
+    load: LoadConfig
+    workload: WorkloadSpec
+    slo: Slo
+    model: str = "default"                 # default | null (blink's echo daemon)
+    server_cpus: tuple[int, ...] | None = None
+    client_cpus: tuple[int, ...] | None = None
+    server_threads: int = 2
+    ready_timeout_s: float = 600.0
+    url: str | None = None                 # drive this endpoint instead of starting systems
+    url_model: str | None = None
+    blink_args: tuple[str, ...] = ()
+    max_model_len: int = 2048
+    pool_size: int = 256                   # distinct prompts prepared (cycled beyond)
+    workdir: pathlib.Path = pathlib.Path("bench/out/work")
+
+
+def record_dict(r: RequestRecord) -> dict:
+    ms = (lambda v: None if v is None else round(v * 1000.0, 3))
+    return {"t_send_s": round(r.t_send_s, 6), "prompt_tokens": r.prompt_tokens,
+            "server_prompt_tokens": r.server_prompt_tokens, "max_tokens": r.max_tokens,
+            "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft_s), "tpot_ms": ms(r.tpot_s),
+            "e2e_ms": ms(r.e2e_s), "itl_ms": [round(g * 1000.0, 3) for g in r.itl_s],
+            "success": r.success, "timed_out": r.timed_out, "error": r.error, "finish_reason": r.finish_reason}
+
+
+def _scrape(base_url: str, path: str | None) -> dict | None:
+    if not path:
+        return None
+    try:
+        status, body = http_get(base_url + path, timeout_s=5.0)
+    except OSError:
+        return None
+    return stages.parse_histograms(body.decode(errors="replace")) if status == 200 else None
+
+
+class Runner:
+    def __init__(self, plan: BenchPlan, tokenizer, log: Callable[[str], None] = None, out_dir: pathlib.Path = None):
+        self.plan = plan
+        self.tok = tokenizer
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.out_dir = out_dir or pathlib.Path("bench/out")
+        self.pool: list[WorkRequest] = []
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def prepare_workload(self) -> None:
+        n = max(self.plan.load.requests_for(lv) for lv in self.plan.load.levels) + self.plan.load.warmup_requests
+        t0 = time.monotonic()
+        self.pool = build_requests(self.plan.workload, self.tok, min(n, self.plan.pool_size))
+        self.log(f"workload {self.plan.workload.name}: {len(self.pool)} distinct prompts in "
+                 f"{time.monotonic() - t0:.1f} s (mean {sum(r.prompt_tokens for r in self.pool) / len(self.pool):.0f} "
+                 f"prompt / {sum(r.output_tokens for r in self.pool) / len(self.pool):.0f} output tokens)")
+
+    def run(self) -> dict:
+        plan = self.plan
+        if not self.pool:
+            self.prepare_workload()
+        started = datetime.datetime.now().astimezone()
+        results = {"meta": {
+            "started": started.isoformat(timespec="seconds"), "machine": machine_info(),
+            "load": dataclasses.asdict(plan.load), "workload": plan.workload.describe(),
+            "slo": dataclasses.asdict(plan.slo), "model": plan.model,
+            "placement": {"server_cpus": format_cpus(plan.server_cpus), "client_cpus": format_cpus(plan.client_cpus),
+                          "server_threads": plan.server_threads},
+            "argv": sys.argv}, "runs": [], "skipped": []}
+        usable_conditions = []
+        for cond in plan.conditions:
+            reasons = [r for i in cond.interferers if (r := missing_reason(i.kind))]
+            if reasons:
+                self.log(f"SKIPPED condition {cond.label}: " + "; ".join(reasons))
+                results["skipped"].append({"condition": cond.label, "reason": "; ".join(reasons)})
+            else:
+                usable_conditions.append(cond)
+        targets = [("url", None)] if plan.url else [(s, None) for s in plan.systems]
+        for system, _ in targets:
+            try:
+                spec = self._spec(system)
+            except ServerError as e:
+                self.log(f"SKIPPED system {system}: {e}")
+                results["skipped"].append({"system": system, "reason": str(e)})
+                continue
+            results["runs"] += self._run_system(spec, usable_conditions, results["skipped"])
+        results["meta"]["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        results["analysis"] = analyze(results)
+        return results
+
+    def _spec(self, system: str) -> ServerSpec:
+        plan = self.plan
+        if system == "url":
+            return ServerSpec("url", (), (), plan.url.rstrip("/"), plan.url_model or "", "external endpoint",
+                              metrics_path="/metrics")
+        return server_spec(system, model=plan.model, cpus=plan.server_cpus, threads=plan.server_threads,
+                           max_model_len=plan.max_model_len, blink_args=plan.blink_args)
+
+    def _run_system(self, spec: ServerSpec, conditions: list[Condition], skipped: list) -> list[dict]:
+        server: RunningServer | None = None
+        runs = []
+        try:
+            if spec.system != "url":
+                log_path = self.out_dir / "logs" / f"{spec.system}-{int(time.time())}.log"
+                self.log(f"starting {spec.system} ({spec.version}) on CPUs {format_cpus(spec.cpus)}: "
+                         f"{' '.join(spec.argv)}")
+                server = start_server(spec, log_path)
+                server.ready_s = wait_ready(server, spec.base_url, spec.model_name, self.plan.ready_timeout_s)
+                self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
+            for cond in conditions:
+                runs.append(self._run_condition(spec, server, cond))
+        except ServerError as e:
+            self.log(f"SKIPPED system {spec.system}: {e}")
+            skipped.append({"system": spec.system, "reason": str(e)})
+        finally:
+            if server is not None:
+                server.stop()
+        return runs
+
+    def _run_condition(self, spec: ServerSpec, server: RunningServer | None, cond: Condition) -> dict:
+        plan = self.plan
+        ep = Endpoint(spec.base_url, spec.model_name, spec.extra_body, spec.usage_in_stream)
+        run = {"system": spec.system, "condition": cond.label, "colocated": cond.colocated,
+               "server": {**spec.describe(), "ready_s": server.ready_s if server else None,
+                          "log": str(server.log_path) if server else None},
+               "interferers": [], "levels": [], "error": None}
+        running = []
+        try:
+            for ispec in cond.interferers:
+                it = start_interferer(ispec, plan.workdir)
+                running.append(it)
+                run["interferers"].append(it.describe())
+                self.log(f"interferer {ispec.label} running: {it.command}")
+            if running:
+                time.sleep(2.0)  # let the neighbours reach their steady state before measuring
+            asyncio.run(self._drive(spec, ep, server, cond, run))
+        except InterferenceError as e:
+            run["error"] = str(e)
+            self.log(f"condition {cond.label} failed: {e}")
+        finally:
+            for it in running:
+                if not it.alive():
+                    run["error"] = (run["error"] or "") + f" interferer {it.spec.kind} died during the run"
+                it.stop()
+        return run
+
+    async def _drive(self, spec, ep: Endpoint, server, cond: Condition, run: dict) -> None:
+        plan = self.plan
+        async with new_session() as session:
+            t0 = time.monotonic()
+            warm = await warm_up(session, ep, plan.load, self.pool, self._count_tokens)
+            run["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if not r.success),
+                             "seconds": round(time.monotonic() - t0, 2),
+                             "errors": sorted({r.error for r in warm if r.error})[:3]}
+            if warm and all(not r.success for r in warm):
+                run["error"] = f"every warm-up request failed: {run['warmup']['errors']}"
+                self.log(f"{spec.system} {cond.label}: {run['error']}")
+                return
+            for i, level in enumerate(plan.load.levels):
+                if server is not None and not server.alive():
+                    run["error"] = f"server exited (code {server.proc.returncode}) before level {level}"
+                    self.log(f"{spec.system}: {run['error']}; log tail:\n{server.log_tail()}")
+                    return
+                run["levels"].append(await self._level(session, spec, ep, cond, i, level))
+
+    async def _level(self, session, spec, ep, cond, i: int, level: float) -> dict:
+        plan = self.plan
+        # Each level takes a different window of the prompt pool, so levels do not replay each other.
+        n = plan.load.requests_for(level)
+        start = (i * 97) % len(self.pool)
+        work = [self.pool[(start + j) % len(self.pool)] for j in range(n)]
+        total = None if plan.load.mode == "concurrency" else n
+        unit = "conc" if plan.load.mode == "concurrency" else "req/s"
+        bar = Progress(f"{spec.system} {cond.label[:28]} {i + 1}/{len(plan.load.levels)} {level:g} {unit}", total)
+        before = await asyncio.to_thread(_scrape, spec.base_url, spec.metrics_path)
+        cpu0 = cpu_times()
+        res: LevelResult = await run_level(session, ep, plan.load, level, work, self._count_tokens,
+                                           on_done=lambda r: bar.update(r.success))
+        cpu1 = cpu_times()
+        after = await asyncio.to_thread(_scrape, spec.base_url, spec.metrics_path)
+        bar.close()
+        summary = summarize(res.records, res.duration_s, plan.slo)
+        return {"offered": level, "t_start_unix": res.t_start_unix, "summary": summary.as_dict(),
+                "stages": stages.stage_budget(before, after) if before is not None and after is not None else None,
+                "cpu_busy": cpu_busy(cpu0, cpu1), "requests": [record_dict(r) for r in res.records]}
+
+
+def _points(run: dict) -> list[analysis.LevelPoint]:
+    return [analysis.LevelPoint(lv["offered"], lv["summary"]["ttft"]["p99_ms"], lv["summary"]["tpot"]["p99_ms"],
+                                lv["summary"]["request_throughput"], lv["summary"]["output_throughput"])
+            for lv in run["levels"]]
+
+
+def analyze(results: dict) -> dict:
+    """Saturation fits, the reference operating range, Table 6/7 rows and colocated/isolated ratios."""
+    runs = [r for r in results["runs"] if r["levels"]]
+    out: dict = {"fits": {}, "reference": None, "table": [], "notes": []}
+    for r in runs:
+        pts = _points(r)
+        if len(pts) >= 3:
+            fit = analysis.fit_saturation([p.offered for p in pts], [p.request_throughput for p in pts])
+            out["fits"][f"{r['system']}/{r['condition']}"] = fit.as_dict()
+    iso = [r for r in runs if not r["colocated"]]
+    if not iso:
+        out["notes"].append("no isolated run: no operating range")
+        return out
+    ref = iso[0]  # the first system in --systems (blink by default) defines the operating range
+    pts = _points(ref)
+    levels = [p.offered for p in pts]
+    if len(pts) >= 3:
+        fit = analysis.fit_saturation(levels, [p.request_throughput for p in pts])
+        operating = analysis.operating_levels(levels, fit)
+        fit_d = fit.as_dict()
+    else:
+        # Two points fit any hinge: too few for a knee, so every level counts.
+        operating, fit_d = levels, None
+        out["notes"].append("fewer than 3 load levels: no saturation fit, the operating range is every level")
+    sat_level = max(operating)
+    out["reference"] = {"system": ref["system"], "condition": ref["condition"], "fit": fit_d,
+                        "operating_levels": operating, "saturation_level": sat_level}
+    iso_rows = {}
+    for r in runs:
+        row = {"system": r["system"], "condition": r["condition"],
+               **analysis.summary_row(_points(r), operating, sat_level)}
+        if not r["colocated"]:
+            iso_rows[r["system"]] = row
+        out["table"].append(row)
+    for row in out["table"]:
+        base = iso_rows.get(row["system"])
+        if row["condition"] != "isolated" and base is not None:
+            row["ratio"] = {k: analysis.ratio(row[k], base[k])
+                            for k in ("geo_p99_ttft_ms", "geo_p99_tpot_ms", "tput_at_sat_rps", "tok_tput_at_sat")}
+    return out
+
+
+def nan_to_none(x):
+    """JSON has no NaN: replace it (recursively) by null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [nan_to_none(v) for v in x]
+    return x
