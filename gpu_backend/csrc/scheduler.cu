@@ -28,7 +28,8 @@ extern "C" __global__ void __launch_bounds__(256) blink_echo_step(const blink_sc
     blink_echo_chunks(plat, p, threadIdx.x, blockDim.x);
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();   /* every chunk's token before the flag the scheduler polls */
+        __threadfence_system();   /* every chunk's token before the flag; system scope because the
+                                     host-driven baseline (bench) polls the flag from the CPU */
         plat.st32(p->done, p->state->step_no);
     }
 }

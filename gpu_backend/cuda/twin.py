@@ -99,10 +99,17 @@ def intake_check(cfg: SchedulerConfig, geom, frontend_epoch: int, record: np.nda
 class TwinScheduler:
     """The persistent scheduler's loop on host threads over `ring` (held in memory we can address)."""
 
-    def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None):
+    def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None,
+                 buffers: dict[str, int] | None = None):
+        """`buffers`: addresses of zeroed host memory for every structs.buffer_sizes entry (e.g. pinned
+        memory a GPU also maps, for the host-driven baseline); numpy arrays when None."""
         self.ring, self.config, self.threads = ring, config, threads
         sizes = structs.buffer_sizes(ring.geom.slot_count, config.max_batch_size)
-        self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
+        if buffers is None:
+            self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
+        else:
+            self._buffers = {name: np.ctypeslib.as_array((ctypes.c_uint64 * -(-n // 8)).from_address(buffers[name]))
+                             for name, n in sizes.items()}
         self.control = structs.SchedControl()
         ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
         self.params = config.params(ring.geom, ring_addr, {k: v.ctypes.data for k, v in self._buffers.items()},

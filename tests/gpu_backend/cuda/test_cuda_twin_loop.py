@@ -262,3 +262,24 @@ def test_ring_shutdown_word_and_heartbeat(twin_lib, shm_ring):
     assert tw.join(10) and tw.exit_code == structs.EXIT_SHUTDOWN
     assert tw.control.running == 0
     assert ctypes.sizeof(tw.control) == ctypes.sizeof(structs.SchedControl)
+
+
+def test_external_buffers_and_a_launch_callback(twin_lib, shm_ring):
+    """The host-driven baseline's shape: buffers the caller owns (pinned memory on a GPU box), the
+    step run by a callback that stores the done flag itself."""
+    ring = shm_ring(GEOM)
+    cfg = SchedulerConfig(max_batch_size=4, max_model_len=512, idle_sleep_ns=50_000)
+    owned = {k: (ctypes.c_uint64 * -(-n // 8))() for k, n in structs.buffer_sizes(GEOM.slot_count, 4).items()}
+    from gpu_backend.cuda.twin import TwinScheduler
+    holder = {}
+    tw = TwinScheduler(ring, cfg, threads=1, launch_cb=lambda c, w: holder["cb"](c, w),
+                       buffers={k: ctypes.addressof(v) for k, v in owned.items()})
+    holder["cb"] = SlowEcho(tw, ring, 0.0)
+    tw.start()
+    fp = FrontendPlayer(ring)
+    for i in range(10):
+        fp.submit([i, i + 1, i + 2], 20)
+    for r in drain(fp).values():
+        assert r.tokens == echo([r.seq - 1, r.seq, r.seq + 1], 20)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    assert structs.SchedState.from_address(ctypes.addressof(owned["state"])).step_no == tw.stats.launches > 0
