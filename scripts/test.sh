@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh
+scripts/setup_system.sh
 exec .venv/bin/python -m pytest -q "$@"

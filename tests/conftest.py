@@ -29,8 +29,9 @@ def rdma_reason() -> str | None:
     if not glob.glob("/sys/class/infiniband/*"):
         return "no RDMA device (mlx5, rxe or siw)"
     try:
-        import pyverbs  # noqa: F401
-    except ImportError:
+        from dpu_frontend.transport.rdma_device import import_pyverbs
+        import_pyverbs()  # also finds Debian's python3-pyverbs from inside the venv
+    except Exception:  # ImportError or PyverbsMissing
         return "pyverbs not installed"
     return None
 
