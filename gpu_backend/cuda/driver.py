@@ -38,8 +38,7 @@ def check(result, what: str = "CUDA call"):
     d = bindings()
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != d.CUresult.CUDA_SUCCESS:
-        _, name = d.cuGetErrorName(err)
-        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else err}")
+        raise CudaError(f"{what} failed: {getattr(err, 'name', err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
