@@ -26,10 +26,16 @@ blink_bench_scan(const blink_sched_params_t *p, unsigned long long *out_ns, unsi
         if (threadIdx.x == 0) pending = 0;
         __syncthreads();
         const unsigned long long t0 = blink_gt();
-        unsigned mine = 0;
-        for (unsigned long long i = threadIdx.x; i < p->slot_count; i += blockDim.x) {
-            const unsigned long long w = *(const volatile unsigned long long *)blink_slot_ptr(p, i);
-            mine += (unsigned)w == BLINK_PREFILL_PENDING;
+        unsigned mine = 0;   /* the scheduler's access pattern: 8 loads in flight per thread, then use */
+        for (unsigned long long base = threadIdx.x; base < p->slot_count; base += 8ull * blockDim.x) {
+            unsigned long long w[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const unsigned long long i = base + (unsigned long long)k * blockDim.x;
+                w[k] = i < p->slot_count ? *(const volatile unsigned long long *)blink_slot_ptr(p, i) : 0;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) mine += (unsigned)w[k] == BLINK_PREFILL_PENDING;
         }
         atomicAdd(&pending, mine);
         __syncthreads();
