@@ -32,10 +32,11 @@ class Endpoint:
     model: str                        # the name the server answers to
     extra_body: tuple[tuple[str, Any], ...] = ()   # per-server request fields
     usage_in_stream: bool = True      # send stream_options.include_usage
+    completions_path: str = "/v1/completions"
 
     @property
     def completions_url(self) -> str:
-        return self.base_url.rstrip("/") + "/v1/completions"
+        return self.base_url.rstrip("/") + self.completions_path
 
 
 def request_body(ep: Endpoint, req: WorkRequest) -> dict:

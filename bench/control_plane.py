@@ -69,7 +69,8 @@ def run_bare_server(port: int) -> None:
                     text = texts[key] = tok.decode(ids)
                 last = i + per_event >= n
                 chunk = api.completion_chunk(rid, created, "null", text, "length" if last else None)
-                chunk["blink_timing"] = {"t_last_ns": time.monotonic_ns(), "n_tokens": len(ids)}
+                t_ns = time.monotonic_ns()
+                chunk["blink_timing"] = {"t_last_ns": t_ns, "t_frontend_ns": t_ns, "n_tokens": len(ids)}
                 await resp.write(api.sse(chunk))
                 await asyncio.sleep(0)   # a streaming server yields between events
             await resp.write(api.sse(api.usage_chunk("text_completion", rid, created, "null",
@@ -95,11 +96,14 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
     import aiohttp
 
     t0 = time.monotonic_ns()
+    print("started", flush=True)   # the orchestrator times its CPU samples from this line
     start_ns = t0 + int(warmup_s * 1e9)
     end_ns = start_ns + int(duration_s * 1e9)
     events = tokens = requests = failures = 0
     lat_lo: list[int] = []
     lat_hi: list[int] = []
+    lat_ring: list[int] = []   # daemon publish -> frontend handler has the batch
+    lat_http: list[int] = []   # frontend handler -> client receipt
 
     async def worker(w: int, session: aiohttp.ClientSession):
         nonlocal events, tokens, requests, failures
@@ -136,6 +140,8 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
                                 tokens += timing["n_tokens"]
                                 lat_lo.append(t_recv - t_last)
                                 lat_hi.append(t_recv - (prev_last if prev_last is not None else t_last))
+                                lat_ring.append(timing["t_frontend_ns"] - t_last)
+                                lat_http.append(t_recv - timing["t_frontend_ns"])
                             prev_last = t_last
                         if t_recv >= end_ns:
                             break
@@ -161,7 +167,9 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
             "tokens_per_event": tokens / events if events else None,
             "latency_ms": {"p50": pct(lat_lo, 0.5), "p99": pct(lat_lo, 0.99),
                            "mean": statistics.fmean(lat_lo) / 1e6 if lat_lo else None},
-            "latency_upper_ms": {"p50": pct(lat_hi, 0.5), "p99": pct(lat_hi, 0.99)}}
+            "latency_upper_ms": {"p50": pct(lat_hi, 0.5), "p99": pct(lat_hi, 0.99)},
+            "latency_ring_to_handler_ms": {"p50": pct(lat_ring, 0.5), "p99": pct(lat_ring, 0.99)},
+            "latency_handler_to_client_ms": {"p50": pct(lat_http, 0.5), "p99": pct(lat_http, 0.99)}}
 
 
 # -- orchestration -------------------------------------------------------------------
@@ -190,6 +198,13 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> 
                 return
         time.sleep(0.2)
     raise RuntimeError(f"port {port} not healthy after {timeout_s} s")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _affinity(cpus: set[int] | None):
@@ -236,15 +251,27 @@ def orchestrate(args: argparse.Namespace) -> dict:
                    "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
                    "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
                    "--tokens-per-event", str(per_event)]
-            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True,
-                                 preexec_fn=_affinity(http_cpus))
-            res = json.loads(out.stdout)
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(http_cpus))
+            assert proc.stdout.readline().strip() == "started"
+            time.sleep(args.warmup_s)
+            watched = {"server": procs[1].pid if server == "blink" else procs[2].pid, "daemon": procs[0].pid}
+            cpu0 = {k: _cpu_s(pid) for k, pid in watched.items()}
+            time.sleep(args.duration_s)
+            cpu1 = {k: _cpu_s(pid) for k, pid in watched.items()}
+            out, _ = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"client failed ({proc.returncode})")
+            res = json.loads(out.strip().splitlines()[-1])
             res["server"] = server
+            res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in watched}
+            res["server_cpu_us_per_event"] = 1e6 * res["cpu_s"]["server"] / res["events"] if res["events"] else None
+            res["server_cpu_us_per_token"] = 1e6 * res["cpu_s"]["server"] / res["tokens"] if res["tokens"] else None
             res["bare_tokens_per_event"] = per_event if server != "blink" else None
             runs.append(res)
             print(f"{server:10s} c={c:3d}: {res['events_per_s']:9.0f} events/s {res['tokens_per_s']:9.0f} tok/s "
                   f"({res['tokens_per_event'] or 0:.1f} tok/event) latency p50 {res['latency_ms']['p50']} ms "
-                  f"p99 {res['latency_ms']['p99']} ms", flush=True)
+                  f"p99 {res['latency_ms']['p99']} ms; server CPU {res['cpu_s']['server']:.2f} s "
+                  f"({res['server_cpu_us_per_event'] or 0:.0f} us/event)", flush=True)
             return res
 
         for c in args.concurrency:
@@ -290,6 +317,16 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "blink_latency_upper_p50_ms": blink["latency_upper_ms"]["p50"],
             "blink_latency_upper_p99_ms": blink["latency_upper_ms"]["p99"],
             "bare_latency_p50_ms": bare["latency_ms"]["p50"], "bare_latency_p99_ms": bare["latency_ms"]["p99"],
+            "blink_ring_to_handler_p50_ms": blink["latency_ring_to_handler_ms"]["p50"],
+            "blink_ring_to_handler_p99_ms": blink["latency_ring_to_handler_ms"]["p99"],
+            "blink_handler_to_client_p50_ms": blink["latency_handler_to_client_ms"]["p50"],
+            "blink_handler_to_client_p99_ms": blink["latency_handler_to_client_ms"]["p99"],
+            "blink_frontend_cpu_us_per_event": blink["server_cpu_us_per_event"],
+            "blink_frontend_cpu_us_per_token": blink["server_cpu_us_per_token"],
+            "blink_daemon_cpu_s": blink["cpu_s"]["daemon"],
+            "bare_cpu_us_per_event": bare["server_cpu_us_per_event"],
+            "bare_cpu_us_per_token": bare["server_cpu_us_per_token"],
+            "bare_1tok_cpu_us_per_event": one["server_cpu_us_per_event"],
             "failures": blink["failures"] + bare["failures"] + one["failures"],
         })
     return {"rows": rows,
@@ -336,12 +373,27 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
               "publish time for blink, chunk creation for bare; both time.monotonic_ns). 'upper' is receipt minus "
               "the previous event's stamp, which bounds the oldest token of a multi-token event. When a server "
               "outruns the client the bare numbers are socket-buffer queueing, not server cost.", "",
-              "| streams | blink p50 | blink p99 | blink upper p50 | blink upper p99 | bare p50 | bare p99 |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+              "Split of blink's latency: ring -> handler (daemon publish until the request's handler holds the "
+              "batch: reader poll cadence and wake-up) and handler -> client (detokenize, encode, write, client).",
+              "",
+              "| streams | blink p50 | blink p99 | blink upper p50 | blink upper p99 | ring->handler p50 / p99 "
+              "| handler->client p50 / p99 | bare p50 | bare p99 |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         lines.append(f"| {r['concurrency']} | {f(r['blink_latency_p50_ms'], 3)} | {f(r['blink_latency_p99_ms'], 3)} | "
                      f"{f(r['blink_latency_upper_p50_ms'], 3)} | {f(r['blink_latency_upper_p99_ms'], 3)} | "
+                     f"{f(r['blink_ring_to_handler_p50_ms'], 3)} / {f(r['blink_ring_to_handler_p99_ms'], 3)} | "
+                     f"{f(r['blink_handler_to_client_p50_ms'], 3)} / {f(r['blink_handler_to_client_p99_ms'], 3)} | "
                      f"{f(r['bare_latency_p50_ms'], 3)} | {f(r['bare_latency_p99_ms'], 3)} |")
+    lines += ["", "Server CPU per event and per token inside the measured window (/proc/PID/stat; the frontend "
+              "process for blink, the daemon's own CPU listed apart: it polls the ring on its core).", "",
+              "| streams | blink frontend us/event | us/token | bare us/event | us/token | bare 1tok us/event "
+              "| daemon CPU s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
+                     f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {f(r['bare_cpu_us_per_event'], 0)} | "
+                     f"{f(r['bare_cpu_us_per_token'], 1)} | {f(r['bare_1tok_cpu_us_per_event'], 0)} | "
+                     f"{f(r['blink_daemon_cpu_s'], 2)} |")
     lines += ["", "Targets: events ratio >= 0.5 (vs bare with the same chunks), blink p99 added latency <= 2 ms.", ""]
     for c, met in summary["met"].items():
         lines.append(f"- {c} streams: events ratio {'met' if met['events_ratio'] else 'NOT met'}, "

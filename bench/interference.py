@@ -134,23 +134,49 @@ class Interferer:
         return self.proc.poll() is None
 
     def stop(self, grace_s: float = 3.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL after `grace_s`."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        """SIGTERM to the whole process group, SIGKILL to whatever is left after `grace_s`."""
+        stop_group(self.proc, grace_s)
 
     def describe(self) -> dict:
         return {"kind": self.spec.kind, "threads": self.spec.threads, "cpus": format_cpus(self.spec.cpus),
                 "command": self.command, "version": self.version, "pid": self.proc.pid}
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    out = []
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float, kill_wait_s: float = 5.0) -> None:
+    """Stop a process started with start_new_session=True and everything in its group.
+
+    SIGTERM to the group, wait up to grace_s for the leader and the members, then
+    SIGKILL the group. Members may outlive their leader (a shell loop's current
+    job, engine subprocesses), so the group, not the leader, decides when it is over.
+    """
+    pgid = proc.pid
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_members(pgid):
+                return
+            time.sleep(0.05)
+    proc.poll()
 
 
 def start_interferer(spec: InterfererSpec, workdir: pathlib.Path) -> Interferer:
@@ -180,26 +206,28 @@ def start_interferer(spec: InterfererSpec, workdir: pathlib.Path) -> Interferer:
     return it
 
 
-def _pbzip2_input(workdir: pathlib.Path, size_bytes: int = 48 << 20) -> pathlib.Path:
-    """A text-like file that compresses like real data (words with random structure)."""
+def _pbzip2_input(workdir: pathlib.Path, size_bytes: int = 48 << 20, block_bytes: int = 4 << 20) -> pathlib.Path:
+    """A text-like file that compresses like real data (words with random structure).
+
+    One 4 MiB block, repeated: bzip2 works on 900 kB blocks, so the repetition
+    does not make compression any cheaper, and the file is written in a fraction of a second.
+    """
     path = workdir / "pbzip2-input.txt"
     if path.is_file() and path.stat().st_size == size_bytes:
         return path
     rng = np.random.default_rng(1234)
-    words = np.array([w.encode() for w in (
+    words = [w.encode() for w in (
         "the of and to in is that for it as with was on be by this are from or have an not which at "
         "request token server latency queue batch prefill decode kernel memory cache thread core load "
-        "0 1 2 3 4 5 6 7 8 9 alpha beta gamma delta omega").split()], dtype=object)
-    chunks, total = [], 0
-    while total < size_bytes:
-        idx = rng.integers(0, len(words), size=200_000)
-        noise = rng.integers(97, 123, size=200_000, dtype=np.uint8)
-        parts = [words[i] + (bytes([n]) if n % 7 == 0 else b"") for i, n in zip(idx, noise)]
-        blob = b" ".join(parts) + b"\n"
-        chunks.append(blob)
-        total += len(blob)
+        "0 1 2 3 4 5 6 7 8 9 alpha beta gamma delta omega").split()]
+    idx = rng.integers(0, len(words), size=block_bytes // 4)
+    noise = rng.integers(97, 123, size=len(idx))
+    block = b" ".join(words[i] + (bytes([n]) if n % 7 == 0 else b"") for i, n in zip(idx, noise))[:block_bytes]
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(b"".join(chunks)[:size_bytes])
+    with open(tmp, "wb") as f:
+        for _ in range(size_bytes // len(block)):
+            f.write(block)
+        f.write(block[:size_bytes % len(block)])
     tmp.replace(path)
     return path
 

@@ -22,14 +22,13 @@ import http.client
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 
-from .interference import format_cpus, pin_preexec
+from .interference import format_cpus, pin_preexec, stop_group
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SYSTEMS = ("blink", "vllm", "llamacpp")
@@ -180,23 +179,8 @@ class RunningServer:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `grace_s`."""
-        if self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        # The group may hold children that outlived the leader (engine processes).
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`."""
+        stop_group(self.proc, grace_s)
 
 
 def start_server(spec: ServerSpec, log_path: pathlib.Path) -> RunningServer:

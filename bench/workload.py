@@ -172,8 +172,8 @@ def corpus_text() -> str:
             with warnings.catch_warnings():   # typing.io / typing.re warn when touched
                 warnings.simplefilter("ignore")
                 obj = getattr(mod, attr, None)
-            if inspect.isclass(obj) or inspect.isfunction(obj):
-                docs.append(inspect.getdoc(obj) or "")
+                if inspect.isclass(obj) or inspect.isfunction(obj):
+                    docs.append(inspect.getdoc(obj) or "")
         chunks += [d for d in docs if len(d) > 40]
     return "\n\n".join(chunks)
 

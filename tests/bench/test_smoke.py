@@ -1,0 +1,75 @@
+"""CI smoke run: `blink bench` against the real `blink serve --model null`, all outputs written.
+
+A few seconds of load (two concurrency levels, then Poisson under a pure-Python
+interferer), through the real CLI in a subprocess, as a user would run it.
+"""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _blink(*args, timeout_s=240):
+    return subprocess.run([sys.executable, "-m", "dpu_frontend.cli", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_smoke_run_against_blink_serve_null(tmp_path):
+    out = tmp_path / "out"
+    p = _blink("--preset", "smoke", "--model", "null", "--mode", "constant", "--levels", "2,8,16",
+               "--duration-s", "1.5", "--interferer", "pyhog:1", "--slo", "ttft:1000,tpot:100",
+               "--out", str(out), "--name", "smoke")
+    assert p.returncode == 0, p.stderr[-3000:]
+    names = {f.name for f in out.iterdir()}
+    assert {"smoke.json", "smoke.csv", "smoke.md", "smoke-latency.png", "smoke-throughput.png"} <= names
+    res = json.loads((out / "smoke.json").read_text())
+    runs = {r["condition"]: r for r in res["runs"]}
+    assert set(runs) == {"isolated", "colocated:pyhogx1@cpuall"}
+    iso = runs["isolated"]
+    assert iso["server"]["system"] == "blink" and "--model null" in iso["server"]["command"]
+    assert [lv["offered"] for lv in iso["levels"]] == [2, 8, 16]
+    for run in runs.values():
+        assert run["error"] is None and run["warmup"]["failed"] == 0
+        for lv in run["levels"]:
+            s = lv["summary"]
+            assert s["requests"] == max(4, round(lv["offered"] * 1.5)) and s["failed"] == 0
+            assert s["completed"] == len(lv["requests"]) and s["goodput"] is not None
+            for r in lv["requests"]:
+                # Exact lengths: the server saw the prompt length we built, and gave max_tokens.
+                assert r["server_prompt_tokens"] == r["prompt_tokens"] == 16
+                assert r["output_tokens"] == r["max_tokens"] == 8 and r["ttft_ms"] > 0
+            assert lv["stages"]["tokenize"]["count"] >= s["requests"]
+    assert runs["colocated:pyhogx1@cpuall"]["interferers"][0]["kind"] == "pyhog"
+    an = res["analysis"]
+    assert an["reference"]["system"] == "blink" and len(an["table"]) == 2
+    col = [r for r in an["table"] if r["condition"] != "isolated"][0]
+    assert set(col["ratio"]) >= {"geo_p99_ttft_ms", "geo_p99_tpot_ms", "tput_at_sat_rps"}
+    rows = list(csv.DictReader(open(out / "smoke.csv")))
+    assert len(rows) == 6 and float(rows[0]["request_throughput"]) > 0
+    md = (out / "smoke.md").read_text()
+    assert "Summary (paper Tables 6 and 7)" in md and "smoke-latency.png" in md
+    assert (out / "smoke-latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_flags_are_clear_errors_not_tracebacks(tmp_path):
+    for args, needle in ((["--levels", "1,x"], "--levels"), (["--interferer", "ffmpeg:2"], "unknown interferer"),
+                         (["--server-cpus", "77"], "CPU"), (["--input-len", "uniform:9:1"], "length spec"),
+                         (["--systems", "blink,vllm", "--model", "null"], "peers need --model default")):
+        p = _blink("--preset", "smoke", *args, "--out", str(tmp_path), timeout_s=60)
+        assert p.returncode == 2, (args, p.stderr)
+        assert needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_missing_peer_is_reported_and_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLINK_PEERS_DIR", str(tmp_path / "no-peers"))
+    p = _blink("--check", timeout_s=60)
+    assert p.returncode == 0 and "vllm" in p.stdout and "MISSING" in p.stdout
+    out = tmp_path / "out"
+    p = _blink("--preset", "smoke", "--systems", "vllm", "--out", str(out), "--name", "x", timeout_s=60)
+    assert p.returncode == 1
+    assert "SKIPPED system vllm" in p.stderr and "not installed" in p.stderr
+    assert json.loads((out / "x.json").read_text())["skipped"][0]["system"] == "vllm"
