@@ -66,7 +66,8 @@ def create_app(config: FrontendConfig, *, client: RingClient | None = None,
     app[METRICS] = metrics
     app[STARTED_AT] = int(time.time())
     app[SERVICE] = GenerationService(client, tokenizer, metrics, model, config.queue_timeout_s,
-                                     config.max_tokens_default, config.max_stop_strings)
+                                     config.max_tokens_default, config.max_stop_strings,
+                                     config.expose_backend_timing)
     app.router.add_post("/v1/completions", _endpoint(COMPLETIONS))
     app.router.add_post("/v1/chat/completions", _endpoint(CHAT))
     app.router.add_get("/v1/models", _models)

@@ -67,7 +67,7 @@ class GenerationService:
 
     def __init__(self, client: RingClient, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  served_model: str, queue_timeout_s: float, max_tokens_default: int | None,
-                 max_stop_strings: int = 32):
+                 max_stop_strings: int = 32, expose_backend_timing: bool = False):
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -75,6 +75,7 @@ class GenerationService:
         self.queue_timeout_s = queue_timeout_s
         self.max_tokens_default = max_tokens_default
         self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings)
+        self.expose_backend_timing = expose_backend_timing
 
     # -- request preparation ---------------------------------------------------
     async def prepare(self, endpoint: Endpoint, body, request_id_header: str | None,
@@ -174,12 +175,14 @@ class GenerationService:
         t_first = None
         n_prompt = len(gen.prompt_ids)
         chunk = api.chat_chunk if ep.chat else api.completion_chunk
+        fast = api.DeltaEncoder(ep.chat, gen.rid, gen.created, self.model)
         outcome = "client_disconnect"
         finish = None
         try:
             await resp.prepare(request)
             request[STREAM_STARTED] = resp
             async for batch in handle:
+                t_batch_ns = now_ns() if self.expose_backend_timing else 0
                 delta = detok.feed(batch)
                 last = delta.finished or handle.finished
                 finish = stop_reason = None
@@ -196,8 +199,17 @@ class GenerationService:
                     if ep.chat:   # the first chat chunk carries the role
                         out += api.sse(chunk(gen.rid, gen.created, self.model, {"role": "assistant", "content": ""},
                                              usage_=usage))
-                payload = ({"content": text} if text or not last else {}) if ep.chat else text
-                out += api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage))
+                if not last and usage is None:   # the common case: pre-encoded chunk, only the text encoded
+                    if self.expose_backend_timing:
+                        out += fast.encode_timed(text, handle.t_last_ns, t_batch_ns, len(batch))
+                    else:
+                        out += fast.encode(text)
+                else:
+                    payload = ({"content": text} if text or not last else {}) if ep.chat else text
+                    body = chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage)
+                    if self.expose_backend_timing:
+                        body["blink_timing"] = self._timing(handle, batch, t_batch_ns)
+                    out += api.sse(body)
                 await resp.write(out)
                 if last:
                     break
@@ -234,6 +246,12 @@ class GenerationService:
                 pass
         self._observe(gen, outcome, t_first, detok.tokens_seen)
         return resp
+
+    @staticmethod
+    def _timing(handle: RequestHandle, batch: list[int], t_batch_ns: int) -> dict[str, int]:
+        """Benchmark-only: the daemon's stamp of the newest token in this chunk (monotonic clock,
+        same machine), when this handler got the batch, and how many tokens it holds."""
+        return {"t_last_ns": handle.t_last_ns, "t_frontend_ns": t_batch_ns, "n_tokens": len(batch)}
 
     @staticmethod
     def _finish(detok, handle: RequestHandle) -> tuple[str, int | str | None]:

@@ -45,6 +45,9 @@ class FrontendConfig:
     heartbeat_timeout_s: float = 2.0     # backend heartbeat older than this: /health 503
     encode_in_thread_chars: int = 4096   # prompts longer than this are tokenized off the event loop
     max_stop_strings: int = 32
+    # Benchmarks only: each streamed chunk also carries "blink_timing" {t_last_ns: the daemon's
+    # monotonic stamp of the newest token in it, n_tokens}. Off: the chunks are exactly vLLM's.
+    expose_backend_timing: bool = False
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

@@ -1,22 +1,26 @@
 """Incremental detokenization of one request's output, with stop strings and stop tokens.
 
-    token ids (batches from the ring) -> ending tokens cut (EOS unless ignore_eos,
-    stop_token_ids: end the request, not rendered) -> DecodeStream (prefix/read
-    offsets in Rust, the algorithm vLLM uses: a token whose bytes end mid UTF-8
-    sequence yields nothing until the sequence completes, so no U+FFFD ever leaks)
-    -> stop-string matcher (holds back the longest tail that could still start a
-    stop string; a match truncates the output and ends the request)
-    -> text deltas for SSE chunks.
+    token ids (one batch per ring read) -> ending tokens cut (EOS unless ignore_eos,
+    stop_token_ids: they end the request and are not rendered) -> prefix/read
+    offsets (vLLM's algorithm: decode the window [prefix_offset:] and the part
+    [prefix_offset:read_offset] already shown; the difference is new text, held
+    back while it ends in U+FFFD, i.e. mid UTF-8 sequence) -> stop-string matcher
+    (holds back the longest tail that could still start a stop string; a match
+    truncates the output and ends the request) -> text deltas for SSE chunks.
 
-One `Detokenizer` per request; not thread-safe, never blocks (a step is a few
-microseconds of Rust per token).
+A batch is decoded with one `Tokenizer.decode` call over its own tokens (plus a
+prefix window and a second call for decoders that are not byte-level), so the cost per token falls as the frontend falls behind and batches grow. When a stop
+string completes inside a batch, the batch is replayed token by token so the
+usage count stops at the token that completed it. One `Detokenizer` per
+request; not thread-safe, never blocks.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers import Tokenizer, decoders
+
+REPLACEMENT = "\ufffd"   # what decode() renders for bytes of an incomplete UTF-8 sequence
 
 
 @dataclasses.dataclass
@@ -58,6 +62,11 @@ class StopMatcher:
         self.held = pending[len(pending) - keep:] if keep else ""
         return pending[:len(pending) - keep]
 
+    def would_match(self, text: str) -> bool:
+        """Whether feeding `text` would complete a stop string (nothing changes)."""
+        pending = self.held + text
+        return any(s in pending for s in self.stops)
+
     def flush(self) -> str:
         """At the end of the request: the held tail was never a stop string."""
         held, self.held = self.held, ""
@@ -81,52 +90,126 @@ class Detokenizer:
                  skip_special_tokens: bool = True):
         """eos_ids: pass none when the request sets ignore_eos. stop_token_ids: vLLM's, reported
         as stop_reason when they end the request (EOS reports None)."""
-        self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._decode = tokenizer.decode
+        # Byte-level BPE decodes by concatenation at character boundaries: once text is shown,
+        # the next decode needs no prefix. Other decoders (Metaspace strips a leading space)
+        # keep vLLM's prefix window for context.
+        self._concatenative = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._skip = skip_special_tokens
         self._stop_ids = frozenset(int(t) for t in stop_token_ids)
         self._end_ids = frozenset(int(t) for t in eos_ids) | self._stop_ids
         self._stops = StopMatcher(stop, include_stop_str_in_output)
-        self.tokens_seen = 0       # tokens consumed, the ending one included (usage counts it)
+        self._window: list[int] = []   # ids[prefix_offset:]
+        self._read = 0                 # read_offset - prefix_offset: window tokens already shown
+        self._prefix_text = ""         # decode(window[:read]), cached
+        self.tokens_seen = 0           # tokens consumed, the ending one included (usage counts it)
         self.finished = False
         self.stop_reason: int | str | None = None
         self._emitted: list[str] = []
 
+    # -- offsets ------------------------------------------------------------------
+    def _advance(self, ids: list[int]) -> str:
+        """Append ids; the new text, or "" while the window ends mid-character."""
+        w = self._window
+        w.extend(ids)
+        text = self._decode(w, skip_special_tokens=self._skip)
+        if len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT):
+            new = text[len(self._prefix_text):]
+            if self._concatenative:
+                # Shown text ends on a character boundary and needs no context: start afresh.
+                self._window, self._read, self._prefix_text = [], 0, ""
+            else:
+                # prefix_offset <- read_offset, read_offset <- end
+                self._window = w[self._read:]
+                self._read = len(self._window)
+                self._prefix_text = self._decode(self._window, skip_special_tokens=self._skip)
+            return new
+        return ""
+
+    def _held_text(self) -> str:
+        """Text decoded past read_offset but held because the window ends mid-character."""
+        if len(self._window) == self._read:
+            return ""
+        text = self._decode(self._window, skip_special_tokens=self._skip).rstrip(REPLACEMENT)
+        return text[len(self._prefix_text):]
+
+    # -- feeding ------------------------------------------------------------------
     def feed(self, token_ids) -> Delta:
         """Consume a batch of new token ids; tokens after the end are ignored."""
         if self.finished:
             return Delta("", True, self.stop_reason)
+        ids = token_ids if isinstance(token_ids, list) else [int(t) for t in token_ids]
+        cut = None
+        if self._end_ids and not self._end_ids.isdisjoint(ids):
+            cut = next(i for i, t in enumerate(ids) if t in self._end_ids)
+        body = ids if cut is None else ids[:cut]
+        if self._stops.stops:
+            saved = (list(self._window), self._read, self._prefix_text)
+            text = self._advance(body) if body else ""
+            # Text held for an incomplete character at the end may already hold a match.
+            seen = text or self._held_text()
+            if self._stops.would_match(seen):
+                self._window, self._read, self._prefix_text = saved
+                return self._feed_each(ids)
+            out = self._stops.feed(text)
+        else:
+            out = self._advance(body) if body else ""
+        self.tokens_seen += len(body)
+        if cut is not None:
+            out += self._end(ids[cut])
+        return self._delta(out)
+
+    def _feed_each(self, ids: list[int]) -> Delta:
+        """Token by token: exact accounting when a stop string completes inside the batch."""
         out = []
-        step, tok, end_ids = self._stream.step, self._tokenizer, self._end_ids
-        for t in token_ids:
-            t = int(t)
-            self.tokens_seen += 1
-            if t in end_ids:
-                self.finished = True
-                self.stop_reason = t if t in self._stop_ids else None
-                out.append(self._stops.flush())
+        for t in ids:
+            if t in self._end_ids:
+                out.append(self._end(t))
                 break
-            piece = step(tok, t)
-            if piece:
-                safe = self._stops.feed(piece)
-                if safe:
-                    out.append(safe)
-                if self._stops.matched is not None:
-                    self.finished, self.stop_reason = True, self._stops.matched
-                    break
-        text = "".join(out)
-        self._emitted.append(text)
+            self.tokens_seen += 1
+            out.append(self._stops.feed(self._advance([t])))
+            if self._stops.matched is not None:
+                self.finished, self.stop_reason = True, self._stops.matched
+                break
+        return self._delta("".join(out))
+
+    def _end(self, token: int) -> str:
+        """An ending token: counted, not rendered; what was held back goes out."""
+        self.tokens_seen += 1
+        out = self._finish_text()
+        if not self.finished:
+            self.finished = True
+            self.stop_reason = token if token in self._stop_ids else None
+        return out
+
+    def _finish_text(self) -> str:
+        """Held text at the end of the request: the incomplete-character tail minus its broken bytes
+        (a stop string may still complete in it), then what the stop matcher held back."""
+        text = self._decode(self._window, skip_special_tokens=self._skip).rstrip(REPLACEMENT)
+        rest = text[len(self._prefix_text):] if len(text) > len(self._prefix_text) else ""
+        self._window, self._read, self._prefix_text = [], 0, ""
+        out = self._stops.feed(rest) if rest else ""
+        if self._stops.matched is not None:
+            self.finished, self.stop_reason = True, self._stops.matched
+            return out
+        return out + self._stops.flush()
+
+    def _delta(self, text: str) -> Delta:
+        if text:
+            self._emitted.append(text)
         return Delta(text, self.finished, self.stop_reason)
 
     def flush(self) -> str:
-        """The request ended without a stop: emit the text held back for stop matching.
+        """The request ended without a stop: emit what was held back.
 
         Bytes of an incomplete UTF-8 sequence at the very end (max_tokens cut a
         character in half) are dropped, never rendered as U+FFFD.
         """
         if self.finished:
             return ""
-        text = self._stops.flush()
-        self._emitted.append(text)
+        text = self._finish_text()
+        if text:
+            self._emitted.append(text)
         return text
 
     @property

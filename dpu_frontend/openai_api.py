@@ -553,3 +553,29 @@ def sse(obj: dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class DeltaEncoder:
+    """The hot path of streaming: a mid-stream text delta as SSE bytes, byte for byte what
+    sse(completion_chunk(...)) / sse(chat_chunk(..., {"content": text})) give, with only the text
+    JSON-encoded per event (the rest of the chunk is encoded once per request)."""
+
+    def __init__(self, chat: bool, rid: str, created: int, model: str):
+        marker = "\ue000blink-delta\ue000"   # private-use characters: in no id or model name
+        if chat:
+            template = sse(chat_chunk(rid, created, model, {"content": marker}))
+        else:
+            template = sse(completion_chunk(rid, created, model, marker))
+        head, tail = template.split(_dumps(marker).encode(), 1)
+        self._head = head
+        self._tail = tail
+        self._timed_tail = tail[:-3]   # without the closing "}\n\n"
+
+    def encode(self, text: str) -> bytes:
+        return self._head + _dumps(text).encode() + self._tail
+
+    def encode_timed(self, text: str, t_last_ns: int, t_frontend_ns: int, n_tokens: int) -> bytes:
+        """With the benchmark-only blink_timing field appended (see FrontendConfig.expose_backend_timing)."""
+        return (self._head + _dumps(text).encode() + self._timed_tail
+                + b',"blink_timing":{"t_last_ns":%d,"t_frontend_ns":%d,"n_tokens":%d}}\n\n'
+                % (t_last_ns, t_frontend_ns, n_tokens))

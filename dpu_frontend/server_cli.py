@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait this long for a READY backend at start, then serve 503 until it comes")
     p.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
                    help="backend heartbeat older than this makes /health 503")
+    p.add_argument("--expose-backend-timing", action="store_true",
+                   help="benchmarks: add blink_timing {t_last_ns, n_tokens} (daemon clock) to each streamed chunk")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -41,7 +43,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         ring_name=args.ring, model=args.model, served_model_name=args.served_model_name,
         host=args.host, port=args.port, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
         max_tokens_default=args.max_tokens_default, startup_timeout_s=args.startup_timeout_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s)
+        heartbeat_timeout_s=args.heartbeat_timeout_s, expose_backend_timing=args.expose_backend_timing)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -59,7 +59,7 @@ def test_output_cut_mid_character_never_renders_replacement(tok):
     head = ids[:-1]   # max_tokens reached inside the emoji's bytes
     assert "\ufffd" in tok.decode(head)
     deltas, d = run(tok, head)
-    assert "".join(deltas) == "ok" and "\ufffd" not in d.text
+    assert "".join(deltas) == "ok " and "\ufffd" not in d.text   # the space is whole, the emoji bytes are not
 
 
 def test_stop_string_spanning_tokens_truncates_and_finishes(tok):
@@ -107,6 +107,22 @@ def test_stop_string_matches_reference(text, data):
     full = tok.decode(ids)
     assert "".join(deltas) == full[:full.find(stop)]
     assert d.finished and d.stop_reason == stop
+    _, one_by_one = run(tok, ids, stop=(stop,))
+    assert d.tokens_seen == one_by_one.tokens_seen   # usage stops at the token that completed the match
+    assert stop in tok.decode(ids[:d.tokens_seen])
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(17, 49151), min_size=1, max_size=40),
+       cuts=st.lists(st.integers(1, 6), min_size=1, max_size=10))
+def test_arbitrary_token_ids_any_batching(ids, cuts):
+    """Whatever the model emits (broken byte sequences included), batching does not change the text,
+    and only the final incomplete character is dropped."""
+    tok = smollm2()
+    deltas, _ = run(tok, ids, cuts * (len(ids) // len(cuts) + 1))
+    one, _ = run(tok, ids)
+    assert "".join(deltas) == "".join(one) == tok.decode(ids).rstrip("\ufffd")
+    assert not any(x.endswith("\ufffd") for x in deltas)
 
 
 def test_eos_ends_the_request_and_is_not_rendered(tok):
@@ -143,3 +159,22 @@ def test_stop_matcher_holds_only_possible_prefixes():
     assert m.feed("aaa") == "a" and m.held == "aa"
     assert m.feed("b") == "" and m.matched == "aab"   # "aaab": the output is "a"
     assert StopMatcher(()).feed("anything") == "anything"
+
+
+def test_non_byte_level_decoder_keeps_spaces_between_batches():
+    """A Metaspace decoder strips the leading space of a decode: the prefix window keeps it right."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from dpu_frontend.detokenizer import Detokenizer
+    vocab = {"<unk>": 0, "▁hello": 1, "▁big": 2, "▁world": 3, "s": 4}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    ids = [1, 2, 3, 4, 1]
+    for batches in ([1] * 5, [2, 3], [5]):
+        d = Detokenizer(t)
+        out, i = [], 0
+        for n in batches:
+            out.append(d.feed(ids[i:i + n]).text)
+            i += n
+        assert "".join(out) + d.flush() == t.decode(ids) == "hello big worlds hello"

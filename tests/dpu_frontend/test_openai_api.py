@@ -256,3 +256,14 @@ def test_bodies():
     assert b["choices"][0]["text"] == "hey" and b["choices"][0]["stop_reason"] == 7
     m = api.models_body("m", 8192, 10)
     assert m["data"][0]["id"] == "m" and m["data"][0]["max_model_len"] == 8192
+
+
+def test_delta_encoder_is_byte_identical_to_the_general_builder():
+    for text in ("", "plain", 'quo"te\\ \n\t', "é世😀", "\x00\x1f", "\ue000blink-delta\ue000"):
+        e = api.DeltaEncoder(False, "cmpl-x", 7, 'mo"del')
+        assert e.encode(text) == api.sse(api.completion_chunk("cmpl-x", 7, 'mo"del', text))
+        c = api.DeltaEncoder(True, "chatcmpl-x", 7, "m")
+        assert c.encode(text) == api.sse(api.chat_chunk("chatcmpl-x", 7, "m", {"content": text}))
+        timed = api.chat_chunk("chatcmpl-x", 7, "m", {"content": text})
+        timed["blink_timing"] = {"t_last_ns": 12345, "t_frontend_ns": 12399, "n_tokens": 3}
+        assert c.encode_timed(text, 12345, 12399, 3) == api.sse(timed)
