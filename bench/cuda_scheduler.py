@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import pathlib
@@ -31,11 +30,10 @@ import numpy as np
 
 from gpu_backend.cuda import driver, structs
 from gpu_backend.cuda.config import SchedulerConfig
-from gpu_backend.cuda.device_ring import DeviceRing, HostMappedRing
+from gpu_backend.cuda.device_ring import DeviceRing
 from gpu_backend.cuda.driver import bindings, check
 from gpu_backend.cuda.runtime import KernelArgs, Module, PinnedMapped, SchedulerRuntime, calibrate_clock
 from shared_layout import Ring, RingGeometry, SlotRequest, SlotState
-from shared_layout.layout import SLOT, SLOT_DTYPE
 
 DATE = "2026-11-22"
 LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
@@ -243,9 +241,12 @@ class Bench:
         check(d.cuMemcpyHtoD(p_addr, ctypes.addressof(dev_params), ctypes.sizeof(dev_params)))
         graph, exe = self.module.device_graph("blink_echo_step", self.stream, KernelArgs(p_addr), block=256)
         self.sync()
-        stream = self.stream
+        stream, device, current = self.stream, self.device, []
 
         def launch(ctx, which) -> int:
+            if not current:                # the twin's thread needs the context made current once
+                device.make_current()
+                current.append(True)
             err, = d.cuGraphLaunch(exe, stream)
             return 0 if err == d.CUresult.CUDA_SUCCESS else int(err)
 

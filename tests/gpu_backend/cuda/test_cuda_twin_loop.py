@@ -10,7 +10,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
