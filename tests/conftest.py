@@ -11,17 +11,8 @@ import pytest
 @functools.cache
 def gpu_reason() -> str | None:
     """None when an NVIDIA GPU with compute capability >= 9.0 and cuda-python are usable."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return "cuda-python not installed"
-    err, = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return f"no usable CUDA driver ({err.name})"
-    err, n = driver.cuDeviceGetCount()
-    if err != driver.CUresult.CUDA_SUCCESS or n == 0:
-        return "no CUDA device"
-    return None
+    from gpu_backend.cuda.driver import unavailable_reason
+    return unavailable_reason()
 
 
 @functools.cache
