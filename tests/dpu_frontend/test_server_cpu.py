@@ -42,7 +42,7 @@ def test_chat_answers_and_counts_usage(client):
 
 def test_streamed_text_equals_the_non_streamed_text(client):
     kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name three colours."}],
-              max_tokens=24, temperature=0)
+              max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -60,10 +60,10 @@ def test_stop_string_cuts_real_output(client):
 
 async def test_concurrent_greedy_requests_match_their_solo_answers(server):
     client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
-    prompts = ["The capital of France is", "1, 2, 3, 4,", "Water is made of"]
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
 
     async def ask(p: str) -> str:
-        r = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=8, temperature=0)
+        r = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=6, temperature=0)
         return r.choices[0].text
 
     solo = [await ask(p) for p in prompts]
