@@ -98,6 +98,12 @@ class Serve:
         assert status == 200
         return body.decode()
 
+    def __enter__(self) -> "Serve":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()   # never leave a server behind a failed assertion
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -28,24 +28,23 @@ def cmdline(pid: int) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_stop_signal_stops_both_children_cleanly(ring_name, sig):
-    s = Serve(ring_name, "--model", "null")
-    kids = children(s.proc.pid)
-    names = sorted(cmdline(k).split("/blink ", 1)[-1].split()[0] for k in kids)
-    assert names == ["frontend", "gpu-daemon"]   # each child under its own name
-    assert all("/blink " in cmdline(k) for k in kids)
-    assert s.stop(sig) == 0, s.output
+    with Serve(ring_name, "--model", "null") as s:
+        kids = children(s.proc.pid)
+        names = sorted(cmdline(k).split("/blink ", 1)[-1].split()[0] for k in kids)
+        assert names == ["frontend", "gpu-daemon"]   # each child under its own name
+        assert all("/blink " in cmdline(k) for k in kids)
+        assert s.stop(sig) == 0, s.output
     assert not any(pid_alive(k) for k in kids)
     assert not os.path.exists(f"/dev/shm/{ring_name}")
     assert "Traceback" not in s.output
 
 
 def test_daemon_death_stops_frontend_and_says_so(ring_name):
-    s = Serve(ring_name, "--model", "null")
-    daemon = s.backend_pid()
-    frontend = [k for k in children(s.proc.pid) if k != daemon][0]
-    os.kill(daemon, signal.SIGKILL)
-    rc = s.proc.wait(30)
-    s.stop()
+    with Serve(ring_name, "--model", "null") as s:
+        daemon = s.backend_pid()
+        frontend = [k for k in children(s.proc.pid) if k != daemon][0]
+        os.kill(daemon, signal.SIGKILL)
+        rc = s.proc.wait(30)
     assert rc == 1
     lines = [line for line in s.output.splitlines() if line.startswith("blink serve:") and "ready" not in line]
     assert lines == ["blink serve: gpu-daemon was killed by SIGKILL; stopped the frontend"]

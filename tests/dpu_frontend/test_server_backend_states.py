@@ -71,7 +71,12 @@ def test_frontend_without_backend_answers_503_until_one_comes(ring_name):
 
 async def test_no_free_slot_gives_429_and_cancelled_waiters_free_their_slots():
     ring = f"blink-test-c1slots-{os.getpid()}"
-    s = Serve(ring, "--model", "null", "--slots", "2", "--heartbeat-timeout-s", "30", "--queue-timeout-s", "0.3")
+    with Serve(ring, "--model", "null", "--slots", "2", "--heartbeat-timeout-s", "30",
+               "--queue-timeout-s", "0.3") as s:
+        await _no_free_slot(s)
+
+
+async def _no_free_slot(s: Serve):
     daemon = s.backend_pid()
     try:
         os.kill(daemon, signal.SIGSTOP)   # the daemon takes nothing: both slots stay pending

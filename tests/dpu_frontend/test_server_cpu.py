@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def server():
     ring = f"blink-test-c1cpu-{os.getpid()}"
-    s = Serve(ring, "--max-batch-size", "8", ready_timeout_s=540)
-    yield s
-    assert s.stop() == 0, s.output
+    with Serve(ring, "--max-batch-size", "8", ready_timeout_s=540) as s:
+        yield s
+        assert s.stop() == 0, s.output
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def server():
     ring = f"blink-test-c1null-{os.getpid()}"
-    s = Serve(ring, "--model", "null")
-    yield s
-    rc = s.stop()
+    with Serve(ring, "--model", "null") as s:
+        yield s
+        rc = s.stop()
     assert rc == 0, s.output
     assert not os.path.exists(f"/dev/shm/{ring}")   # serve removes the ring it created
 
