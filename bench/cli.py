@@ -23,13 +23,13 @@ import sys
 # others fit a 2-core CPU machine with SmolLM2-135M.
 PRESETS = {
     "paper": {"mode": "poisson", "levels": "1,2,3,4,5,6,8,10,12,16,20,24,32", "duration_s": 60.0,
-              "workload": "sharegpt", "timeout_s": 300.0, "warmup": 8},
+              "workload": "sharegpt", "timeout_s": 300.0, "drain_s": None, "warmup": 8},
     "cpu2": {"mode": "concurrency", "levels": "1,2,4,8", "duration_s": 25.0, "workload": "cpu2",
-             "timeout_s": 120.0, "warmup": 4},
+             "timeout_s": 120.0, "drain_s": 30.0, "warmup": 4},
     "cpu2-poisson": {"mode": "poisson", "levels": "0.25,0.5,1,1.5,2,3", "duration_s": 30.0, "workload": "cpu2",
-                     "timeout_s": 120.0, "warmup": 4},
+                     "timeout_s": 120.0, "drain_s": 30.0, "warmup": 4},
     "smoke": {"mode": "concurrency", "levels": "1,4", "duration_s": 2.0, "workload": "smoke",
-              "timeout_s": 30.0, "warmup": 2},
+              "timeout_s": 30.0, "drain_s": 10.0, "warmup": 2},
 }
 
 
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--levels", default=None, help="comma list of offered loads (req/s, or concurrencies)")
     g.add_argument("--duration-s", type=float, default=None, help="seconds per level")
     g.add_argument("--timeout-s", type=float, default=None, help="per-request timeout, counted as a failure")
+    g.add_argument("--drain-s", type=float, default=None,
+                   help="after each level's duration, wait this long for running requests, then cut them "
+                        "(counted as timeouts); a negative value waits up to --timeout-s")
     g.add_argument("--warmup-requests", type=int, default=None, help="unmeasured requests before each sweep")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of Poisson gaps (1 = Poisson)")
     g.add_argument("--seed", type=int, default=0)
@@ -91,6 +94,12 @@ def _levels(text: str) -> tuple[float, ...]:
     if not vals:
         raise ValueError("--levels is empty")
     return vals
+
+
+def _drain(flag: float | None, preset: float | None) -> float | None:
+    if flag is None:
+        return preset
+    return None if flag < 0 else flag
 
 
 def _parse_condition(text: str, default_cpus):
@@ -146,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         load = LoadConfig(mode=args.mode or preset["mode"], levels=_levels(args.levels or preset["levels"]),
                           duration_s=args.duration_s or preset["duration_s"],
                           timeout_s=args.timeout_s or preset["timeout_s"],
+                          drain_s=_drain(args.drain_s, preset["drain_s"]),
                           warmup_requests=preset["warmup"] if args.warmup_requests is None else args.warmup_requests,
                           burstiness=args.burstiness, seed=args.seed)
         workload = spec_from_args(args.workload or preset["workload"], args.input_len, args.output_len,

@@ -4,7 +4,8 @@
         t0 = perf_counter() just before the POST
         each SSE `data:` chunk with a non-empty `choices` (text or not, as vLLM
           counts them): first -> TTFT, later ones -> one ITL gap each
-        a usage chunk -> completion/prompt token counts (else: re-tokenize the text)
+        a usage chunk -> completion/prompt token counts (else: max_tokens when the
+          server says finish_reason "length", else re-tokenize the text, as vLLM does)
         E2E = the last such chunk (vLLM's `latency`); an HTTP error, a broken
           stream, an error event or the timeout -> failure
 
@@ -90,8 +91,12 @@ async def send_completion(session: aiohttp.ClientSession, ep: Endpoint, req: Wor
         rec.error = "stream ended without any text"
         return rec
     if not rec.output_tokens:
-        text = "".join(text_parts)
-        rec.output_tokens = count_tokens(text) if count_tokens else 1 + len(rec.itl_s)
+        if rec.finish_reason == "length":
+            # Stopped by max_tokens: exactly that many, whatever the text re-tokenizes to.
+            rec.output_tokens = req.output_tokens
+        else:
+            text = "".join(text_parts)
+            rec.output_tokens = count_tokens(text) if count_tokens else 1 + len(rec.itl_s)
     rec.success = True
     return rec
 

@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     model = load_model(args.model).model
     vocab = model.config.vocab_size
     load_before = os.getloadavg()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     base = baseline(model, rng, vocab, prompt_lens, args.decode_tokens)
     max_batch = max(batches)
@@ -130,11 +131,16 @@ def main(argv=None) -> int:
     decode = {b: executor_decode(engine, sub, rng, vocab, b, args.decode_tokens) for b in batches}
     ttft = {n: executor_ttft(engine, sub, rng, vocab, n) for n in prompt_lens}
 
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    argv_used = ["--threads", str(torch.get_num_threads()), "--batches", args.batches, "--prompts", args.prompts,
+                 "--decode-tokens", str(args.decode_tokens), "--date", args.date, "--machine", args.machine]
     result = {
         "bench": "cpu_executor", "date": args.date, "machine": args.machine,
         "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                  "python": platform.python_version(), "loadavg_before": load_before,
-                 "loadavg_after": os.getloadavg()},
+                 "loadavg_after": os.getloadavg(),
+                 "cpu_seconds_per_wall_second": cpu_share},
+        "command": ".venv/bin/python -m bench.cpu_executor " + " ".join(argv_used),
         "model": args.model, "dtype": str(model.dtype), "decode_tokens_per_request": args.decode_tokens,
         "baseline_unbatched": {"decode_tok_s": base["decode_tok_s"],
                                "ttft_s": {str(k): v for k, v in base["ttft_s"].items()}},
@@ -160,7 +166,8 @@ def markdown(r: dict, batches, prompt_lens) -> str:
     ex = r["executor"]
     lines = [f"# CPU executor, {r['model']} ({r['dtype']}), {r['machine']}, {r['date']}", "",
              f"{r['host']['cpus']} CPUs, {r['host']['torch_threads']} torch threads, load average before "
-             f"{r['host']['loadavg_before'][0]:.1f}. Baseline: the unbatched greedy_generate loop on the "
+             f"{r['host']['loadavg_before'][0]:.1f} (the box is shared: this process got "
+             f"{r['host']['cpu_seconds_per_wall_second']:.2f} CPU-seconds per second). Baseline: the unbatched greedy_generate loop on the "
              f"same model in the same run. Decode: 128-token prompts, {r['decode_tokens_per_request']} "
              f"tokens each, prefill excluded.", "",
              "| decode batch | tokens/s (aggregate) | vs executor batch 1 | vs unbatched loop |",
@@ -174,7 +181,7 @@ def markdown(r: dict, batches, prompt_lens) -> str:
     for n in prompt_lens:
         lines.append(f"| {n} | {ex['ttft_s'][str(n)]:.3f} | {b0['ttft_s'][str(n)]:.3f} "
                      f"| {r['ratios']['ttft_baseline_over_executor'][str(n)]:.2f}x |")
-    lines += ["", "Reproduce: `.venv/bin/python -m bench.cpu_executor --date 2026-11-22 --machine cpu2`", ""]
+    lines += ["", f"Reproduce: `{r['command']}`", ""]
     return "\n".join(lines)
 
 

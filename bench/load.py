@@ -10,9 +10,10 @@ Rate modes send round(rate * duration_s) requests (at least `min_requests`):
 Poisson (exponential gaps; gamma gaps with shape `burstiness` when it is not 1,
 as vLLM's --burstiness) or constant (gaps of exactly 1/rate). Concurrency mode
 keeps N requests in flight for duration_s, then lets the last ones finish.
-Every request is bounded by timeout_s, so a level never lasts much longer than
-duration_s + timeout_s; the level's duration is first send -> last completion,
-as `vllm bench serve` measures its benchmark duration.
+Every request is bounded by timeout_s, and the level by duration_s + drain_s:
+requests still running then are cancelled (the connection closes, so the server
+drops them) and count as timeouts. The level's duration is first send -> last
+completion (or the cut), as `vllm bench serve` measures its benchmark duration.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class LoadConfig:
     levels: tuple[float, ...] = (1.0, 2.0, 4.0)
     duration_s: float = 20.0          # per level
     timeout_s: float = 60.0           # per request; counted as a failure
+    drain_s: float | None = None      # after duration_s, wait this long for stragglers, then cut
+                                      # them (counted as timeouts); None: up to timeout_s
     warmup_requests: int = 4          # sent before the sweep, not measured
     min_requests: int = 4             # per level, rate modes
     burstiness: float = 1.0           # gamma shape of Poisson gaps (1 = Poisson)
@@ -54,6 +57,8 @@ class LoadConfig:
         for name in ("duration_s", "timeout_s", "burstiness"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_s is not None and self.drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {self.drain_s}")
         if self.warmup_requests < 0 or self.min_requests < 1:
             raise ValueError("warmup_requests must be >= 0 and min_requests >= 1")
 
@@ -95,7 +100,12 @@ async def run_level(session: aiohttp.ClientSession, ep: Endpoint, cfg: LoadConfi
     records: list[RequestRecord] = []
 
     async def one(req: WorkRequest) -> None:
-        rec = await send_completion(session, ep, req, cfg.timeout_s, count_tokens)
+        t_send = time.perf_counter()
+        try:
+            rec = await send_completion(session, ep, req, cfg.timeout_s, count_tokens)
+        except asyncio.CancelledError:
+            rec = RequestRecord(prompt_tokens=req.prompt_tokens, max_tokens=req.output_tokens, t_send_s=t_send,
+                                timed_out=True, error=f"cut at the end of the level (drain {cfg.drain_s:g} s)")
         rec.t_send_s -= t0
         records.append(rec)
         if on_done:
@@ -112,7 +122,7 @@ async def run_level(session: aiohttp.ClientSession, ep: Endpoint, cfg: LoadConfi
                 next_i += 1
                 await one(req)
 
-        await asyncio.gather(*(worker() for _ in range(int(level))))
+        tasks = [asyncio.create_task(worker()) for _ in range(int(level))]
     else:
         n = cfg.requests_for(level)
         offsets = arrival_offsets(cfg.mode, level, n, rng, cfg.burstiness)
@@ -122,7 +132,14 @@ async def run_level(session: aiohttp.ClientSession, ep: Endpoint, cfg: LoadConfi
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(work[i % len(work)])))
+    if cfg.drain_s is None:
         await asyncio.gather(*tasks)
+    else:
+        cut = t0 + cfg.duration_s + cfg.drain_s - time.perf_counter()
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, cut))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     duration = time.perf_counter() - t0
     records.sort(key=lambda r: r.t_send_s)
     return LevelResult(level, records, duration, t_unix)

