@@ -2,7 +2,7 @@
 
     memory budget -> num_blocks (blocks_for_budget) -> BlockAllocator (which
     blocks are free; per-request block tables live on the engine's Sequence)
-    -> KVPool tensors [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    -> KVPool tensors [num_layers, kv_heads, num_blocks, block_size, head_dim]
     that paged_attention.py writes and reads through the block tables.
 
 The allocator separates checking from committing (`can_allocate` / `allocate`)
@@ -66,14 +66,18 @@ class KVCacheConfig:
 
 
 class KVPool:
-    """K and V storage of every layer, addressed by (block, offset in block)."""
+    """K and V storage of every layer, addressed by (kv head, block, offset in block).
+
+    Head-major: gathering a batch's blocks yields [kv_heads, batch, context, D]
+    slabs that the attention matmuls consume without a transposing copy.
+    """
 
     def __init__(self, config: KVCacheConfig, dtype=None, device=None):
         import torch
         self.config = config
-        shape = (config.num_layers, config.num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, blocks, bs, kv, D]
-        self.v = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, blocks, bs, kv, D]
+        shape = (config.num_layers, config.num_kv_heads, config.num_blocks, config.block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
+        self.v = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ that mixes prefill chunks and single-token decodes of different sequences.
     attn(layer, q, k, v):
       1. write every token's k/v into its block slot (index_copy_ on the pool)
       2. decodes (the first num_decode rows, one token each): gather K/V by
-         block table into a padded [Bd, kv_heads, L, D] batch, one masked
+         block table into a padded [kv_heads, Bd, L, D] batch, one masked
          matmul-softmax-matmul for all of them (batch-16 decode is one pass, not 16)
       3. prefill spans: one SDPA per sequence over its cached blocks, causal
          within the new chunk (bottom-right aligned)
@@ -38,7 +38,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor          # [T] int64: block * block_size + offset of each token
     num_decode: int                     # the first num_decode rows are single-token chunks
     decode_block_tables: torch.Tensor   # [Bd, max_blocks] int64, padded with block 0
-    decode_key_mask: torch.Tensor       # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_key_mask: torch.Tensor       # [1, Bd, 1, max_blocks * block_size] bool, True = attend
     prefills: tuple[PrefillSpan, ...]
 
     @classmethod
@@ -68,7 +68,7 @@ class PagedBatch:
             spans.append(PrefillSpan(row, n, start + n, torch.tensor(table, dtype=torch.long, device=device)))
             row += n
         return cls(torch.tensor(slots, dtype=torch.long, device=device), num_decode,
-                   tables.to(device), mask[:, None, None, :].to(device), tuple(spans))
+                   tables.to(device), mask[None, :, None, :].to(device), tuple(spans))
 
 
 class PagedAttention:
@@ -81,10 +81,10 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch                                       # q: [T, H, D]; k, v: [T, KV, D]
-        kc, vc = self.pool.k[layer], self.pool.v[layer]      # [blocks, bs, KV, D]
-        kvh, d = kc.shape[2], kc.shape[3]
-        kc.view(-1, kvh, d).index_copy_(0, b.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, kvh, d).index_copy_(0, b.slot_mapping, v.to(vc.dtype))
+        kc, vc = self.pool.k[layer], self.pool.v[layer]      # [KV, blocks, bs, D]
+        kvh, d = kc.shape[0], kc.shape[3]
+        kc.view(kvh, -1, d).index_copy_(1, b.slot_mapping, k.transpose(0, 1).to(kc.dtype))
+        vc.view(kvh, -1, d).index_copy_(1, b.slot_mapping, v.transpose(0, 1).to(vc.dtype))
         out = torch.empty_like(q)                            # [T, H, D]
         nd = b.num_decode
         if nd:
@@ -94,22 +94,24 @@ class PagedAttention:
             if s.context_len == s.num_tokens:                # fresh sequence: the chunk is all its context
                 out[rows] = causal_attention(q[rows], k[rows], v[rows])
             else:
-                keys = kc.index_select(0, s.block_table).view(-1, kvh, d)[:s.context_len]   # [ctx, KV, D]
-                vals = vc.index_select(0, s.block_table).view(-1, kvh, d)[:s.context_len]
-                out[rows] = causal_attention(q[rows], keys.to(q.dtype), vals.to(q.dtype))
+                keys = kc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]   # [KV, ctx, D]
+                vals = vc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]
+                out[rows] = causal_attention(q[rows], keys.transpose(0, 1).to(q.dtype),
+                                             vals.transpose(0, 1).to(q.dtype))
         return out
 
     @staticmethod
     def _decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: PagedBatch) -> torch.Tensor:
         bd, h, d = q.shape                                   # q: [Bd, H, D]
-        kvh = kc.shape[2]
+        kvh = kc.shape[0]
         flat = b.decode_block_tables.view(-1)                # [Bd * MB]
-        # index_select copies whole blocks in one pass (several times faster than kc[tables] on CPU)
-        keys = kc.index_select(0, flat).view(bd, -1, kvh, d).transpose(1, 2).to(q.dtype)  # [Bd, KV, L, D]
-        vals = vc.index_select(0, flat).view(bd, -1, kvh, d).transpose(1, 2).to(q.dtype)  # [Bd, KV, L, D]
-        # GQA without copying K/V per head: query heads of one KV head share a row group.
-        qg = q.view(bd, kvh, h // kvh, d)                    # [Bd, KV, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * d ** -0.5                   # [Bd, KV, G, L]
+        # index_select copies whole blocks in one pass (several times faster than kc[:, tables] on CPU)
+        # and leaves each (kv head, sequence) context contiguous: no transposing copy below.
+        keys = kc.index_select(1, flat).view(kvh, bd, -1, d).to(q.dtype)       # [KV, Bd, L, D]
+        vals = vc.index_select(1, flat).view(kvh, bd, -1, d).to(q.dtype)       # [KV, Bd, L, D]
+        # GQA without copying K/V per head: the query heads of one KV head form a row group.
+        qg = q.view(bd, kvh, h // kvh, d).transpose(0, 1)                      # [KV, Bd, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * d ** -0.5          # [KV, Bd, G, L]
         scores = scores.masked_fill(~b.decode_key_mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), vals)                           # [Bd, KV, G, D]
-        return o.reshape(bd, h, d)
+        o = torch.matmul(torch.softmax(scores, dim=-1), vals)                  # [KV, Bd, G, D]
+        return o.transpose(0, 1).reshape(bd, h, d)
