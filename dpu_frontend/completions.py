@@ -19,9 +19,10 @@ import traceback
 
 from aiohttp import web
 
-from shared_layout import now_ns
+from shared_layout import ErrorCode, now_ns
 
 from . import openai_api as api
+from . import token_reader
 from .metrics import FrontendMetrics
 from .openai_api import ApiError, ChatRequest, CompletionRequest
 from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
@@ -159,8 +160,8 @@ class GenerationService:
         finish, stop_reason = self._finish(detok, handle)
         if finish == "error":
             self._observe(gen, "error", t_first, detok.tokens_seen)
-            err = ApiError(500, f"generation failed: {handle.error or 'backend error'}")
-            return web.json_response(err.body(), status=err.status, dumps=api.dumps)
+            err = generation_error(handle)
+            return web.json_response(err.body(), status=err.status, headers=err.headers(), dumps=api.dumps)
         text = detok.text + detok.flush()
         usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
         build = api.chat_body if gen.endpoint.chat else api.completion_body
@@ -223,8 +224,7 @@ class GenerationService:
                     await resp.write(api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason,
                                                    usage)))
             if finish == "error":
-                err = ApiError(500, f"generation failed: {handle.error or 'backend error'}")
-                await resp.write(api.sse(err.body()))
+                await resp.write(api.sse(generation_error(handle).body()))
             if opts.include_usage:
                 await resp.write(api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
                                                          api.usage(n_prompt, detok.tokens_seen))))
@@ -272,6 +272,28 @@ class GenerationService:
             m.ttft.observe((t_first_ns - gen.t_arrival_ns) / 1e9)
             if n_tokens > 1:
                 m.tpot.observe((now - t_first_ns) / 1e9 / (n_tokens - 1))
+
+
+# Why a request the backend ended with an error failed, by the daemon's ErrorCode: the client's
+# request (400), a daemon that went away (503: retry), or the backend itself (500).
+_CLIENT_ERROR_CODES = (ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_TOKEN, ErrorCode.PROMPT_TOO_LONG,
+                       ErrorCode.OUT_OF_MEMORY)
+_RETRY_ERROR_CODES = (ErrorCode.BACKEND_SHUTDOWN, ErrorCode.STALE_EPOCH)
+
+
+def generation_error(handle: RequestHandle) -> ApiError:
+    """The error reply for a handle that finished with "error"."""
+    message = handle.error or "backend error"
+    code = getattr(handle, "error_code", None)
+    if code is None:
+        # The handle reports the daemon's error as text only (token_reader's table); map it back
+        # until RequestHandle carries the ErrorCode itself.
+        code = next((c for c, text in token_reader._ERROR_TEXT.items() if text == handle.error), None)
+    if code in _CLIENT_ERROR_CODES:
+        return ApiError(400, f"request rejected by the backend: {message}")
+    if code in _RETRY_ERROR_CODES or message.startswith("backend lost"):
+        return ApiError(503, f"generation interrupted: {message}", retry_after_s=1.0)
+    return ApiError(500, f"generation failed: {message}")
 
 
 def code_trace(e: BaseException) -> str:

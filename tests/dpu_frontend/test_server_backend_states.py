@@ -111,3 +111,42 @@ async def _no_free_slot(s: Serve):
         if pid_alive(daemon):
             os.kill(daemon, signal.SIGCONT)
         assert s.stop() == 0, s.output
+
+
+async def test_daemon_stopping_mid_request_gives_503_not_500(ring_name):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    daemon = subprocess.Popen([*blink(), "gpu-daemon", "--ring", ring_name, "--model", "null",
+                               "--shutdown-grace-s", "0"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    fe = subprocess.Popen([*blink(), "frontend", "--ring", ring_name, "--model", "null", "--port", str(port),
+                           "--heartbeat-timeout-s", "1"], cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    try:
+        await asyncio.to_thread(wait_for, lambda: http_get(base + "/health")[0] == 200, 30, "healthy")
+        os.kill(daemon.pid, signal.SIGSTOP)   # requests stay in the ring until the daemon goes
+        body = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+            async def plain():
+                async with s.post(base + "/v1/completions", json=body) as r:
+                    return r.status, await r.json(), r.headers.get("Retry-After")
+
+            async def streamed():
+                async with s.post(base + "/v1/completions", json={**body, "stream": True}) as r:
+                    return r.status, (await r.read()).decode()
+
+            tasks = [asyncio.ensure_future(plain()), asyncio.ensure_future(streamed())]
+            await asyncio.sleep(0.5)
+            os.kill(daemon.pid, signal.SIGTERM)
+            os.kill(daemon.pid, signal.SIGCONT)
+            (status, err, retry), (sstatus, text) = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert status == 503 and err["error"]["code"] == 503 and retry is not None, err
+        events = [e for e in text.split("\n\n") if e]
+        assert sstatus == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == 503
+    finally:
+        for p in (daemon, fe):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(15)
