@@ -9,8 +9,9 @@
 
 The fit is y = c + m * min(x, knee): least squares for c and m at every candidate
 knee on a fine grid between the smallest and largest offered load, the knee with
-the smallest squared error wins. A knee at the largest load means no plateau was
-reached inside the sweep (`saturated` is False).
+the smallest squared error wins. A knee at the largest load, or a plateau within
+5 % of the growth line's value there, means no plateau was reached inside the
+sweep (`saturated` is False, knee = the largest load).
 """
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ class SaturationFit:
         return dataclasses.asdict(self)
 
 
-def fit_saturation(offered: Sequence[float], achieved: Sequence[float], grid_points: int = 400) -> SaturationFit:
-    """Two-segment (hinge) least-squares fit of achieved throughput against offered load."""
+def fit_saturation(offered: Sequence[float], achieved: Sequence[float], grid_points: int = 400,
+                   plateau_tolerance: float = 0.95) -> SaturationFit:
+    """Two-segment (hinge) least-squares fit of achieved throughput against offered load.
+
+    A plateau that reaches plateau_tolerance of where the growth line would be at the
+    largest load is noise, not saturation.
+    """
     x = np.asarray(offered, dtype=np.float64)
     y = np.asarray(achieved, dtype=np.float64)
     if x.shape != y.shape or x.ndim != 1:
@@ -67,6 +73,9 @@ def fit_saturation(offered: Sequence[float], achieved: Sequence[float], grid_poi
         # No growth at all: saturated from the first level.
         knee, m, c = lo, 0.0, float(y.mean())
     saturated = knee < hi - 1e-9 * max(1.0, abs(hi))
+    if saturated and m > 0 and c + m * knee >= plateau_tolerance * (c + m * hi):
+        # The "plateau" sits within noise of the growth line at the largest load: no saturation seen.
+        knee, saturated = hi, False
     return SaturationFit(knee=knee, plateau=c + m * knee, slope=m, intercept=c, saturated=saturated, sse=sse)
 
 

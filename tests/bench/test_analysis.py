@@ -37,6 +37,15 @@ def test_linear_curve_has_no_plateau_and_flat_curve_saturates_at_once():
     assert operating_levels(x, flat) == [1]
 
 
+def test_noise_below_the_line_at_the_last_level_is_not_saturation():
+    x = [5, 20, 50, 100]
+    fit = fit_saturation(x, [5.0, 20.1, 50.2, 98.5])          # 1.5 % short at the top: noise
+    assert not fit.saturated and fit.knee == 100
+    real = fit_saturation([1, 2, 4, 8], [1.0, 2.0, 4.0, 6.0])   # one level on a real plateau
+    assert real.saturated and real.knee == pytest.approx(6.0, abs=0.05)
+    assert operating_levels([1, 2, 4, 8], real) == [1, 2, 4]
+
+
 def test_fit_rejects_bad_input():
     with pytest.raises(ValueError):
         fit_saturation([1.0], [1.0])
