@@ -266,3 +266,27 @@ def test_metrics_page(server, client):
     assert 0 <= metric(page, "blink_backend_heartbeat_age_seconds") < 2
     assert "# TYPE blink_time_to_first_token_seconds histogram" in page
     assert metric(page, "blink_time_to_first_token_seconds_bucket", le="+Inf") >= 1
+
+
+@pytest.mark.parametrize("path,payload", [
+    ("/v1/completions", {"model": "null", "prompt": "Hello there, general", "repetition_penalty": 1.0,
+                         "max_tokens": 20, "logprobs": None, "stream": True,
+                         "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": "null", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello there, general"}]}], "max_completion_tokens": 20, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True}),
+], ids=["completions", "chat"])
+async def test_vllm_bench_serve_payloads(server, path, payload):
+    """The exact bodies `vllm bench serve` sends (openai / openai-chat backends), parsed its way."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.base + path, json=payload) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+    messages = [m.strip() for m in raw.split("\n\n") if m.strip()]
+    assert messages[-1] == "data: [DONE]"
+    datas = [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
+    token_chunks = [d for d in datas if d.get("choices")]
+    usage = [d["usage"] for d in datas if not d.get("choices")]
+    assert token_chunks and len(usage) == 1 and usage[0]["completion_tokens"] == 20
+    key = (lambda c: c["choices"][0]["delta"].get("content")) if "chat" in path else (lambda c: c["choices"][0]["text"])
+    assert "".join(key(c) or "" for c in token_chunks)
