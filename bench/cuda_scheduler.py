@@ -234,7 +234,7 @@ class Bench:
         mem = PinnedMapped(geom.total_size)
         ring = Ring.create((ctypes.c_char * geom.total_size).from_address(mem.host_addr), geom)
         self._fill(ring, n_req, prompt_len, tokens)
-        bufs = {k: PinnedMapped(-(-n // 8) * 8) for k, n in structs.buffer_sizes(4096, cfg.max_batch_size).items()}
+        bufs = {k: PinnedMapped(-(-n // 8) * 8) for k, n in cfg.buffer_sizes(4096).items()}
         # the echo graph reads the same buffers through their device addresses
         dev_params = cfg.params(geom, mem.device_addr, {k: b.device_addr for k, b in bufs.items()}, 0)
         p_addr = self.dev_alloc(ctypes.sizeof(dev_params))

@@ -9,6 +9,12 @@
  *       that launches it on a GPU: the host-driven baseline of the benchmark);
  *       a full launch window returns to the driver loop, which starts a fresh
  *       instance as the device's tail launch does.
+ *   blink_kv_*_c      kv_alloc.h, for the diff test against kv_cache.BlockAllocator
+ *   blink_graph_*_c   graph_table.h (step key, O(1) lookup, rows), for the diff
+ *       test against gpu_backend/graphs/buckets.py
+ *   blink_twin_stage / blink_twin_finish   model_step.h on the CPU: the model step
+ *       graph's first and last kernels, around the PyTorch forward run eagerly
+ *       (the CPU twin of the captured graph, gpu_backend/graphs/cpu_graphs.py)
  *   blink_struct_size / blink_struct_offset   layout of sched_types.h for the
  *       ctypes mirror's test
  */
@@ -19,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "model_step.h"
 #include "sched_loop.h"
 
 typedef int (*blink_launch_cb)(void *ctx, uint32_t which);
@@ -134,6 +141,52 @@ uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_to
     return blink_intake_check(cfg, prompt_arena_tokens, output_arena_tokens, frontend_epoch, s);
 }
 
+int blink_kv_init_c(const blink_kv_t *kv, uint32_t *free_count) {
+    blink_kv_init(kv, free_count);
+    return 0;
+}
+int blink_kv_alloc_c(const blink_kv_t *kv, uint32_t *free_count, uint32_t row, uint32_t held, uint32_t n) {
+    return blink_kv_alloc(kv, free_count, row, held, n);
+}
+int blink_kv_free_c(const blink_kv_t *kv, uint32_t *free_count, uint32_t row, uint32_t held) {
+    return blink_kv_free(kv, free_count, row, held);
+}
+int blink_kv_check_c(const blink_kv_t *kv, uint32_t free_count) {
+    std::vector<uint32_t> scratch(kv->num_blocks + 1);
+    return blink_kv_check(kv, free_count, scratch.data());
+}
+
+uint32_t blink_graph_lookup_c(const blink_graph_table_t *g, uint32_t kind, uint32_t rows, uint32_t len, uint32_t ctx) {
+    return blink_graph_lookup(g, kind, rows, len, ctx);
+}
+int blink_graph_fits_c(const blink_graph_table_t *g, uint32_t id, uint32_t kind, uint32_t rows, uint32_t len,
+                       uint32_t ctx) {
+    return blink_graph_fits(g, id, kind, rows, len, ctx);
+}
+void blink_step_key_c(const blink_graph_table_t *g, uint32_t kind, const uint32_t *start, const uint32_t *len,
+                      uint32_t n, uint32_t *out /* [3] rows, len, ctx */) {
+    blink_step_key(g, kind, start, len, n, &out[0], &out[1], &out[2]);
+}
+uint32_t blink_fill_rows_c(uint32_t piece, const uint32_t *slot, const uint32_t *start, const uint32_t *len,
+                           const uint32_t *sample, uint32_t n, uint32_t *row_slot, uint32_t *row_start,
+                           uint32_t *row_len, uint32_t *row_flags) {
+    return blink_fill_rows(piece, slot, start, len, sample, n, row_slot, row_start, row_len, row_flags);
+}
+
+/* The model step graph's first kernel, every row of a (R, S, C) graph on this thread. */
+void blink_twin_stage(const blink_sched_params_t *p, const blink_step_io_t *io, uint32_t R, uint32_t S, uint32_t C) {
+    blink_host_platform plat{nullptr, 0, 0};
+    for (uint32_t r = 0; r < R; ++r) blink_stage_row(plat, p, io, S, C, r, 0, 1);
+}
+
+/* Its last kernel: tokens to the chunks, then the done flag. */
+void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io) {
+    blink_host_platform plat{nullptr, 0, 0};
+    blink_finish_rows(plat, p, io, 0, 1);
+    plat.fence_dev();   /* every chunk's token before the flag the scheduler polls */
+    plat.st32(p->done, p->state->step_no);
+}
+
 /* Layout of sched_types.h, for the test of the ctypes mirror. */
 #define BLINK_FIELDS(X)                                                                                     \
     X(blink_policy_config_t, max_batch_size) X(blink_policy_config_t, max_prefill_tokens)                   \
@@ -145,10 +198,13 @@ uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_to
     X(blink_req_t, stop_ids) X(blink_req_t, generated) X(blink_req_t, num_computed)                         \
     X(blink_req_t, num_blocks) X(blink_req_t, status) X(blink_req_t, ring_state)                            \
     X(blink_req_t, abort_finish) X(blink_req_t, abort_error) X(blink_req_t, intake_error)                   \
+    X(blink_req_t, temperature) X(blink_req_t, top_p) X(blink_req_t, top_k) X(blink_req_t, reserved)         \
+    X(blink_req_t, seed)                                                                                    \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
-    X(blink_sched_state_t, started) X(blink_sched_state_t, drain_deadline_ns)                               \
+    X(blink_sched_state_t, started) X(blink_sched_state_t, n_rows) X(blink_sched_state_t, graph)            \
+    X(blink_sched_state_t, drain_deadline_ns)                                                               \
     X(blink_sched_state_t, last_beat_ns) X(blink_sched_state_t, step_launched_ns)                           \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
@@ -159,6 +215,7 @@ uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_to
     X(blink_sched_control_t, preempted) X(blink_sched_control_t, scan_ns) X(blink_sched_control_t, scans)   \
     X(blink_sched_control_t, wait_ns) X(blink_sched_control_t, publish_ns)                                  \
     X(blink_sched_control_t, plan_ns) X(blink_sched_control_t, launch_ns)                                   \
+    X(blink_sched_control_t, fallback_steps)                                                                \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, reserved)                          \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
@@ -168,12 +225,28 @@ uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_to
     X(blink_sched_params_t, chunk_slot) X(blink_sched_params_t, chunk_start)                                \
     X(blink_sched_params_t, chunk_len) X(blink_sched_params_t, chunk_sample)                                \
     X(blink_sched_params_t, step_tokens) X(blink_sched_params_t, done) X(blink_sched_params_t, plan_scratch) \
+    X(blink_sched_params_t, row_slot) X(blink_sched_params_t, row_start) X(blink_sched_params_t, row_len)   \
+    X(blink_sched_params_t, row_flags) X(blink_sched_params_t, kv_free_stack)                               \
+    X(blink_sched_params_t, kv_owner) X(blink_sched_params_t, kv_tables)                                    \
     X(blink_sched_params_t, state) X(blink_sched_params_t, control) X(blink_sched_params_t, stats)          \
-    X(blink_sched_params_t, step_graphs) X(blink_sched_params_t, policy)                                    \
+    X(blink_sched_params_t, graphs) X(blink_sched_params_t, policy)                                         \
     X(blink_sched_params_t, window_limit) X(blink_sched_params_t, claim_cas)                                \
     X(blink_sched_params_t, idle_sleep_ns) X(blink_sched_params_t, launch_retry_limit)                      \
+    X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, reserved)                                \
     X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \
-    X(blink_sched_params_t, step_timeout_ns) X(blink_sched_params_t, clock_offset_ns)
+    X(blink_sched_params_t, step_timeout_ns) X(blink_sched_params_t, clock_offset_ns)                       \
+    X(blink_kv_t, free_stack) X(blink_kv_t, owner) X(blink_kv_t, tables) X(blink_kv_t, num_blocks)          \
+    X(blink_kv_t, max_blocks) X(blink_kv_t, rows) X(blink_kv_t, reserved)                                   \
+    X(blink_graph_lut_t, ids) X(blink_graph_lut_t, max_rows) X(blink_graph_lut_t, n_len)                    \
+    X(blink_graph_lut_t, n_ctx) X(blink_graph_lut_t, len_granularity) X(blink_graph_lut_t, ctx_granularity) \
+    X(blink_graph_lut_t, fallback)                                                                          \
+    X(blink_graph_table_t, execs) X(blink_graph_table_t, shapes) X(blink_graph_table_t, prefill)            \
+    X(blink_graph_table_t, decode) X(blink_graph_table_t, n_graphs) X(blink_graph_table_t, split_len)       \
+    X(blink_step_io_t, input_ids) X(blink_step_io_t, positions) X(blink_step_io_t, slot_mapping)            \
+    X(blink_step_io_t, block_tables) X(blink_step_io_t, q_lens) X(blink_step_io_t, temperature)             \
+    X(blink_step_io_t, top_p) X(blink_step_io_t, top_k) X(blink_step_io_t, seeds)                           \
+    X(blink_step_io_t, token_index) X(blink_step_io_t, tokens) X(blink_step_io_t, block_size)               \
+    X(blink_step_io_t, sink_block)
 
 long blink_struct_offset(const char *strct, const char *field) {
 #define X(S, F) if (!strcmp(strct, #S) && !strcmp(field, #F)) return (long)offsetof(S, F);
@@ -188,6 +261,10 @@ long blink_struct_size(const char *strct) {
     if (!strcmp(strct, "blink_sched_state_t")) return sizeof(blink_sched_state_t);
     if (!strcmp(strct, "blink_sched_control_t")) return sizeof(blink_sched_control_t);
     if (!strcmp(strct, "blink_sched_params_t")) return sizeof(blink_sched_params_t);
+    if (!strcmp(strct, "blink_kv_t")) return sizeof(blink_kv_t);
+    if (!strcmp(strct, "blink_graph_lut_t")) return sizeof(blink_graph_lut_t);
+    if (!strcmp(strct, "blink_graph_table_t")) return sizeof(blink_graph_table_t);
+    if (!strcmp(strct, "blink_step_io_t")) return sizeof(blink_step_io_t);
     return -1;
 }
 

@@ -10,10 +10,12 @@
  *   intake   (all)       copy + validate the claimed requests, queue them FCFS by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
- *   schedule (thread 0)  drop finished, reap aborted, blink_plan_step, preempt, admit,
- *                        write the step descriptor, launch the step graph
- *                        fire-and-forget, or tail-launch a fresh instance when
- *                        this one's launch window is full
+ *   schedule (thread 0)  drop finished, reap aborted (their KV blocks back to the
+ *                        allocator), blink_plan_step, preempt, admit, allocate KV
+ *                        blocks (kv_alloc.h), write the step descriptor, pick the
+ *                        step graph (graph_table.h: O(1) lookup, chunks -> rows),
+ *                        launch it fire-and-forget, or tail-launch a fresh
+ *                        instance when this one's launch window is full
  *
  * Every piece of state that must outlive an instance lives in global memory
  * (params->state, reqs, queues); the block-shared struct holds only values of
@@ -63,7 +65,7 @@ BLINK_DEV void blink_beat(P &plat, const blink_sched_params_t *p, uint64_t now) 
     /* Counters to the host: plain stores into host-mapped memory, no reads back. */
     const uint64_t *src = &st->heartbeat;
     uint64_t *dst = &ctl->heartbeat;
-    const unsigned n = (unsigned)((&st->launch_ns - &st->heartbeat) + 1);
+    const unsigned n = (unsigned)((&st->fallback_steps - &st->heartbeat) + 1);
     for (unsigned i = 0; i < n; ++i) plat.st64(&dst[i], src[i]);
     plat.st32(&ctl->last_launch_error, (uint32_t)st->last_launch_error);
 }
@@ -88,7 +90,8 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
     }
     st->n_running = 0;
     st->w_count = 0;
-    st->free_blocks = p->policy.num_blocks;
+    const blink_kv_t kv = blink_kv_of(p);
+    blink_kv_init(&kv, &st->free_blocks);   /* nobody holds a block any more */
 }
 
 /* thread 0: stop and abort requests, the drain deadline, the heartbeat. */
@@ -210,6 +213,7 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         memcpy(&v.top_p, &bits, 4);
         v.top_k = (int32_t)plat.ld32(&s->top_k);
         v.flags = plat.ld32(&s->flags);
+        v.seed = plat.ld64(&s->seed);
         v.n_stop_ids = plat.ld32(&s->n_stop_ids);
         blink_req_t *r = &p->reqs[slot];
         r->seq = v.seq;
@@ -222,6 +226,10 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->n_stop = v.n_stop_ids < BLINK_MAX_STOP_IDS ? v.n_stop_ids : BLINK_MAX_STOP_IDS;
         for (uint32_t k = 0; k < BLINK_MAX_STOP_IDS; ++k)
             r->stop_ids[k] = k < r->n_stop ? (int32_t)plat.ld32(&s->stop_ids[k]) : 0;
+        r->temperature = v.temperature;
+        r->top_p = v.top_p;
+        r->top_k = v.top_k;
+        r->seed = (v.flags & BLINK_FLAG_HAS_SEED) ? v.seed : blink_derive_seed(v.seq, v.epoch, slot, plat.now_ns(p));
         r->generated = r->num_computed = r->num_blocks = 0;
         r->status = BLINK_REQ_FREE;
         r->ring_state = BLINK_PREFILL_PROCESSING;
@@ -357,6 +365,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
 
     /* engine._reap (waiting, then running) and the finished of the publish phase */
+    const blink_kv_t kv = blink_kv_of(p);
     uint32_t kept = 0;
     for (uint32_t k = 0; k < st->w_count; ++k) {
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
@@ -379,7 +388,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
                 stats->completed += 1;
             }
-            st->free_blocks += r->num_blocks;
+            blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
             r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
         } else {
@@ -414,7 +423,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         for (; i + 1 < st->n_running; ++i) p->running[i] = p->running[i + 1];
         st->n_running -= 1;
         blink_req_t *r = &p->reqs[slot];
-        st->free_blocks += r->num_blocks;
+        blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
         r->num_blocks = r->num_computed = 0;
         r->status = BLINK_REQ_WAITING;
         if (r->ring_state != BLINK_DECODE_PAUSED) {
@@ -438,9 +447,13 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         p->reqs[slot].status = BLINK_REQ_RUNNING;
         p->running[st->n_running++] = slot;
     }
-    for (uint32_t k = 0; k < plan.n_new_blocks; ++k) {
-        p->reqs[plan.new_blocks_id[k]].num_blocks += plan.new_blocks_n[k];
-        st->free_blocks -= plan.new_blocks_n[k];
+    int err = 0;
+    for (uint32_t k = 0; k < plan.n_new_blocks; ++k) {        /* at prefill and at block boundaries */
+        const uint32_t slot = plan.new_blocks_id[k], need = plan.new_blocks_n[k];
+        blink_req_t *r = &p->reqs[slot];
+        if (need == 0) continue;
+        if (blink_kv_alloc(&kv, &st->free_blocks, slot, r->num_blocks, need) == BLINK_KV_OK) r->num_blocks += need;
+        else err = -1;   /* the policy never asks for more than is free: a bug, so the step's requests fail */
     }
     uint32_t n = 0;
     for (uint32_t k = 0; k < plan.n_prefill + plan.n_decode; ++k) {
@@ -459,11 +472,24 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     st->prev_kind = plan.kind;
     if (plan.kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;
     else stats->steps_decode += 1;
-    plat.fence_dev();   /* the step descriptor and request copies before the child graph that reads them */
+    /* The step graph: O(1) lookup of the tightest captured shape, then the chunks as its rows. */
+    const blink_graph_table_t *g = &p->graphs;
+    uint32_t rows = 0, len = 0, ctx = 0, graph = 0;
+    blink_step_key(g, plan.kind, p->chunk_start, p->chunk_len, n, &rows, &len, &ctx);
+    graph = blink_graph_lookup(g, plan.kind, rows, len, ctx);
+    st->n_rows = 0;
+    if (err == 0 && !blink_graph_fits(g, graph, plan.kind, rows, len, ctx)) err = -2;   /* beyond the max shape */
+    if (err == 0 && g->shapes != 0) {
+        st->n_rows = blink_fill_rows(g->split_len, p->chunk_slot, p->chunk_start, p->chunk_len, p->chunk_sample, n,
+                                     p->row_slot, p->row_start, p->row_len, p->row_flags);
+        const blink_graph_lut_t *t = plan.kind == BLINK_STEP_DECODE ? &g->decode : &g->prefill;
+        if (graph == t->fallback) stats->fallback_steps += 1;
+    }
+    st->graph = graph;
+    plat.fence_dev();   /* the step descriptor, rows, block tables and request copies before the child graph that reads them */
     const uint64_t t_launch = plat.now_ns(p);
-    int err = 0;
-    for (uint32_t tries = 0;; ++tries) {
-        err = plat.launch_step(p, st->step_no % BLINK_STEP_GRAPHS);
+    for (uint32_t tries = 0; err == 0; ++tries) {
+        err = plat.launch_step(p, graph * BLINK_STEP_GRAPHS + st->step_no % BLINK_STEP_GRAPHS);
         if (err == 0) break;
         stats->launch_retries += 1;
         stats->last_launch_error = err;
@@ -483,7 +509,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 p->running[kept++] = slot;
                 continue;
             }
-            st->free_blocks += r->num_blocks;
+            blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
             r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
             blink_complete_slot(plat, p, slot, BLINK_FINISH_ERROR, BLINK_ERR_INTERNAL);
@@ -508,7 +534,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         blink_sched_state_t *st = p->state;
         if (!st->started) {
             st->w_head = st->w_count = st->n_running = 0;
-            st->free_blocks = p->policy.num_blocks;
+            const blink_kv_t kv = blink_kv_of(p);
+            blink_kv_init(&kv, &st->free_blocks);
             st->prev_kind = BLINK_STEP_IDLE;
             st->in_flight = 0;
             st->started = 1;

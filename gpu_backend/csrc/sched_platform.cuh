@@ -39,9 +39,10 @@ struct blink_device_platform {
     __device__ void sleep_ns(uint32_t ns) const {
         if (ns) __nanosleep(ns);
     }
-    /* Fire-and-forget: the step graph runs beside this kernel as its child. */
+    /* Fire-and-forget: the step graph runs beside this kernel as its child.
+     * `which` = graph id * BLINK_STEP_GRAPHS + instance (graph_table.h). */
     __device__ int launch_step(const blink_sched_params_t *p, uint32_t which) const {
-        return (int)cudaGraphLaunch((cudaGraphExec_t)p->step_graphs[which], cudaStreamGraphFireAndForget);
+        return (int)cudaGraphLaunch((cudaGraphExec_t)p->graphs.execs[which], cudaStreamGraphFireAndForget);
     }
     /* A fresh instance of this graph starts once this one and its children are done. */
     __device__ int tail_relaunch() const {

@@ -178,6 +178,19 @@ static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *
     return 0;
 }
 
+/* splitmix64: the seed of a request that brought none, from what identifies it
+ * and the clock, so two unseeded requests never share a stream of draws. */
+static inline BLINK_HD uint64_t blink_mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static inline BLINK_HD uint64_t blink_derive_seed(uint64_t seq, uint64_t epoch, uint32_t slot, uint64_t now_ns) {
+    return blink_mix64(blink_mix64(seq ^ (epoch << 40) ^ ((uint64_t)slot << 20)) ^ now_ns);
+}
+
 static inline BLINK_HD int blink_token_ok(const blink_policy_config_t *cfg, int32_t token) {
     return token >= 0 && (uint32_t)token < cfg->vocab_size;
 }

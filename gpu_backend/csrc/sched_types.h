@@ -9,12 +9,17 @@
  *   waiting[slot_count] deque, running[max_batch]   queues, slot ids (device memory)
  *   blink_sched_state_t          queue heads, KV block count, the step in flight (device memory)
  *   chunk_* / step_tokens        the step descriptor the step graph reads and its output
+ *   row_*                        the step's chunks cut into the chosen graph's rows (graph_table.h)
+ *   kv_*                         the KV block allocator and every slot's block table (kv_alloc.h)
+ *   graphs                       the captured step graphs and their lookup tables (graph_table.h)
  *   blink_sched_control_t        host-mapped: stop/abort from the host, counters to it
  */
 #ifndef BLINK_SCHED_TYPES_H
 #define BLINK_SCHED_TYPES_H
 
 #include "blink_ring_layout.h"
+#include "graph_table.h"
+#include "kv_alloc.h"
 
 /* Functions of the scheduler loop: device code under nvcc, plain host code under g++. */
 #if defined(__CUDACC__)
@@ -24,7 +29,7 @@
 #endif
 
 #define BLINK_MAX_EOS_IDS 8
-#define BLINK_STEP_GRAPHS 2          /* step graph instances, launched alternately */
+#define BLINK_STEP_GRAPHS 2          /* instances of each step graph, launched alternately */
 
 /* Step kinds: policy.StepKind */
 #define BLINK_STEP_IDLE 0u
@@ -73,6 +78,11 @@ typedef struct BLINK_ALIGN8 blink_req {
     uint32_t abort_finish;        /* set by the scan: cancel flag or stale epoch -> reaped next */
     uint32_t abort_error;
     uint32_t intake_error;        /* scratch of the intake phase: FinishReason << 16 | ErrorCode */
+    float temperature;            /* sampling parameters, copied at intake (the step graph reads them) */
+    float top_p;
+    int32_t top_k;
+    uint32_t reserved;
+    uint64_t seed;                /* the slot's seed, or one derived at intake when it has none */
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {
@@ -86,6 +96,8 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint32_t n_chunks;            /* chunks of the step in flight */
     uint32_t draining;            /* stop seen: no new claims; abort what is left at drain_deadline_ns */
     uint32_t started;             /* 1 once the first instance initialised this state */
+    uint32_t n_rows;              /* rows of the step in flight (row_* buffers) */
+    uint32_t graph;               /* graph id of the step in flight */
     uint64_t drain_deadline_ns;
     uint64_t last_beat_ns;
     uint64_t step_launched_ns;    /* clock when the step in flight was launched */
@@ -116,6 +128,7 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t publish_ns;          /* cumulative time publishing tokens */
     uint64_t plan_ns;             /* cumulative time planning + launching */
     uint64_t launch_ns;           /* cumulative time inside the launch call */
+    uint64_t fallback_steps;      /* steps served by a kind's max-shape graph (no tighter graph covered them) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
     uint32_t reserved;
 } blink_sched_control_t;
@@ -136,15 +149,24 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
     uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
     uint32_t *plan_scratch;       /* [8 * max_batch_size] the planner's output lists */
+    uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
+    uint32_t *row_start;          /* [max_rows] position of the row's first token */
+    uint32_t *row_len;            /* [max_rows] tokens in the row */
+    uint32_t *row_flags;          /* [max_rows] chunk index | BLINK_ROW_SAMPLE */
+    uint32_t *kv_free_stack;      /* [num_blocks] kv_alloc.h */
+    uint32_t *kv_owner;           /* [num_blocks] */
+    uint32_t *kv_tables;          /* [slot_count * kv_max_blocks] block table of each slot */
     blink_sched_state_t *state;
     blink_sched_control_t *control;   /* host-mapped: the host reads it without CUDA calls */
     blink_sched_control_t *stats;     /* device memory: counters accumulate here, copied to control at each beat */
-    uint64_t step_graphs[BLINK_STEP_GRAPHS];  /* cudaGraphExec_t, instantiated for device launch */
+    blink_graph_table_t graphs;   /* the step graphs, instantiated for device launch, and their lookup tables */
     blink_policy_config_t policy;
     uint32_t window_limit;        /* fire-and-forget launches per scheduler instance (<= 120) */
     uint32_t claim_cas;           /* 1: claim with atomicCAS; 0: plain store (one scheduler block) */
     uint32_t idle_sleep_ns;       /* back-off when a scan found nothing and no step runs */
     uint32_t launch_retry_limit;  /* refused device launches retried this often before giving up */
+    uint32_t kv_max_blocks;       /* blocks one slot's table holds (one max_model_len context) */
+    uint32_t reserved;
     uint64_t beat_interval_ns;    /* heartbeat period */
     uint64_t grace_ns;            /* drain period after a stop before the rest is aborted */
     uint64_t step_timeout_ns;     /* a step graph silent this long ends the scheduler */
@@ -162,6 +184,11 @@ static inline BLINK_HD int32_t *blink_prompt_arena(const blink_sched_params_t *p
 }
 static inline BLINK_HD int32_t *blink_output_arena(const blink_sched_params_t *p) {
     return (int32_t *)(p->ring + p->output_arena_offset);
+}
+static inline BLINK_HD blink_kv_t blink_kv_of(const blink_sched_params_t *p) {
+    blink_kv_t kv = {p->kv_free_stack, p->kv_owner, p->kv_tables, p->policy.num_blocks, p->kv_max_blocks,
+                     (uint32_t)p->slot_count, 0};
+    return kv;
 }
 
 #endif /* BLINK_SCHED_TYPES_H */

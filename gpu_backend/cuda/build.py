@@ -22,7 +22,7 @@ import tempfile
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 LAYOUT_INCLUDE = pathlib.Path(__file__).resolve().parents[2] / "shared_layout" / "include"
-DEVICE_SOURCES = ("scheduler.cu", "bench.cu")
+DEVICE_SOURCES = ("scheduler.cu", "model_step.cu", "bench.cu")
 DEFAULT_ARCH = "sm_90"        # Hopper: device graph launch from a persistent kernel (paper §4.2)
 
 NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-rdc=true", "-Xptxas=-warn-spills",

@@ -2,7 +2,8 @@
 (structs.SchedParams) they become for a given ring and buffer set.
 
     ExecutorOptions (daemon flags) -> SchedulerConfig -> params(ring geometry,
-    buffer addresses) -> SchedParams -> device memory (runtime.py) or the CPU twin
+    buffer addresses, graph table) -> SchedParams -> device memory (runtime.py)
+    or the CPU twin
 """
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ class SchedulerConfig:
                              f"{self.max_model_len}-token context")
 
     @property
+    def kv_max_blocks(self) -> int:
+        """Blocks of one slot's table: one max_model_len context."""
+        return -(-self.max_model_len // self.block_size)
+
+    def buffer_sizes(self, slot_count: int, max_rows: int = 0) -> dict[str, int]:
+        """Bytes of each scheduler buffer for a ring of `slot_count` slots and step graphs of at
+        most `max_rows` rows (0: the stand-in echo)."""
+        return structs.buffer_sizes(slot_count, self.max_batch_size, num_blocks=self.kv_blocks,
+                                    max_blocks=self.kv_max_blocks, max_rows=max_rows)
+
+    @property
     def kv_blocks(self) -> int:
         if self.num_blocks:
             return self.num_blocks
@@ -61,9 +73,10 @@ class SchedulerConfig:
         return pc
 
     def params(self, geom: RingGeometry, ring_addr: int, buffers: dict[str, int], control_addr: int,
-               step_graphs: tuple[int, ...] = (0, 0), clock_offset_ns: int = 0) -> structs.SchedParams:
+               graphs: structs.GraphTable | None = None, clock_offset_ns: int = 0) -> structs.SchedParams:
         """The parameter block for a ring at `ring_addr` and buffers at the given addresses
-        (keys of structs.buffer_sizes), as the code that reads it addresses them."""
+        (keys of buffer_sizes), as the code that reads it addresses them. `graphs`: the step
+        graphs (None: one stand-in graph whose launches a twin's callback handles)."""
         p = structs.SchedParams(
             ring=ring_addr, slot_count=geom.slot_count, prompt_arena_tokens=geom.prompt_arena_tokens,
             output_arena_tokens=geom.output_arena_tokens, slots_offset=geom.slots_offset,
@@ -72,9 +85,8 @@ class SchedulerConfig:
             claim_cas=int(self.claim_cas), idle_sleep_ns=self.idle_sleep_ns,
             launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
-            clock_offset_ns=clock_offset_ns)
+            clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks)
         for name, addr in buffers.items():
             setattr(p, name, addr)
-        for i, g in enumerate(step_graphs):
-            p.step_graphs[i] = g
+        p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)
         return p

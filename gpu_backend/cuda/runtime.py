@@ -2,7 +2,10 @@
 
     build.build_device_module() -> cuModuleLoadData -> kernels
     device buffers (cuMemAlloc, zeroed) + control block (cuMemHostAlloc DEVICEMAP)
-    step graph x2: one blink_echo_step node, instantiated for device launch, uploaded
+    step graphs from a StepGraphSource: EchoGraphs (the stand-in: one
+        blink_echo_step node, two instances) or the captured model graphs
+        (gpu_backend/graphs/device.py), instantiated for device launch, uploaded,
+        with their lookup tables in device memory
     clock probe: device %globaltimer -> offset to the host's CLOCK_MONOTONIC
     SchedParams -> device memory
     scheduler graph: one blink_scheduler node (1 x 256), instantiated for device
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -115,6 +119,47 @@ def calibrate_clock(module: Module, stream, samples: int = 9) -> int:
         out.close()
 
 
+class StepGraphSource(Protocol):
+    """What the scheduler launches each step."""
+    max_rows: int          # rows of the largest graph (sizes the row buffers); 0: no rows
+
+    def build(self, rt: "SchedulerRuntime") -> structs.GraphTable:
+        """Make the graphs for rt.params_addr (their kernels read that parameter block),
+        instantiated for device launch and uploaded; the table's arrays in device memory."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class EchoGraphs:
+    """The stand-in step graph (the null model's echo), two instances launched alternately."""
+    max_rows = 0
+
+    def __init__(self):
+        self.graphs: list = []
+        self.execs_addr = 0
+
+    def build(self, rt: "SchedulerRuntime") -> structs.GraphTable:
+        d = bindings()
+        self.graphs = [rt.module.device_graph("blink_echo_step", rt.stream, rt.kernel_args, block=STEP_THREADS)
+                       for _ in range(structs.STEP_GRAPHS)]
+        execs = np.array([int(exe) for _, exe in self.graphs], np.uint64)
+        self.execs_addr = int(check(d.cuMemAlloc(execs.nbytes), "cuMemAlloc(step graph execs)"))
+        check(d.cuMemcpyHtoD(self.execs_addr, execs.ctypes.data, execs.nbytes), "cuMemcpyHtoD(step graph execs)")
+        return structs.GraphTable(execs=self.execs_addr, shapes=0, n_graphs=1)
+
+    def close(self) -> None:
+        d = bindings()
+        for graph, exe in self.graphs:
+            check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+            check(d.cuGraphDestroy(graph), "cuGraphDestroy")
+        self.graphs = []
+        if self.execs_addr:
+            check(d.cuMemFree(self.execs_addr), "cuMemFree(step graph execs)")
+            self.execs_addr = 0
+
+
 @dataclasses.dataclass
 class SchedulerStats:
     running: bool
@@ -126,30 +171,31 @@ class SchedulerRuntime:
     """The persistent scheduler on one device over a ring at `ring_device_addr`."""
 
     def __init__(self, device: Device, config: SchedulerConfig, geometry: RingGeometry, ring_device_addr: int,
-                 module: Module | None = None):
+                 module: Module | None = None, graphs: StepGraphSource | None = None):
         d = bindings()
         device.make_current()
         self.device, self.config, self.geometry = device, config, geometry
         self.module = module or Module()
         self._own_module = module is None
+        self.graphs = graphs if graphs is not None else EchoGraphs()
         self.stream = check(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         self.buffers: dict[str, int] = {}
-        for name, nbytes in structs.buffer_sizes(geometry.slot_count, config.max_batch_size).items():
+        for name, nbytes in config.buffer_sizes(geometry.slot_count, self.graphs.max_rows).items():
             addr = int(check(d.cuMemAlloc(nbytes), f"cuMemAlloc({name})"))
             check(d.cuMemsetD8(addr, 0, nbytes), f"cuMemsetD8({name})")
             self.buffers[name] = addr
         self.control_mem = PinnedMapped(ctypes.sizeof(structs.SchedControl))
         self.control = structs.SchedControl.from_address(self.control_mem.host_addr)
         self.params_addr = int(check(d.cuMemAlloc(ctypes.sizeof(structs.SchedParams)), "cuMemAlloc(params)"))
-        self._args = KernelArgs(self.params_addr)
-        self.step_graphs = [self.module.device_graph("blink_echo_step", self.stream, self._args, block=STEP_THREADS)
-                            for _ in range(structs.STEP_GRAPHS)]
+        self.kernel_args = KernelArgs(self.params_addr)
+        self.ring_device_addr = ring_device_addr
+        table = self.graphs.build(self)
         self.clock_offset_ns = calibrate_clock(self.module, self.stream)
         self.params = config.params(geometry, ring_device_addr, self.buffers, self.control_mem.device_addr,
-                                    tuple(int(exe) for _, exe in self.step_graphs), self.clock_offset_ns)
+                                    table, self.clock_offset_ns)
         check(d.cuMemcpyHtoD(self.params_addr, ctypes.addressof(self.params), ctypes.sizeof(self.params)),
               "cuMemcpyHtoD(params)")
-        self.sched_graph = self.module.device_graph("blink_scheduler", self.stream, self._args,
+        self.sched_graph = self.module.device_graph("blink_scheduler", self.stream, self.kernel_args,
                                                     block=SCHEDULER_THREADS)
         check(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize(setup)")
         self.started = False
@@ -198,9 +244,10 @@ class SchedulerRuntime:
         d = bindings()
         if self.started and self.running():
             raise CudaError("the scheduler still runs; stop it before closing")
-        for graph, exe in [self.sched_graph, *self.step_graphs]:
-            check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
-            check(d.cuGraphDestroy(graph), "cuGraphDestroy")
+        graph, exe = self.sched_graph
+        check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+        check(d.cuGraphDestroy(graph), "cuGraphDestroy")
+        self.graphs.close()
         for addr in [*self.buffers.values(), self.params_addr]:
             check(d.cuMemFree(addr), "cuMemFree")
         self.buffers = {}

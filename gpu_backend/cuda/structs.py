@@ -13,7 +13,10 @@ import ctypes
 from shared_layout.layout import MAX_STOP_IDS
 
 MAX_EOS_IDS = 8
-STEP_GRAPHS = 2
+STEP_GRAPHS = 2               # instances of each step graph, launched alternately
+
+ROW_SAMPLE, ROW_CHUNK = 0x8000_0000, 0x7FFF_FFFF
+KV_OK, KV_NO_BLOCKS, KV_TABLE_FULL, KV_NOT_OWNED, KV_BAD_ROW = 0, 1, 2, 3, 4
 
 STEP_IDLE, STEP_PREFILL, STEP_DECODE = 0, 1, 2
 REQ_FREE, REQ_WAITING, REQ_RUNNING, REQ_FINISHED = 0, 1, 2, 3
@@ -40,19 +43,21 @@ class Req(_Struct):
                 ("output_offset", u32), ("max_tokens", u32), ("flags", u32), ("n_stop", u32),
                 ("stop_ids", i32 * MAX_STOP_IDS), ("generated", u32), ("num_computed", u32),
                 ("num_blocks", u32), ("status", u32), ("ring_state", u32), ("abort_finish", u32),
-                ("abort_error", u32), ("intake_error", u32)]
+                ("abort_error", u32), ("intake_error", u32), ("temperature", ctypes.c_float),
+                ("top_p", ctypes.c_float), ("top_k", i32), ("reserved", u32), ("seed", u64)]
 
 
 class SchedState(_Struct):
     _fields_ = [("w_head", u32), ("w_count", u32), ("n_running", u32), ("free_blocks", u32),
                 ("prev_kind", u32), ("in_flight", u32), ("step_no", u32), ("n_chunks", u32),
-                ("draining", u32), ("started", u32), ("drain_deadline_ns", u64), ("last_beat_ns", u64),
+                ("draining", u32), ("started", u32), ("n_rows", u32), ("graph", u32),
+                ("drain_deadline_ns", u64), ("last_beat_ns", u64),
                 ("step_launched_ns", u64)]
 
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
-            "publish_ns", "plan_ns", "launch_ns")
+            "publish_ns", "plan_ns", "launch_ns", "fallback_steps")
 
 
 class SchedControl(_Struct):
@@ -60,26 +65,63 @@ class SchedControl(_Struct):
                 *[(name, u64) for name in COUNTERS], ("last_launch_error", i32), ("reserved", u32)]
 
 
+class KV(_Struct):
+    """csrc/kv_alloc.h blink_kv_t."""
+    _fields_ = [("free_stack", ptr), ("owner", ptr), ("tables", ptr), ("num_blocks", u32), ("max_blocks", u32),
+                ("rows", u32), ("reserved", u32)]
+
+
+class GraphLut(_Struct):
+    """csrc/graph_table.h blink_graph_lut_t: one kind's dense lookup table."""
+    _fields_ = [("ids", ptr), ("max_rows", u32), ("n_len", u32), ("n_ctx", u32), ("len_granularity", u32),
+                ("ctx_granularity", u32), ("fallback", u32)]
+
+
+class GraphTable(_Struct):
+    """csrc/graph_table.h blink_graph_table_t. shapes == 0: one stand-in graph (the echo), no rows."""
+    _fields_ = [("execs", ptr), ("shapes", ptr), ("prefill", GraphLut), ("decode", GraphLut), ("n_graphs", u32),
+                ("split_len", u32)]
+
+
+class StepIO(_Struct):
+    """csrc/model_step.h blink_step_io_t: the static tensors of the model step graphs."""
+    _fields_ = [("input_ids", ptr), ("positions", ptr), ("slot_mapping", ptr), ("block_tables", ptr),
+                ("q_lens", ptr), ("temperature", ptr), ("top_p", ptr), ("top_k", ptr), ("seeds", ptr),
+                ("token_index", ptr), ("tokens", ptr), ("block_size", u32), ("sink_block", u32)]
+
+
 class SchedParams(_Struct):
     _fields_ = [("ring", ptr), ("slot_count", u64), ("prompt_arena_tokens", u64), ("output_arena_tokens", u64),
                 ("slots_offset", u64), ("prompt_arena_offset", u64), ("output_arena_offset", u64),
                 ("reqs", ptr), ("waiting", ptr), ("running", ptr), ("arrivals", ptr), ("chunk_slot", ptr),
                 ("chunk_start", ptr), ("chunk_len", ptr), ("chunk_sample", ptr), ("step_tokens", ptr),
-                ("done", ptr), ("plan_scratch", ptr), ("state", ptr), ("control", ptr), ("stats", ptr),
-                ("step_graphs", u64 * STEP_GRAPHS), ("policy", PolicyConfig), ("window_limit", u32),
+                ("done", ptr), ("plan_scratch", ptr), ("row_slot", ptr), ("row_start", ptr), ("row_len", ptr),
+                ("row_flags", ptr), ("kv_free_stack", ptr), ("kv_owner", ptr), ("kv_tables", ptr),
+                ("state", ptr), ("control", ptr), ("stats", ptr),
+                ("graphs", GraphTable), ("policy", PolicyConfig), ("window_limit", u32),
                 ("claim_cas", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
+                ("kv_max_blocks", u32), ("reserved", u32),
                 ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
                 ("clock_offset_ns", i64)]
 
 
 C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",
-           SchedControl: "blink_sched_control_t", SchedParams: "blink_sched_params_t"}
+           SchedControl: "blink_sched_control_t", SchedParams: "blink_sched_params_t", KV: "blink_kv_t",
+           GraphLut: "blink_graph_lut_t", GraphTable: "blink_graph_table_t", StepIO: "blink_step_io_t"}
 
 
-def buffer_sizes(slot_count: int, max_batch_size: int) -> dict[str, int]:
-    """Bytes of each device buffer the scheduler needs (pointer fields of SchedParams)."""
+def buffer_sizes(slot_count: int, max_batch_size: int, *, num_blocks: int, max_blocks: int,
+                 max_rows: int) -> dict[str, int]:
+    """Bytes of each device buffer the scheduler needs (pointer fields of SchedParams).
+
+    num_blocks: the KV pool; max_blocks: blocks of one slot's table; max_rows: rows of the
+    largest step graph (0 for the stand-in echo, which reads no rows)."""
+    rows = max(1, max_rows)
     return {"reqs": slot_count * ctypes.sizeof(Req), "waiting": 4 * slot_count, "running": 4 * max_batch_size,
             "arrivals": 4 * slot_count, "chunk_slot": 4 * max_batch_size, "chunk_start": 4 * max_batch_size,
             "chunk_len": 4 * max_batch_size, "chunk_sample": 4 * max_batch_size,
             "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * 8 * max_batch_size,
+            "row_slot": 4 * rows, "row_start": 4 * rows, "row_len": 4 * rows, "row_flags": 4 * rows,
+            "kv_free_stack": 4 * num_blocks, "kv_owner": 4 * num_blocks,
+            "kv_tables": 4 * slot_count * max_blocks,
             "state": ctypes.sizeof(SchedState), "stats": ctypes.sizeof(SchedControl)}

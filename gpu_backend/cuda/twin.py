@@ -37,6 +37,22 @@ def lib() -> ctypes.CDLL:
     so.blink_finish.restype = ctypes.c_uint32
     so.blink_intake.restype = ctypes.c_uint32
     so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    for name, args in (("blink_kv_init_c", [vp, vp]), ("blink_kv_alloc_c", [vp, vp, u32, u32, u32]),
+                       ("blink_kv_free_c", [vp, vp, u32, u32]), ("blink_kv_check_c", [vp, u32]),
+                       ("blink_graph_fits_c", [vp, u32, u32, u32, u32, u32])):
+        getattr(so, name).restype = ctypes.c_int
+        getattr(so, name).argtypes = args
+    so.blink_graph_lookup_c.restype = u32
+    so.blink_graph_lookup_c.argtypes = [vp, u32, u32, u32, u32]
+    so.blink_step_key_c.restype = None
+    so.blink_step_key_c.argtypes = [vp, u32, vp, vp, u32, vp]
+    so.blink_fill_rows_c.restype = u32
+    so.blink_fill_rows_c.argtypes = [u32, vp, vp, vp, vp, u32, vp, vp, vp, vp]
+    so.blink_twin_stage.restype = None
+    so.blink_twin_stage.argtypes = [vp, vp, u32, u32, u32]
+    so.blink_twin_finish.restype = None
+    so.blink_twin_finish.argtypes = [vp, vp]
     so.blink_struct_offset.restype = ctypes.c_long
     so.blink_struct_offset.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     so.blink_struct_size.restype = ctypes.c_long
@@ -100,11 +116,14 @@ class TwinScheduler:
     """The persistent scheduler's loop on host threads over `ring` (held in memory we can address)."""
 
     def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None,
-                 buffers: dict[str, int] | None = None):
-        """`buffers`: addresses of zeroed host memory for every structs.buffer_sizes entry (e.g. pinned
-        memory a GPU also maps, for the host-driven baseline); numpy arrays when None."""
+                 buffers: dict[str, int] | None = None, graphs: structs.GraphTable | None = None,
+                 max_rows: int = 0):
+        """`buffers`: addresses of zeroed host memory for every config.buffer_sizes entry (e.g. pinned
+        memory a GPU also maps, for the host-driven baseline); numpy arrays when None. `graphs`:
+        the step graphs' tables (host memory) and `max_rows` their largest row count, for a
+        `launch_cb` that runs model graphs (gpu_backend/graphs/cpu_graphs.py); None: the echo."""
         self.ring, self.config, self.threads = ring, config, threads
-        sizes = structs.buffer_sizes(ring.geom.slot_count, config.max_batch_size)
+        sizes = config.buffer_sizes(ring.geom.slot_count, max_rows)
         if buffers is None:
             self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
         else:
@@ -113,7 +132,7 @@ class TwinScheduler:
         self.control = structs.SchedControl()
         ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
         self.params = config.params(ring.geom, ring_addr, {k: v.ctypes.data for k, v in self._buffers.items()},
-                                    ctypes.addressof(self.control))
+                                    ctypes.addressof(self.control), graphs)
         self._cb = LAUNCH_CB(launch_cb) if launch_cb is not None else None
         self._thread: threading.Thread | None = None
         self.exit_code: int | None = None
@@ -124,6 +143,17 @@ class TwinScheduler:
     @property
     def state(self) -> structs.SchedState:
         return structs.SchedState.from_address(self._buffers["state"].ctypes.data)
+
+    @property
+    def params_addr(self) -> int:
+        return ctypes.addressof(self.params)
+
+    def kv(self) -> structs.KV:
+        """The KV allocator's view (kv_alloc.h) of this scheduler's buffers."""
+        return structs.KV(free_stack=self._buffers["kv_free_stack"].ctypes.data,
+                          owner=self._buffers["kv_owner"].ctypes.data, tables=self._buffers["kv_tables"].ctypes.data,
+                          num_blocks=self.config.kv_blocks, max_blocks=self.config.kv_max_blocks,
+                          rows=self.ring.geom.slot_count)
 
     @property
     def stats(self) -> structs.SchedControl:
@@ -151,3 +181,42 @@ class TwinScheduler:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
+
+
+class KVAllocator:
+    """csrc/kv_alloc.h on the CPU over numpy arrays: the device allocator with
+    BlockAllocator's interface, for the diff test against gpu_backend/kv_cache.py."""
+
+    def __init__(self, num_blocks: int, rows: int, max_blocks: int):
+        self.stack = np.zeros(max(1, num_blocks), np.uint32)          # [num_blocks]
+        self.owner = np.zeros(max(1, num_blocks), np.uint32)          # [num_blocks]
+        self.tables = np.zeros((rows, max_blocks), np.uint32)         # [rows, max_blocks]
+        self.held = np.zeros(rows, np.uint32)                          # [rows] blocks in each table
+        self.kv = structs.KV(free_stack=self.stack.ctypes.data, owner=self.owner.ctypes.data,
+                             tables=self.tables.ctypes.data, num_blocks=num_blocks, max_blocks=max_blocks, rows=rows)
+        self._free = ctypes.c_uint32(0)
+        lib().blink_kv_init_c(ctypes.byref(self.kv), ctypes.byref(self._free))
+
+    @property
+    def free_count(self) -> int:
+        return self._free.value
+
+    def allocate(self, row: int, n: int) -> int:
+        """Append n blocks to row's table; the kv_alloc.h status (structs.KV_*)."""
+        held = int(self.held[row]) if 0 <= row < len(self.held) else 0
+        rc = lib().blink_kv_alloc_c(ctypes.byref(self.kv), ctypes.byref(self._free), row, held, n)
+        if rc == structs.KV_OK:
+            self.held[row] += n
+        return rc
+
+    def free(self, row: int) -> int:
+        rc = lib().blink_kv_free_c(ctypes.byref(self.kv), ctypes.byref(self._free), row, int(self.held[row]))
+        if rc == structs.KV_OK:
+            self.held[row] = 0
+        return rc
+
+    def blocks(self, row: int) -> list[int]:
+        return self.tables[row, :int(self.held[row])].tolist()
+
+    def check(self) -> int:
+        return int(lib().blink_kv_check_c(ctypes.byref(self.kv), self._free.value))

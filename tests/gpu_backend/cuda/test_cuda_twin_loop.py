@@ -268,7 +268,7 @@ def test_external_buffers_and_a_launch_callback(twin_lib, shm_ring):
     step run by a callback that stores the done flag itself."""
     ring = shm_ring(GEOM)
     cfg = SchedulerConfig(max_batch_size=4, max_model_len=512, idle_sleep_ns=50_000)
-    owned = {k: (ctypes.c_uint64 * -(-n // 8))() for k, n in structs.buffer_sizes(GEOM.slot_count, 4).items()}
+    owned = {k: (ctypes.c_uint64 * -(-n // 8))() for k, n in cfg.buffer_sizes(GEOM.slot_count).items()}
     from gpu_backend.cuda.twin import TwinScheduler
     holder = {}
     tw = TwinScheduler(ring, cfg, threads=1, launch_cb=lambda c, w: holder["cb"](c, w),

@@ -1,0 +1,114 @@
+/* The model step graph's own kernels, around the captured PyTorch forward:
+ *
+ *   blink_stage_row   (first node, one block per row) the step's rows
+ *                     (row_*, written by the scheduler or the host loop), the
+ *                     request copies (reqs) and block tables (kv_tables) and
+ *                     the token ids in the ring's arenas -> the graph's static
+ *                     input tensors: ids, positions, KV slots, block tables,
+ *                     query lengths and the sampling parameters of each row
+ *   ... the captured forward + in-graph sampling (gpu_backend/graphs/step.py)
+ *       reads those tensors and writes io->tokens[row] ...
+ *   blink_finish_rows (last node) each sampling row's token -> step_tokens[chunk];
+ *                     then the kernel stores step_no into *done (the last write)
+ *
+ * The contract with the scheduler is the stand-in echo's (echo_step.h): read the
+ * step descriptor, write one token per sampled chunk into step_tokens, then the
+ * done flag. Written once for the device and the CPU twin (template over the
+ * platform), so CI runs the very staging code the graph runs.
+ *
+ * Padding: rows past state->n_rows and tokens past a row's length get id 0,
+ * position 0 and a KV slot in the sink block (one block past the pool, never
+ * handed out), and block-table entries past the row's blocks point there too,
+ * so the fixed-shape forward writes and reads only memory it owns.
+ */
+#ifndef BLINK_MODEL_STEP_H
+#define BLINK_MODEL_STEP_H
+
+#include "sched_types.h"
+
+typedef struct BLINK_ALIGN8 blink_step_io {
+    int64_t *input_ids;           /* [rows * len] token ids */
+    int64_t *positions;           /* [rows * len] positions in the sequence */
+    int64_t *slot_mapping;        /* [rows * len] KV slot: block * block_size + offset */
+    int64_t *block_tables;        /* [rows * (ctx / block_size)] */
+    int64_t *q_lens;              /* [rows] tokens of the row; 0 for padding rows */
+    float *temperature;           /* [rows] */
+    float *top_p;                 /* [rows] */
+    int64_t *top_k;               /* [rows] */
+    int64_t *seeds;               /* [rows] */
+    int64_t *token_index;         /* [rows] tokens generated before the one a sampling row draws */
+    int64_t *tokens;              /* [rows] written by the graph: each row's sampled token */
+    uint32_t block_size;
+    uint32_t sink_block;          /* == the pool's block count: padding's K/V lands there */
+} blink_step_io_t;
+
+/* Row r of a graph of shape (R, S, C); threads tid of nt share the row. */
+template <class P>
+BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io, uint32_t S,
+                               uint32_t C, uint32_t r, unsigned tid, unsigned nt) {
+    const uint32_t bs = io->block_size, mb = C / bs, sink = io->sink_block;
+    int64_t *ids = io->input_ids + (uint64_t)r * S;
+    int64_t *pos = io->positions + (uint64_t)r * S;
+    int64_t *kv_slot = io->slot_mapping + (uint64_t)r * S;
+    int64_t *table_out = io->block_tables + (uint64_t)r * mb;
+    if (r >= p->state->n_rows) {                       /* a padding row */
+        for (uint32_t i = tid; i < S; i += nt) {
+            ids[i] = 0;
+            pos[i] = 0;
+            kv_slot[i] = (int64_t)sink * bs + i % bs;
+        }
+        for (uint32_t j = tid; j < mb; j += nt) table_out[j] = sink;
+        if (tid == 0) {
+            io->q_lens[r] = 0;
+            io->temperature[r] = 0.0f;
+            io->top_p[r] = 1.0f;
+            io->top_k[r] = 0;
+            io->seeds[r] = 0;
+            io->token_index[r] = 0;
+        }
+        return;
+    }
+    const uint32_t slot = p->row_slot[r];
+    const blink_req_t *q = &p->reqs[slot];
+    const uint32_t *table = p->kv_tables + (uint64_t)slot * p->kv_max_blocks;
+    const uint32_t start = p->row_start[r], n = p->row_len[r], plen = q->prompt_len;
+    const int32_t *prompt = blink_prompt_arena(p) + q->prompt_offset;
+    const int32_t *output = blink_output_arena(p) + q->output_offset;
+    for (uint32_t i = tid; i < S; i += nt) {
+        if (i < n) {
+            const uint32_t t = start + i;
+            /* volatile loads: on the host-mapped ring a cached line could hold an older prompt */
+            ids[i] = (int32_t)plat.ld32(t < plen ? &prompt[t] : &output[t - plen]);
+            pos[i] = t;
+            kv_slot[i] = (int64_t)table[t / bs] * bs + t % bs;
+        } else {
+            ids[i] = 0;
+            pos[i] = 0;
+            kv_slot[i] = (int64_t)sink * bs + i % bs;
+        }
+    }
+    const uint32_t held = q->num_blocks < mb ? q->num_blocks : mb;
+    for (uint32_t j = tid; j < mb; j += nt) table_out[j] = j < held ? (int64_t)table[j] : (int64_t)sink;
+    if (tid == 0) {
+        io->q_lens[r] = n;
+        io->temperature[r] = q->temperature;
+        io->top_p[r] = q->top_p;
+        io->top_k[r] = q->top_k;
+        io->seeds[r] = (int64_t)q->seed;
+        io->token_index[r] = (int64_t)(start + n) - (int64_t)plen;
+    }
+}
+
+/* Each sampling row's token into its chunk's step_tokens entry. */
+template <class P>
+BLINK_DEV void blink_finish_rows(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io, unsigned tid,
+                                 unsigned nt) {
+    (void)plat;
+    const uint32_t n_rows = p->state->n_rows;
+    for (uint32_t r = tid; r < n_rows; r += nt) {
+        const uint32_t f = p->row_flags[r];
+        if (f & BLINK_ROW_SAMPLE) p->step_tokens[f & BLINK_ROW_CHUNK] = (int32_t)io->tokens[r];
+    }
+}
+
+#endif /* BLINK_MODEL_STEP_H */
