@@ -17,7 +17,7 @@ chunk were published after the previous chunk's t_last_ns, which gives an upper 
 runs on the last core and every other process (frontend or bare server, and the client) on the
 others, so the daemon's busy polling does not take CPU from the HTTP side being compared.
 
-    python -m bench.control_plane [--concurrency 1,16,64] [--duration-s 6] [--max-tokens 256]
+    python -m bench.control_plane [--concurrency 1,16,64] [--duration-s 6] [--repeats 2] [--max-tokens 256]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -90,6 +91,8 @@ def run_bare_server(port: int) -> None:
 
 # -- the client --------------------------------------------------------------------
 
+_TIMING = re.compile(rb'"blink_timing":\{"t_last_ns":(\d+),"t_frontend_ns":(\d+),"n_tokens":(\d+)\}')
+
 async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int,
                 prompt_tokens: int, tokens_per_event: int = 1) -> dict:
     """Closed loop: `concurrency` workers, each streaming one request after another."""
@@ -128,20 +131,19 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
                         buf += data
                         while b"\n\n" in buf:
                             ev, buf = buf.split(b"\n\n", 1)
-                            if not ev.startswith(b"data: {"):
+                            # Token events only (the usage chunk and [DONE] carry no timing); a regex,
+                            # not json.loads, so the client takes as little CPU from the servers as it can.
+                            m = _TIMING.search(ev)
+                            if m is None:
                                 continue
-                            obj = json.loads(ev[6:])
-                            timing = obj.get("blink_timing")
-                            if not obj.get("choices") or timing is None:
-                                continue
-                            t_last = timing["t_last_ns"]
+                            t_last, t_front, n_tok = int(m[1]), int(m[2]), int(m[3])
                             if start_ns <= t_recv < end_ns:
                                 events += 1
-                                tokens += timing["n_tokens"]
+                                tokens += n_tok
                                 lat_lo.append(t_recv - t_last)
                                 lat_hi.append(t_recv - (prev_last if prev_last is not None else t_last))
-                                lat_ring.append(timing["t_frontend_ns"] - t_last)
-                                lat_http.append(t_recv - timing["t_frontend_ns"])
+                                lat_ring.append(t_front - t_last)
+                                lat_http.append(t_recv - t_front)
                             prev_last = t_last
                         if t_recv >= end_ns:
                             break
@@ -229,6 +231,7 @@ def orchestrate(args: argparse.Namespace) -> dict:
     pin = args.pin and len(cores) >= 2
     daemon_cpus = {cores[-1]} if pin else None
     http_cpus = set(cores[:-1]) if pin else None
+    client_cpus = {"http": http_cpus, "daemon": daemon_cpus, "any": None}[args.client_cpus] if pin else None
     ring = f"blink-bench-cp-{os.getpid()}"
     blink_port, bare_port = _free_port(), _free_port()
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -251,7 +254,7 @@ def orchestrate(args: argparse.Namespace) -> dict:
                    "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
                    "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
                    "--tokens-per-event", str(per_event)]
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(http_cpus))
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(client_cpus))
             assert proc.stdout.readline().strip() == "started"
             time.sleep(args.warmup_s)
             watched = {"server": procs[1].pid if server == "blink" else procs[2].pid, "daemon": procs[0].pid}
@@ -274,13 +277,14 @@ def orchestrate(args: argparse.Namespace) -> dict:
                   f"({res['server_cpu_us_per_event'] or 0:.0f} us/event)", flush=True)
             return res
 
-        for c in args.concurrency:
-            # blink first: the bare server then streams chunks of the same size ("the same chunks")
-            b = client("blink", blink_port, c)
-            client("bare", bare_port, c, max(1, round(b["tokens_per_event"] or 1)))
-            client("bare-1tok", bare_port, c, 1)
+        for rep in range(args.repeats):
+            for c in args.concurrency:
+                # blink first: the bare server then streams chunks of the same size ("the same chunks")
+                b = client("blink", blink_port, c)
+                client("bare", bare_port, c, max(1, round(b["tokens_per_event"] or 1)))
+                client("bare-1tok", bare_port, c, 1)
         return {"runs": runs, "pinned": pin, "daemon_cpus": sorted(daemon_cpus or []),
-                "http_cpus": sorted(http_cpus or [])}
+                "http_cpus": sorted(http_cpus or []), "client_cpus": sorted(client_cpus or [])}
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -294,8 +298,21 @@ def orchestrate(args: argparse.Namespace) -> dict:
             os.unlink(f"/dev/shm/{ring}")
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One run whose every number is the median over the repeats (nested dicts included)."""
+    def med(values):
+        if all(isinstance(v, dict) for v in values):
+            return {k: med([v[k] for v in values]) for k in values[0]}
+        nums = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if nums and len(nums) == len(values):
+            return statistics.median(nums)
+        return values[0]
+    return med(runs)
+
+
 def summarize(result: dict, args: argparse.Namespace) -> dict:
-    by = {(r["server"], r["concurrency"]): r for r in result["runs"]}
+    by = {key: _median_run([r for r in result["runs"] if (r["server"], r["concurrency"]) == key])
+          for key in {(r["server"], r["concurrency"]) for r in result["runs"]}}
     rows = []
     for c in args.concurrency:
         blink, bare, one = by[("blink", c)], by[("bare", c)], by[("bare-1tok", c)]
@@ -324,6 +341,9 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "blink_frontend_cpu_us_per_event": blink["server_cpu_us_per_event"],
             "blink_frontend_cpu_us_per_token": blink["server_cpu_us_per_token"],
             "blink_daemon_cpu_s": blink["cpu_s"]["daemon"],
+            "blink_frontend_busy": blink["cpu_s"]["server"] / blink["duration_s"],
+            "blink_daemon_busy": blink["cpu_s"]["daemon"] / blink["duration_s"],
+            "bare_busy": bare["cpu_s"]["server"] / bare["duration_s"],
             "bare_cpu_us_per_event": bare["server_cpu_us_per_event"],
             "bare_cpu_us_per_token": bare["server_cpu_us_per_token"],
             "bare_1tok_cpu_us_per_event": one["server_cpu_us_per_event"],
@@ -340,10 +360,10 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"{args.date}-{args.machine}-control-plane"
     cmd = "python -m bench.control_plane " + " ".join(sys.argv[1:])
-    info = _machine()
+    info = result["machine_info"]
     payload = {"benchmark": "control_plane", "date": args.date, "machine": args.machine, "command": cmd.strip(),
-               "machine_info": info,
                "params": {"concurrency": args.concurrency, "warmup_s": args.warmup_s, "duration_s": args.duration_s,
+                          "repeats": args.repeats,
                           "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens},
                **result, "summary": summary}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -354,10 +374,11 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
              "", f"Command: `{cmd.strip()}`", "",
              f"Machine: {info['cpu']}, {info['cores']} cores; load average at start "
              f"{', '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (other work was running).", "",
-             f"Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up; each request "
+             f"Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up, {args.repeats} "
+             f"rounds (medians shown); each request "
              f"{args.prompt_tokens} prompt token ids, max_tokens {args.max_tokens}, ignore_eos, streamed with usage. "
-             f"Pinned: {result['pinned']} (daemon on CPUs {result['daemon_cpus']}; the HTTP server under test and "
-             f"the client on {result['http_cpus']}). The null daemon publishes tokens as fast as it can, so the "
+             f"Pinned: {result['pinned']} (daemon on CPUs {result['daemon_cpus']}, the HTTP server under test on "
+             f"{result['http_cpus']}, the client on {result['client_cpus'] or 'any'}). The null daemon publishes tokens as fast as it can, so the "
              "frontend sends each stream's new tokens in one event per ring read; 'bare' streams the same "
              "chunks (blink's mean tokens per event at that concurrency) without a ring, 'bare 1tok' one token "
              "per event.", "",
@@ -385,15 +406,17 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
                      f"{f(r['blink_ring_to_handler_p50_ms'], 3)} / {f(r['blink_ring_to_handler_p99_ms'], 3)} | "
                      f"{f(r['blink_handler_to_client_p50_ms'], 3)} / {f(r['blink_handler_to_client_p99_ms'], 3)} | "
                      f"{f(r['bare_latency_p50_ms'], 3)} | {f(r['bare_latency_p99_ms'], 3)} |")
-    lines += ["", "Server CPU per event and per token inside the measured window (/proc/PID/stat; the frontend "
-              "process for blink, the daemon's own CPU listed apart: it polls the ring on its core).", "",
-              "| streams | blink frontend us/event | us/token | bare us/event | us/token | bare 1tok us/event "
-              "| daemon CPU s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Server CPU inside the measured window (/proc/PID/stat): per event, per token, and the share of "
+              "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core). "
+              "A frontend far below 100% was waiting for tokens: the null daemon, not the frontend, set the pace.",
+              "", "| streams | blink frontend us/event | us/token | busy | daemon busy | bare us/event | us/token | busy "
+              "| bare 1tok us/event |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
-                     f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {f(r['bare_cpu_us_per_event'], 0)} | "
-                     f"{f(r['bare_cpu_us_per_token'], 1)} | {f(r['bare_1tok_cpu_us_per_event'], 0)} | "
-                     f"{f(r['blink_daemon_cpu_s'], 2)} |")
+                     f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {100 * r['blink_frontend_busy']:.0f}% | "
+                     f"{100 * r['blink_daemon_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
+                     f"{f(r['bare_cpu_us_per_token'], 1)} | {100 * r['bare_busy']:.0f}% | "
+                     f"{f(r['bare_1tok_cpu_us_per_event'], 0)} |")
     lines += ["", "Targets: events ratio >= 0.5 (vs bare with the same chunks), blink p99 added latency <= 2 ms.", ""]
     for c, met in summary["met"].items():
         lines.append(f"- {c} streams: events ratio {'met' if met['events_ratio'] else 'NOT met'}, "
@@ -412,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=6.0)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over all points; the summary takes medians")
     ap.add_argument("--no-pin", dest="pin", action="store_false")
+    ap.add_argument("--client-cpus", choices=("http", "daemon", "any"), default="http",
+                    help="where the load generator runs when pinned: with the server under test (default), "
+                         "with the daemon, or anywhere")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--machine", default=socket.gethostname())
     ap.add_argument("--tokens-per-event", type=int, default=1, help="client role: ask the bare server for this")
@@ -426,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    info = _machine()   # load average before this benchmark adds its own
     result = orchestrate(args)
+    result["machine_info"] = info
     summary = summarize(result, args)
     stem = write_results(result, summary, args)
     print(f"wrote {stem}.json and .md")
