@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         children.start("frontend", frontend_argv(args))
         return _supervise(args, children, stop)
     except RuntimeError as e:
+        if stop.is_set():   # Ctrl-C during the model preparation: not a failure to report
+            return 130
         print(f"blink serve: {e}", file=sys.stderr)
         return 1
     finally:
