@@ -67,3 +67,16 @@ def test_bad_arguments_fail_fast(ring_name):
     p = subprocess.run([*blink(), "serve", "--model", "null", "--ring", "bad/name", "--port", str(free_port())],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "invalid ring name" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_first_start_prepares_the_default_model(ring_name, tmp_path, monkeypatch):
+    """The README's command on a machine where the cache is empty: convert once, then serve."""
+    monkeypatch.setenv("BLINK_CACHE_DIR", str(tmp_path))
+    with Serve(ring_name, ready_timeout_s=540) as s:
+        assert f"preparing the default model in {tmp_path}" in s.output
+        folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+        assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+        assert "model SmolLM2-135M-Instruct, executor cpu" in s.output
+        assert s.stop() == 0, s.output
