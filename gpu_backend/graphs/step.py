@@ -1,0 +1,156 @@
+"""The step function every step graph captures, and the static buffers it works on.
+
+    GraphKVPool [L, blocks + 1, block_size, KV, D] K and V (the last block: the padding sink)
+    StaticBuffers (one set, sized for the largest shape; csrc/model_step.h stages them)
+      input_ids, positions, slot_mapping [rows * len]   block_tables [rows * ctx / bs]
+      q_lens, temperature, top_p, top_k, seeds, token_index [rows] -> tokens [rows]
+    StepFunction(shape):  views of the buffers for (R rows, S len, C ctx)
+      -> LlamaModel.forward over R * S tokens with GraphAttention:
+           K/V of every token into the pool at slot_mapping (padding -> the sink block)
+           per row group: gather the rows' blocks [g, C] -> masked GQA attention
+           (key j is visible to the query at position p when j <= p)
+      -> hidden of each row's last real token [R, hidden] -> logits [R, V]
+      -> sampler.sample -> tokens [R]
+
+Shapes depend on the graph's (R, S, C) only, never on data; no host sync, no
+allocation outside the capture pool that outlives the step (the output is
+copied into the static `tokens`), so the function is capture-safe and any graph
+may be replayed after any other. The same code runs eagerly on CPU tensors
+(cpu_graphs.py), which is how CI checks it against the CPU executor.
+"""
+from __future__ import annotations
+
+import torch
+
+import dataclasses
+
+from ..model.config import ModelConfig
+from ..model.llama import LlamaModel
+from .buckets import GraphShape
+from .plan import CapturePlan, StaticSizes
+from .sampler import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class KVShape:
+    num_blocks: int           # blocks the allocator hands out; the tensors hold one more (the sink)
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, num_blocks: int, block_size: int) -> "KVShape":
+        return cls(num_blocks, block_size, model.num_layers, model.num_kv_heads, model.head_dim)
+
+    def block_bytes(self, dtype_bytes: int) -> int:
+        """K and V of one block, every layer."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+class GraphKVPool:
+    """K and V of every layer, token-major: a gathered block is [bs, KV, D], and a token's
+    slot (block * block_size + offset) indexes the flattened [blocks * bs, KV, D] view."""
+
+    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device | str):
+        self.shape = shape
+        self.sink_block = shape.num_blocks
+        dims = (shape.num_layers, shape.num_blocks + 1, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros(dims, dtype=dtype, device=device)       # [L, blocks + 1, bs, KV, D]
+        self.v = torch.zeros(dims, dtype=dtype, device=device)       # [L, blocks + 1, bs, KV, D]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class StaticBuffers:
+    def __init__(self, sizes: StaticSizes, device: torch.device | str):
+        i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.sizes = sizes
+        self.input_ids = torch.zeros(sizes.tokens, **i64)       # [tokens]
+        self.positions = torch.zeros(sizes.tokens, **i64)       # [tokens]
+        self.slot_mapping = torch.zeros(sizes.tokens, **i64)    # [tokens]
+        self.block_tables = torch.zeros(sizes.table, **i64)     # [table]
+        self.q_lens = torch.zeros(sizes.rows, **i64)            # [rows]
+        self.temperature = torch.zeros(sizes.rows, **f32)       # [rows]
+        self.top_p = torch.ones(sizes.rows, **f32)              # [rows]
+        self.top_k = torch.zeros(sizes.rows, **i64)             # [rows]
+        self.seeds = torch.zeros(sizes.rows, **i64)             # [rows]
+        self.token_index = torch.zeros(sizes.rows, **i64)       # [rows]
+        self.tokens = torch.zeros(sizes.rows, **i64)            # [rows] the step's output
+
+    def io(self, block_size: int, sink_block: int):
+        """structs.StepIO: where the staging kernels write and the finish kernel reads."""
+        from ..cuda import structs
+        return structs.StepIO(
+            input_ids=self.input_ids.data_ptr(), positions=self.positions.data_ptr(),
+            slot_mapping=self.slot_mapping.data_ptr(), block_tables=self.block_tables.data_ptr(),
+            q_lens=self.q_lens.data_ptr(), temperature=self.temperature.data_ptr(), top_p=self.top_p.data_ptr(),
+            top_k=self.top_k.data_ptr(), seeds=self.seeds.data_ptr(), token_index=self.token_index.data_ptr(),
+            tokens=self.tokens.data_ptr(), block_size=block_size, sink_block=sink_block)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+class GraphAttention:
+    """AttentionBackend over the paged pool for one fixed shape (R rows x S tokens, C context)."""
+
+    def __init__(self, pool: GraphKVPool, buffers: StaticBuffers, shape: GraphShape, row_group: int):
+        bs = pool.shape.block_size
+        r, s, c = shape.rows, shape.len, shape.ctx
+        self.pool, self.shape, self.group = pool, shape, max(1, min(row_group, r))
+        self.slot_mapping = buffers.slot_mapping[:r * s]                          # [R*S]
+        self.tables = buffers.block_tables[:r * (c // bs)].view(r, c // bs)       # [R, C/bs]
+        # key j is visible to the query at position p when j <= p (p < the row's context)
+        positions = buffers.positions[:r * s].view(r, s)                          # [R, S]
+        self.positions = positions
+        self.key_pos = None                                                       # [C], made on first call
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r, s, c = self.shape.rows, self.shape.len, self.shape.ctx               # q: [R*S, H, D]; k, v: [R*S, KV, D]
+        kc, vc = self.pool.k[layer], self.pool.v[layer]                          # [blocks + 1, bs, KV, D]
+        kvh, d = kc.shape[2], kc.shape[3]
+        h = q.shape[1]
+        grp = h // kvh
+        kc.view(-1, kvh, d).index_copy_(0, self.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v.to(vc.dtype))
+        if self.key_pos is None:
+            self.key_pos = torch.arange(c, device=q.device)                      # [C]
+        # GQA without copying K/V per head: the query heads of one KV head share a row group.
+        qg = q.view(r, s, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(r, kvh, grp * s, d)   # [R, KV, G*S, D]
+        outs = []
+        for r0 in range(0, r, self.group):                                       # static: the shape fixes it
+            r1 = min(r, r0 + self.group)
+            g = r1 - r0
+            flat = self.tables[r0:r1].reshape(-1)                                # [g * C/bs]
+            keys = kc.index_select(0, flat).view(g, c, kvh, d).permute(0, 2, 1, 3).to(q.dtype)   # [g, KV, C, D]
+            vals = vc.index_select(0, flat).view(g, c, kvh, d).permute(0, 2, 1, 3).to(q.dtype)   # [g, KV, C, D]
+            scores = torch.matmul(qg[r0:r1], keys.transpose(-1, -2)).float() * d ** -0.5      # [g, KV, G*S, C]
+            visible = self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]            # [g, S, C]
+            scores = scores.view(g, kvh, grp, s, c).masked_fill(~visible[:, None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype).view(g, kvh, grp * s, c)
+            outs.append(torch.matmul(probs, vals))                               # [g, KV, G*S, D]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)                # [R, KV, G*S, D]
+        return o.view(r, kvh, grp, s, d).permute(0, 3, 1, 2, 4).reshape(r * s, h, d)
+
+
+class StepFunction:
+    """model + pool + static buffers -> run(shape): one step of that shape, tokens into buffers.tokens."""
+
+    def __init__(self, model: LlamaModel, pool: GraphKVPool, buffers: StaticBuffers, plan: CapturePlan):
+        self.model, self.pool, self.buffers, self.plan = model, pool, buffers, plan
+
+    @torch.inference_mode()
+    def run(self, shape: GraphShape) -> None:
+        b = self.buffers
+        r, s = shape.rows, shape.len
+        attn = GraphAttention(self.pool, b, shape, self.plan.row_group(shape))
+        hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)                    # [R*S, hidden]
+        last = torch.arange(r, device=hidden.device) * s + (b.q_lens[:r] - 1).clamp(min=0)     # [R]
+        logits = self.model.compute_logits(hidden.index_select(0, last))                       # [R, V]
+        tokens = sample(logits, b.temperature[:r], b.top_p[:r], b.top_k[:r], b.seeds[:r], b.token_index[:r])
+        b.tokens[:r].copy_(tokens)
