@@ -18,6 +18,7 @@ import os
 import pathlib
 import socket
 import sys
+import tempfile
 
 # Sweeps. `paper`: §6.1 (13 levels 1..32 req/s, 60 s each, ShareGPT-like); the
 # others fit a 2-core CPU machine with SmolLM2-135M.
@@ -78,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="bench/out", help="output folder (default bench/out)")
     g.add_argument("--name", default=None, help="file name stem (default DATE-HOST-bench)")
     g.add_argument("--notes", default="", help="text put at the top of the markdown summary")
+    g.add_argument("--work-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "blink-bench"),
+                   help="interferer inputs and server logs (default: <tmp>/blink-bench)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                      model=args.model, server_cpus=server_cpus, client_cpus=client_cpus, server_threads=threads,
                      ready_timeout_s=args.ready_timeout_s, url=args.url, url_model=url_model,
                      blink_args=tuple(args.blink_arg), max_model_len=args.max_model_len,
-                     workdir=out_dir / "work")
+                     workdir=pathlib.Path(args.work_dir))
     try:
         tok = load_tokenizer("default")
     except WorkloadError as e:

@@ -20,6 +20,7 @@ import datetime
 import math
 import pathlib
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -65,7 +66,7 @@ class BenchPlan:
     blink_args: tuple[str, ...] = ()
     max_model_len: int = 2048
     pool_size: int = 256                   # distinct prompts prepared (cycled beyond)
-    workdir: pathlib.Path = pathlib.Path("bench/out/work")
+    workdir: pathlib.Path = pathlib.Path(tempfile.gettempdir()) / "blink-bench"   # interferer inputs, server logs
 
 
 def record_dict(r: RequestRecord) -> dict:
@@ -152,7 +153,7 @@ class Runner:
         runs = []
         try:
             if spec.system != "url":
-                log_path = self.out_dir / "logs" / f"{spec.system}-{int(time.time())}.log"
+                log_path = self.plan.workdir / "logs" / f"{spec.system}-{int(time.time())}.log"
                 self.log(f"starting {spec.system} ({spec.version}) on CPUs {format_cpus(spec.cpus)}: "
                          f"{' '.join(spec.argv)}")
                 server = start_server(spec, log_path)
