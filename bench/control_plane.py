@@ -13,9 +13,10 @@ SSE server that streams the same chunks with no ring behind it, measured in the 
 Added latency per token: for blink, `t_last_ns` is the daemon's stamp of the newest token in the
 chunk, so t_recv - t_last_ns is a lower bound for every token of the chunk; the older tokens of a
 chunk were published after the previous chunk's t_last_ns, which gives an upper bound
-(t_recv - previous t_last_ns). Both are reported. With `--pin` (default on >= 2 cores) the daemon
-runs on the last core and every other process (frontend or bare server, and the client) on the
-others, so the daemon's busy polling does not take CPU from the HTTP side being compared.
+(t_recv - previous t_last_ns). Both are reported. Pinned by default (>= 2 cores; --no-pin turns it
+off): the daemon on the last core, the server under test (frontend or bare) on the others, the
+client where --client-cpus says (default: wherever the scheduler puts it), so the daemon's busy
+polling never takes the HTTP side's core.
 
     python -m bench.control_plane [--concurrency 1,16,64] [--duration-s 6] [--repeats 2] [--max-tokens 256]
 """
@@ -408,7 +409,8 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
                      f"{f(r['bare_latency_p50_ms'], 3)} | {f(r['bare_latency_p99_ms'], 3)} |")
     lines += ["", "Server CPU inside the measured window (/proc/PID/stat): per event, per token, and the share of "
               "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core). "
-              "A frontend far below 100% was waiting for tokens: the null daemon, not the frontend, set the pace.",
+              "Far below 100% means the process waited: for tokens (the null daemon set the pace), for the client, "
+              "or for a CPU (other work on the machine).",
               "", "| streams | blink frontend us/event | us/token | busy | daemon busy | bare us/event | us/token | busy "
               "| bare 1tok us/event |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
@@ -437,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="rounds over all points; the summary takes medians")
     ap.add_argument("--no-pin", dest="pin", action="store_false")
-    ap.add_argument("--client-cpus", choices=("http", "daemon", "any"), default="http",
-                    help="where the load generator runs when pinned: with the server under test (default), "
-                         "with the daemon, or anywhere")
+    ap.add_argument("--client-cpus", choices=("http", "daemon", "any"), default="any",
+                    help="where the load generator runs when pinned: with the server under test, "
+                         "with the daemon, or anywhere (default: the scheduler decides)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--machine", default=socket.gethostname())
     ap.add_argument("--tokens-per-event", type=int, default=1, help="client role: ask the bare server for this")
