@@ -270,6 +270,7 @@ class BucketTable:
             arr("uint32_t", "shapes", arrs["shapes"]),
             arr("uint16_t", "prefill", arrs["prefill"]),
             arr("uint16_t", "decode", arrs["decode"]),
+            f"extern const blink_graph_table_t {name};   /* external linkage in C++ too */",
             f"const blink_graph_table_t {name} = {{0, {name}_shapes, {lut(KIND_PREFILL, 'prefill')}, "
             f"{lut(KIND_DECODE, 'decode')}, {len(self.shapes)}u, {self.config.split}u}};",
             ""])

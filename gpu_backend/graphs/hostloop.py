@@ -1,0 +1,167 @@
+"""The host loop: the same step graphs, launched by the host each step, with the
+batch reassembled on the host (paper Fig. 3's CPU-resident baseline).
+
+    Engine (gpu_backend/engine.py: intake, policy.plan_step, KV BlockAllocator,
+    publishing, all on the host) -> StepBatch -> HostLoopRunner.run:
+      chunks -> step key -> BucketTable.lookup (O(1)) -> rows (fill_rows)
+      -> StepBlock, compact: chunk i's request copy in reqs[i], its block table in
+         tables[i], rows naming chunk i (so the graph's staging kernel reads them
+         exactly as it reads the scheduler's per-slot arrays)
+      -> Launcher: copy the used parts to the device, launch the graph, copy the
+         sampled tokens back, wait (the per-step PCIe round trip and host
+         synchronisation the persistent scheduler removes)
+      -> one token per sampling chunk, back to the Engine, which publishes them
+
+The StepBlock layout is one contiguous region so the device copy has the same
+offsets. `table=None` runs the stand-in echo graph (the null model).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from typing import Protocol
+
+import numpy as np
+
+from shared_layout import Ring
+
+from ..engine import StepBatch
+from ..policy import StepKind
+from .buckets import KIND_DECODE, KIND_PREFILL, BucketTable
+
+
+def _align(x: int, a: int = 64) -> int:
+    return -(-x // a) * a
+
+
+class StepBlock:
+    """The host loop's per-step inputs and outputs in one region (host memory, or pinned
+    memory the launcher mirrors in device memory at the same offsets)."""
+
+    def __init__(self, max_chunks: int, max_rows: int, max_blocks: int, host_addr: int | None = None):
+        from ..cuda import structs
+        self.max_chunks, self.max_rows, self.max_blocks = max_chunks, max(1, max_rows), max_blocks
+        off, layout = 0, {}
+        for name, nbytes in (("state", ctypes.sizeof(structs.SchedState)),
+                             ("row_slot", 4 * self.max_rows), ("row_start", 4 * self.max_rows),
+                             ("row_len", 4 * self.max_rows), ("row_flags", 4 * self.max_rows),
+                             ("chunk_slot", 4 * max_chunks), ("chunk_sample", 4 * max_chunks),
+                             ("reqs", ctypes.sizeof(structs.Req) * max_chunks),
+                             ("kv_tables", 4 * max_chunks * max_blocks),
+                             ("step_tokens", 4 * max_chunks), ("done", 8)):
+            layout[name] = off
+            off = _align(off + nbytes)
+        self.layout, self.nbytes = layout, off
+        self._own = None
+        if host_addr is None:
+            self._own = np.zeros(off, np.uint8)
+            host_addr = self._own.ctypes.data
+        self.addr = host_addr
+
+        def u32(name, n):
+            return np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(host_addr + layout[name]))
+
+        self.state = structs.SchedState.from_address(host_addr + layout["state"])
+        self.row_slot, self.row_start = u32("row_slot", self.max_rows), u32("row_start", self.max_rows)
+        self.row_len, self.row_flags = u32("row_len", self.max_rows), u32("row_flags", self.max_rows)
+        self.chunk_slot, self.chunk_sample = u32("chunk_slot", max_chunks), u32("chunk_sample", max_chunks)
+        self.reqs = (structs.Req * max_chunks).from_address(host_addr + layout["reqs"])
+        self.tables = u32("kv_tables", max_chunks * max_blocks).reshape(max_chunks, max_blocks)
+        self.step_tokens = np.ctypeslib.as_array(
+            (ctypes.c_int32 * max_chunks).from_address(host_addr + layout["step_tokens"]))
+
+    def params(self, base_addr: int, ring_addr: int, ring: Ring, extra: dict | None = None):
+        """structs.SchedParams for the graphs' kernels with this block at `base_addr` (the
+        device's copy, or this host memory) and the ring at `ring_addr`."""
+        from ..cuda import structs
+        g = ring.geom
+        p = structs.SchedParams(ring=ring_addr, slot_count=self.max_chunks,
+                                prompt_arena_tokens=g.prompt_arena_tokens, output_arena_tokens=g.output_arena_tokens,
+                                slots_offset=g.slots_offset, prompt_arena_offset=g.prompt_arena_offset,
+                                output_arena_offset=g.output_arena_offset, kv_max_blocks=self.max_blocks)
+        for name, off in self.layout.items():
+            setattr(p, name, base_addr + off)
+        for name, value in (extra or {}).items():
+            setattr(p, name, value)
+        return p
+
+    def extents(self, n_chunks: int) -> list[tuple[int, int]]:
+        """(offset, bytes) of what a step with n_chunks chunks wrote: the state and rows, then
+        its request copies and block tables."""
+        from ..cuda import structs
+        head = self.layout["reqs"]
+        return [(0, head),
+                (self.layout["reqs"], ctypes.sizeof(structs.Req) * n_chunks),
+                (self.layout["kv_tables"], 4 * self.max_blocks * n_chunks)]
+
+
+class Launcher(Protocol):
+    def launch(self, graph: int, n_chunks: int) -> None:
+        """Make the block's inputs visible to graph `graph`, run it, and leave the sampled
+        tokens in block.step_tokens[:n_chunks] when this returns."""
+        ...
+
+
+class HostLoopRunner:
+    """engine.Runner: reassembles each step's batch on the host and launches one graph."""
+
+    def __init__(self, ring: Ring, block: StepBlock, launcher: Launcher, table: BucketTable | None):
+        self.ring, self.block, self.launcher, self.table = ring, block, launcher, table
+        self._seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Sequence -> derived seed
+        self.graph_steps = np.zeros(len(table.shapes) if table else 1, np.int64)
+
+    def _seed(self, seq) -> int:
+        if seq.params.seed is not None:
+            return seq.params.seed & (2**64 - 1)
+        if seq not in self._seeds:
+            self._seeds[seq] = int.from_bytes(os.urandom(8), "little")
+        return self._seeds[seq]
+
+    def run(self, batch: StepBatch) -> list[int]:
+        b, chunks = self.block, batch.chunks
+        n = len(chunks)
+        if n > b.max_chunks:
+            raise RuntimeError(f"{n} chunks in one step, the block holds {b.max_chunks}")
+        kind = KIND_PREFILL if batch.kind == StepKind.PREFILL else KIND_DECODE
+        graph, rows = 0, []
+        if self.table is not None:
+            key = self.table.step_key(kind, [c.start for c in chunks], [c.num_tokens for c in chunks])
+            graph = self.table.lookup(kind, *key)
+            if not self.table.fits(graph, kind, *key):
+                raise RuntimeError(f"step {key} fits no captured graph")
+            rows = self.table.fill_rows([(i, c.start, c.num_tokens, c.sample) for i, c in enumerate(chunks)])
+        slots = self.ring.slots
+        for i, c in enumerate(chunks):
+            s, r = c.seq, b.reqs[i]
+            rec = slots[s.slot]
+            r.prompt_offset, r.prompt_len = int(rec["prompt_offset"]), len(s.prompt)
+            r.output_offset, r.generated = int(rec["output_offset"]), len(s.output)
+            r.num_computed, r.num_blocks = s.num_computed, len(s.blocks)
+            r.temperature, r.top_p, r.top_k = s.params.temperature, s.params.top_p, s.params.top_k
+            r.seed = self._seed(s)
+            if len(s.blocks) > b.max_blocks:
+                raise RuntimeError(f"request in slot {s.slot} holds {len(s.blocks)} blocks, tables hold {b.max_blocks}")
+            b.tables[i, :len(s.blocks)] = s.blocks
+            b.chunk_slot[i], b.chunk_sample[i] = i, int(c.sample)
+        for j, (chunk, start, length, flags) in enumerate(rows):
+            b.row_slot[j], b.row_start[j], b.row_len[j], b.row_flags[j] = chunk, start, length, flags
+        st = b.state
+        st.n_rows, st.n_chunks, st.graph = len(rows), n, graph
+        st.step_no += 1
+        self.launcher.launch(graph, n)
+        self.graph_steps[graph] += 1
+        return [int(b.step_tokens[i]) for i, c in enumerate(chunks) if c.sample]
+
+
+class CpuLauncher:
+    """The graphs on the CPU (cpu_graphs.CpuGraphs) over a StepBlock in host memory."""
+
+    def __init__(self, graphs, block: StepBlock, ring: Ring):
+        self.graphs = graphs
+        ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
+        self.params = block.params(block.addr, ring_addr, ring)
+
+    def launch(self, graph: int, n_chunks: int) -> None:
+        if self.graphs.launch(ctypes.addressof(self.params), graph * 2) != 0:
+            raise RuntimeError(f"graph {graph} failed")
