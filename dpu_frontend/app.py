@@ -43,22 +43,22 @@ _ENDPOINT_BY_PATH = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHA
 _OUTCOME_BY_STATUS = {400: "invalid", 404: "invalid", 413: "invalid", 429: "rate_limited", 503: "unavailable"}
 
 
-def ring_client_for(config: FrontendConfig) -> RingClient:
-    """A RingClient over the shared-memory ring named in `config`."""
+def ring_client_for(config: FrontendConfig, transport_factory=None) -> RingClient:
+    """A RingClient over `transport_factory` (RDMA), else the shared-memory ring named in `config`."""
     from .transport.shm import ShmTransport
     name = config.ring_name
-    return RingClient(lambda: ShmTransport.open(name),
+    return RingClient(transport_factory or (lambda: ShmTransport.open(name)),
                       RingClientConfig(health_window_s=config.heartbeat_timeout_s, max_queue=max(1, config.max_queue)))
 
 
 def create_app(config: FrontendConfig, *, client: RingClient | None = None,
-               tokenizer: ModelTokenizer | None = None) -> web.Application:
+               tokenizer: ModelTokenizer | None = None, transport_factory=None) -> web.Application:
     """The frontend app. A passed `client` is started and closed by its owner, not here."""
     tokenizer = tokenizer or load_tokenizer(config.model, config.encode_in_thread_chars)
     model = config.served_name()
     metrics = FrontendMetrics(model)
     owns = client is None
-    client = client or ring_client_for(config)
+    client = client or ring_client_for(config, transport_factory)
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[CONFIG] = config
     app[CLIENT] = client

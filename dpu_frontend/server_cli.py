@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="backend heartbeat older than this makes /health 503")
     p.add_argument("--expose-backend-timing", action="store_true",
                    help="benchmarks: add blink_timing {t_last_ns, n_tokens} (daemon clock) to each streamed chunk")
+    from .transport import verbs
+    verbs.add_arguments(p)   # --transport shm|verbs, --daemon HOST:PORT, RDMA device options
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -57,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         shm_path(args.ring)
         config = config_from_args(args)
-        app = create_app(config)
+        from .transport import verbs
+        factory = verbs.transport_factory_from_args(args)   # None: shared memory; exits with one line without RDMA
+        app = create_app(config, transport_factory=factory)
     except (TokenizerError, ValueError) as e:
         print(f"blink frontend: {e}", file=sys.stderr)
         return 2
