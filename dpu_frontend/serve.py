@@ -38,7 +38,7 @@ DAEMON_FLAGS = (
     ("--block-size", int, "KV cache block size in tokens"),
     ("--kv-cache-mb", int, "KV cache memory budget in MiB"),
     ("--max-model-len", int, "context length (prompt + output) to serve"),
-    ("--threads", int, "CPU threads for the cpu executor"),
+    ("--threads", int, "CPU threads for the cpu executor (default: all cores but one)"),
     ("--shutdown-grace-s", float, "on stop, in-flight requests get this long before they are aborted"),
 )
 # Frontend knobs passed through unchanged.

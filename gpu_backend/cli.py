@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache memory budget in MiB (cpu default 1024)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (prompt + output) to serve; default the model's, capped by the KV pool")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the cpu executor")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the cpu executor (default: all cores but one)")
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=2.0,
                    help="on SIGTERM, in-flight requests get this long to finish before they are aborted")
     p.add_argument("--policy-trace", default=None, metavar="PATH",

@@ -11,6 +11,7 @@ Runs everywhere; the embedded default and what CI exercises end to end.
 """
 from __future__ import annotations
 
+import os
 import logging
 import threading
 
@@ -69,13 +70,22 @@ class CpuRunner:
         return sample(logits, [batch.chunks[i].seq for i in sampled])
 
 
+def default_threads() -> int:
+    """Torch threads when --threads is not given: every core this process may use but one.
+
+    The frontend, the heartbeat and the OS need a core; torch's OpenMP workers
+    spin-wait, and on a 2-core box two of them beside a busy frontend run ~10x
+    slower than one (measured while building the CPU executor).
+    """
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 class CpuExecutor:
     name = "cpu"
 
     def __init__(self, options: ExecutorOptions, model: LlamaModel | None = None):
         """Load options.model (or take `model`, for tests) and size the KV pool."""
-        if options.threads:
-            torch.set_num_threads(options.threads)
+        torch.set_num_threads(options.threads or default_threads())
         if model is None:
             from ..model.loader import load_model
             model = load_model(options.model).model
