@@ -157,6 +157,12 @@ async def warm_up(session: aiohttp.ClientSession, ep: Endpoint, cfg: LoadConfig,
 
 
 def new_session(max_connections: int = 1024) -> aiohttp.ClientSession:
-    """A client session without connection limits below the sweep's own concurrency."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections, force_close=False),
+    """A client session without connection limits below the sweep's own concurrency.
+
+    One connection per request (force_close): servers differ in how they expire idle
+    keep-alive connections (llama-server closes them under a reusing client, which
+    then fails with "Server disconnected"); a fresh loopback connection costs every
+    system the same fraction of a millisecond.
+    """
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=None))

@@ -4,7 +4,8 @@
 # on SmolLM2-135M-Instruct, isolated and with pbzip2 + a parallel compile on the other core.
 #
 # Placement: every server process and the load generator on CPU 0 (1 compute thread),
-# the interferers on CPU 1. Load: 1, 2, 4, 8 concurrent streams, 128 output tokens each.
+# the interferers on CPU 1. Load: 1, 2, 4, 8 concurrent streams, 128 output tokens each
+# (prompts of 64-192 tokens).
 #
 # It first waits (up to QUIET_WAIT_S, default 40 min) for a 1-minute load average below
 # QUIET_LOAD (default 1.0) and records what it saw in the markdown.
@@ -31,7 +32,10 @@ else
 fi
 echo "$quiet" >&2
 
-exec .venv/bin/blink bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-20}" \
+# 15 s per level plus at most 20 s of drain, 2 warm-up requests: the four systems, both
+# conditions and vLLM's start (2-4 min of compilation on one core) fit in about 25 minutes.
+exec .venv/bin/blink bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-15}" \
+  --drain-s "${DRAIN_S:-20}" --warmup-requests 2 \
   --server-cpus 0 --client-cpus 0 --server-threads 1 \
   --interferer "pbzip2:1@1+compile:1@1" --slo "ttft:2000,tpot:200" \
   --out "$OUT" --name "$NAME" --notes "$quiet ${NOTES:-}" "$@"

@@ -159,7 +159,7 @@ def server_spec(system: str, *, model: str, cpus: tuple[int, ...] | None, thread
         from dpu_frontend.tokenizer import embedded_gguf_path
         try:
             out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=30)
-            version = next((ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "version" in ln),
+            version = next((ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "version" in ln.lower()),
                            "unknown")
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ServerError(f"llama-server at {exe} does not run ({e})") from None
