@@ -171,7 +171,9 @@ class SchedulerRuntime:
     """The persistent scheduler on one device over a ring at `ring_device_addr`."""
 
     def __init__(self, device: Device, config: SchedulerConfig, geometry: RingGeometry, ring_device_addr: int,
-                 module: Module | None = None, graphs: StepGraphSource | None = None):
+                 module: Module | None = None, graphs: StepGraphSource | None = None, params_addr: int = 0):
+        """`params_addr`: device memory for the parameter block, allocated by the caller (the model
+        graphs were captured reading it before the ring existed); 0: allocated and freed here."""
         d = bindings()
         device.make_current()
         self.device, self.config, self.geometry = device, config, geometry
@@ -186,7 +188,9 @@ class SchedulerRuntime:
             self.buffers[name] = addr
         self.control_mem = PinnedMapped(ctypes.sizeof(structs.SchedControl))
         self.control = structs.SchedControl.from_address(self.control_mem.host_addr)
-        self.params_addr = int(check(d.cuMemAlloc(ctypes.sizeof(structs.SchedParams)), "cuMemAlloc(params)"))
+        self._own_params = params_addr == 0
+        self.params_addr = params_addr or int(check(d.cuMemAlloc(ctypes.sizeof(structs.SchedParams)),
+                                                    "cuMemAlloc(params)"))
         self.kernel_args = KernelArgs(self.params_addr)
         self.ring_device_addr = ring_device_addr
         table = self.graphs.build(self)
@@ -248,7 +252,7 @@ class SchedulerRuntime:
         check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
         check(d.cuGraphDestroy(graph), "cuGraphDestroy")
         self.graphs.close()
-        for addr in [*self.buffers.values(), self.params_addr]:
+        for addr in [*self.buffers.values(), *([self.params_addr] if self._own_params else [])]:
             check(d.cuMemFree(addr), "cuMemFree")
         self.buffers = {}
         self.control_mem.close()

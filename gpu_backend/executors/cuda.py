@@ -2,25 +2,29 @@
 process only sets it up and then watches.
 
     __init__: check the GPU (cc >= 9.0, driver, cuda-python), build the device
-        module with nvcc (cached) -> the daemon publishes vocab / max_len, READY
+        module with nvcc (cached); with a model: load it onto the GPU, size the
+        KV pool and the graph cache (graphs/config.py), capture every step graph
+        for device launch against the parameter block (graphs/device.py) -> the
+        daemon publishes vocab / max_len, READY
     serve(ring, stop): register the shm ring for the device (host-mapped) ->
-        SchedulerRuntime (buffers, step graphs and the scheduler graph for
-        device launch) -> start -> watch the device heartbeat until `stop`
-        -> control.stop (drain within the grace period) -> wait -> close
+        SchedulerRuntime (buffers, the KV allocator, the step graphs' tables, the
+        scheduler graph for device launch) -> start -> watch the device heartbeat
+        until `stop` -> control.stop (drain within the grace period) -> wait -> close
 
-This issue's step graph is the stand-in echo (the null model: output token i =
-prompt[i % prompt_len]); `--model null` selects it. The model graphs replace
-it in the next issue with the same scheduler.
+`--model null` launches the stand-in echo graph (output token i =
+prompt[i % prompt_len]) under the same scheduler.
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import threading
 import time
 
 from shared_layout import Ring
 
-from ..cuda import build, driver
+from ..cuda import build, driver, structs
 from ..cuda.config import SchedulerConfig
 from . import ExecutorOptions
 
@@ -47,21 +51,52 @@ class CudaExecutor:
     name = "cuda"
 
     def __init__(self, options: ExecutorOptions):
-        if options.model != "null":
-            raise ValueError("the CUDA executor serves only the stand-in echo model for now: use --model null")
         self.options = options
-        self.vocab_size = NULL_VOCAB_SIZE
-        self.max_model_len = min(options.max_model_len or NULL_MAX_MODEL_LEN, NULL_MAX_MODEL_LEN)
-        self.config = SchedulerConfig(
-            max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-            max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
-            block_size=options.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            grace_s=options.shutdown_grace_s)
         self.device = driver.open_device(0)
         from ..cuda.runtime import Module   # cuda-python is known to import by now
         self.module = Module(build.build_device_module())
+        self.graphs = None
+        self.params_addr = 0
+        if options.model == "null":
+            self.vocab_size = NULL_VOCAB_SIZE
+            self.max_model_len = min(options.max_model_len or NULL_MAX_MODEL_LEN, NULL_MAX_MODEL_LEN)
+            self.config = SchedulerConfig(
+                max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+                max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+                block_size=options.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                grace_s=options.shutdown_grace_s)
+        else:
+            self._setup_model(options)
         log.info("cuda executor on %s (cc %d.%d, %d SMs), scheduler module built", self.device.name,
                  *self.device.compute_capability, self.device.multiprocessors)
+
+    def _setup_model(self, options: ExecutorOptions) -> None:
+        import torch
+
+        from ..cuda.driver import bindings, check
+        from ..graphs.buckets import BucketTable
+        from ..graphs.config import GraphExecConfig
+        from ..graphs.device import ModelGraphs, load_graph_model
+        t0 = time.monotonic()
+        torch.cuda.set_device(self.device.ordinal)        # torch on the primary context the driver API uses
+        model_config, model = load_graph_model(options.model, torch.float32)
+        g = GraphExecConfig.from_options(options, model_config)
+        self.vocab_size, self.max_model_len = model_config.vocab_size, g.max_model_len
+        self.config = SchedulerConfig(
+            max_batch_size=g.policy.max_batch_size, max_prefill_tokens=g.policy.max_prefill_tokens,
+            block_size=g.policy.block_size, num_blocks=g.num_blocks, max_model_len=g.max_model_len,
+            vocab_size=model_config.vocab_size, eos_ids=tuple(model_config.eos_token_ids)[:structs.MAX_EOS_IDS],
+            grace_s=options.shutdown_grace_s)
+        t_model = time.monotonic()
+        self.device.make_current()
+        self.params_addr = int(check(bindings().cuMemAlloc(ctypes.sizeof(structs.SchedParams)), "cuMemAlloc(params)"))
+        self.graphs = ModelGraphs(model, BucketTable(g.buckets), g.num_blocks)
+        self.graphs.prepare(self.module, self.params_addr)
+        self.setup_report = {"model_load_s": t_model - t0, "graphs": self.graphs.report(),
+                             "setup_s": time.monotonic() - t0}
+        log.info("cuda executor: model %s, %d KV blocks of %d, context %d, setup %.1f s",
+                 options.model, g.num_blocks, g.policy.block_size, g.max_model_len, self.setup_report["setup_s"])
+        log.info("graph cache report %s", json.dumps(self.setup_report))   # bench/cuda_graphs.py reads this line
 
     def serve(self, ring: Ring, stop: threading.Event) -> None:
         from ..cuda.device_ring import HostMappedRing
@@ -70,7 +105,8 @@ class CudaExecutor:
         mapped = HostMappedRing(ring)
         rt = None
         try:
-            rt = SchedulerRuntime(self.device, self.config, ring.geom, mapped.device_addr, self.module)
+            rt = SchedulerRuntime(self.device, self.config, ring.geom, mapped.device_addr, self.module,
+                                  graphs=self.graphs, params_addr=self.params_addr)
             rt.start()
             log.info("persistent scheduler started (clock offset %d ns)", rt.clock_offset_ns)
             self._watch(rt, stop)
@@ -106,4 +142,9 @@ class CudaExecutor:
                 raise RuntimeError(f"persistent scheduler heartbeat stalled for {now - last_change:.1f} s")
 
     def close(self) -> None:
-        pass
+        if self.params_addr:
+            from ..cuda.driver import bindings, check
+            if self.graphs is not None:
+                self.graphs.close()
+            check(bindings().cuMemFree(self.params_addr), "cuMemFree(params)")
+            self.params_addr = 0

@@ -39,19 +39,27 @@ class StepBlock:
     """The host loop's per-step inputs and outputs in one region (host memory, or pinned
     memory the launcher mirrors in device memory at the same offsets)."""
 
-    def __init__(self, max_chunks: int, max_rows: int, max_blocks: int, host_addr: int | None = None):
+    @staticmethod
+    def layout_of(max_chunks: int, max_rows: int, max_blocks: int) -> tuple[dict[str, int], int]:
+        """(offset of each part, total bytes)."""
         from ..cuda import structs
-        self.max_chunks, self.max_rows, self.max_blocks = max_chunks, max(1, max_rows), max_blocks
+        rows = max(1, max_rows)
         off, layout = 0, {}
         for name, nbytes in (("state", ctypes.sizeof(structs.SchedState)),
-                             ("row_slot", 4 * self.max_rows), ("row_start", 4 * self.max_rows),
-                             ("row_len", 4 * self.max_rows), ("row_flags", 4 * self.max_rows),
-                             ("chunk_slot", 4 * max_chunks), ("chunk_sample", 4 * max_chunks),
+                             ("row_slot", 4 * rows), ("row_start", 4 * rows), ("row_len", 4 * rows),
+                             ("row_flags", 4 * rows), ("chunk_slot", 4 * max_chunks), ("chunk_sample", 4 * max_chunks),
                              ("reqs", ctypes.sizeof(structs.Req) * max_chunks),
                              ("kv_tables", 4 * max_chunks * max_blocks),
                              ("step_tokens", 4 * max_chunks), ("done", 8)):
             layout[name] = off
             off = _align(off + nbytes)
+        return layout, off
+
+    def __init__(self, max_chunks: int, max_rows: int, max_blocks: int, host_addr: int | None = None):
+        """host_addr: zeroed memory of layout_of(...)[1] bytes (pinned, for the GPU); None: numpy."""
+        from ..cuda import structs
+        self.max_chunks, self.max_rows, self.max_blocks = max_chunks, max(1, max_rows), max_blocks
+        layout, off = self.layout_of(max_chunks, max_rows, max_blocks)
         self.layout, self.nbytes = layout, off
         self._own = None
         if host_addr is None:
@@ -140,9 +148,10 @@ class HostLoopRunner:
             r.num_computed, r.num_blocks = s.num_computed, len(s.blocks)
             r.temperature, r.top_p, r.top_k = s.params.temperature, s.params.top_p, s.params.top_k
             r.seed = self._seed(s)
-            if len(s.blocks) > b.max_blocks:
-                raise RuntimeError(f"request in slot {s.slot} holds {len(s.blocks)} blocks, tables hold {b.max_blocks}")
-            b.tables[i, :len(s.blocks)] = s.blocks
+            if self.table is not None:              # the echo stand-in reads no block tables
+                if len(s.blocks) > b.max_blocks:
+                    raise RuntimeError(f"slot {s.slot} holds {len(s.blocks)} blocks, tables hold {b.max_blocks}")
+                b.tables[i, :len(s.blocks)] = s.blocks
             b.chunk_slot[i], b.chunk_sample[i] = i, int(c.sample)
         for j, (chunk, start, length, flags) in enumerate(rows):
             b.row_slot[j], b.row_start[j], b.row_len[j], b.row_flags[j] = chunk, start, length, flags

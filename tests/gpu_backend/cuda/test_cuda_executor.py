@@ -19,10 +19,16 @@ def test_unavailable_reason_is_one_line_without_a_usable_gpu():
         driver.open_device(0)
 
 
-def test_only_the_stand_in_model_is_served_for_now():
-    from gpu_backend.executors.cuda import CudaExecutor
-    with pytest.raises(ValueError, match="--model null"):
-        CudaExecutor(ExecutorOptions(model="default"))
+@pytest.mark.parametrize("executor", ["cuda", "cuda-hostloop"])
+def test_model_executors_refuse_without_a_gpu(executor):
+    """Both CUDA executors serve real models now; without a usable GPU they refuse in one line."""
+    if driver.unavailable_reason() is None:
+        pytest.skip("a usable GPU is present")
+    spec = resolve(executor, "default")
+    why = spec.unavailable_reason()
+    assert why and "\n" not in why
+    with pytest.raises(driver.CudaUnavailable):
+        spec.create(ExecutorOptions(model="default"))
 
 
 def test_check_raises_named_errors():

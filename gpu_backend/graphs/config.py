@@ -1,0 +1,82 @@
+"""GraphExecConfig: what both CUDA executors (persistent and host loop) derive
+from the daemon's flags and the model, so an A/B comparison differs only in
+who schedules.
+
+    ExecutorOptions + ModelConfig (+ BLINK_GRAPH_BUCKETS, read here and nowhere
+    else: JSON overrides of BucketConfig fields, e.g. '{"decode_rows": [1, 64, 256]}')
+      -> policy (max batch, prefill budget, block size), KV pool blocks,
+         max_model_len, BucketConfig (grids), dtype
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from ..kv_cache import blocks_for_budget
+from ..model.config import ModelConfig
+from ..policy import PolicyConfig, blocks_needed
+from .buckets import BucketConfig
+
+DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_KV_CACHE_MB = 8192
+DEFAULT_SPLIT_LEN = 512
+BUCKETS_ENV = "BLINK_GRAPH_BUCKETS"
+
+
+class GraphConfigError(ValueError):
+    """The flags cannot make a graph cache; str() is one line for the user."""
+
+
+def _bucket_overrides() -> dict:
+    raw = os.environ.get(BUCKETS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        d = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise GraphConfigError(f"{BUCKETS_ENV} is not JSON ({e})") from None
+    fields = {f.name for f in dataclasses.fields(BucketConfig)}
+    if not isinstance(d, dict) or set(d) - fields:
+        raise GraphConfigError(f"{BUCKETS_ENV} must be a JSON object with keys from {sorted(fields)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphExecConfig:
+    policy: PolicyConfig
+    num_blocks: int            # KV blocks the allocator hands out (the pool has one more: the sink)
+    max_model_len: int
+    buckets: BucketConfig
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_options(cls, options, model: ModelConfig, dtype: torch.dtype = torch.float32) -> "GraphExecConfig":
+        bs = options.block_size
+        policy = PolicyConfig(max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+                              max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+                              block_size=bs)
+        max_len = min(options.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        num_blocks = blocks_for_budget((options.kv_cache_mb or DEFAULT_KV_CACHE_MB) << 20, model.num_layers,
+                                       model.num_kv_heads, model.head_dim, bs, dtype_bytes)
+        if num_blocks < 1:
+            raise GraphConfigError(f"--kv-cache-mb {options.kv_cache_mb} holds no {bs}-token KV block")
+        max_len = min(max_len, num_blocks * bs)          # one request alone always fits the pool
+        if max_len < 2:
+            raise GraphConfigError("the context must hold at least 2 tokens")
+        split = min(DEFAULT_SPLIT_LEN, policy.max_prefill_tokens)
+        ctx_grid = tuple(c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if c < max_len)
+        kw = dict(max_batch_size=policy.max_batch_size, max_prefill_tokens=policy.max_prefill_tokens,
+                  max_model_len=max_len, block_size=bs, split_len=max(16, split),
+                  len_granularity=16, prefill_ctxs=(max(16, split),), decode_ctxs=ctx_grid)
+        kw.update(_bucket_overrides())
+        try:
+            buckets = BucketConfig(**kw)
+        except (TypeError, ValueError) as e:
+            raise GraphConfigError(f"graph buckets: {e}") from None
+        assert blocks_needed(max_len, bs) <= num_blocks
+        return cls(policy, num_blocks, max_len, buckets, dtype)
