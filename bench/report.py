@@ -145,8 +145,8 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
         if not run["levels"]:
             continue
         lines += [f"| {unit} | done/sent | fail (timeout) | req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms "
-                  f"| ITL p50/p99 ms | E2E p50/p99 ms | goodput | CPU busy |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| ITL p50/p99 ms | E2E p50/p99 ms | goodput | CPU busy | load 1m |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for lv in run["levels"]:
             s = lv["summary"]
             busy = " ".join(f"{k}:{v:.0%}" for k, v in (lv.get("cpu_busy") or {}).items()
@@ -158,7 +158,8 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
                 f"| {_f(s['tpot']['p50_ms'])} / {_f(s['tpot']['p99_ms'])} "
                 f"| {_f(s['itl']['p50_ms'])} / {_f(s['itl']['p99_ms'])} "
                 f"| {_f(s['e2e']['p50_ms'])} / {_f(s['e2e']['p99_ms'])} "
-                f"| {_f(s['goodput'], 3) if s['goodput'] is not None else '-'} | {busy} |")
+                f"| {_f(s['goodput'], 3) if s['goodput'] is not None else '-'} | {busy} "
+                f"| {_f(lv.get('loadavg_1m'), 2)} |")
         lines.append("")
         budgets = [lv["stages"] for lv in run["levels"] if lv.get("stages")]
         if budgets:

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import datetime
 import math
+import os
 import pathlib
 import sys
 import tempfile
@@ -235,7 +236,8 @@ class Runner:
         summary = summarize(res.records, res.duration_s, plan.slo)
         return {"offered": level, "t_start_unix": res.t_start_unix, "summary": summary.as_dict(),
                 "stages": stages.stage_budget(before, after) if before is not None and after is not None else None,
-                "cpu_busy": cpu_busy(cpu0, cpu1), "requests": [record_dict(r) for r in res.records]}
+                "cpu_busy": cpu_busy(cpu0, cpu1), "loadavg_1m": round(os.getloadavg()[0], 2),
+                "requests": [record_dict(r) for r in res.records]}
 
 
 def _points(run: dict) -> list[analysis.LevelPoint]:
