@@ -2,9 +2,11 @@
 
     create_app(config) -> web.Application
         POST /v1/completions, /v1/chat/completions -> completions.GenerationService
-        GET  /v1/models, /health (200 | 503), /metrics (Prometheus text)
+        GET  /v1/models, /health (200 | 503), /metrics (Prometheus text),
+             /openapi.json (the API as an OpenAPI 3.1 document, openapi.py)
         error middleware: ApiError -> {"error": {...}} with its status; anything
             unexpected -> 500 JSON, logged without the request body
+        API key middleware (auth.py) when config.api_key is set: 401 without it
         cleanup_ctx: RingClient.start() (waits up to startup_timeout_s for a READY
             backend, then serves 503s until one comes) ... RingClient.close()
 
@@ -21,8 +23,11 @@ import time
 from aiohttp import web
 
 from . import openai_api as api
+from . import openapi
+from .auth import api_key_middleware
 from .completions import CHAT, COMPLETIONS, STREAM_STARTED, Endpoint, GenerationService, code_trace, handle_generation
 from .config import FrontendConfig
+from .limits import RequestLimits
 from .metrics import FrontendMetrics
 from .openai_api import ApiError
 from .ring_client import RingClient, RingClientConfig
@@ -37,10 +42,9 @@ METRICS = web.AppKey("metrics", FrontendMetrics)
 OWNS_CLIENT = web.AppKey("owns_client", bool)
 STARTED_AT = web.AppKey("started_at", int)
 
-MAX_BODY_BYTES = 32 << 20
-
 _ENDPOINT_BY_PATH = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
-_OUTCOME_BY_STATUS = {400: "invalid", 404: "invalid", 413: "invalid", 429: "rate_limited", 503: "unavailable"}
+_OUTCOME_BY_STATUS = {400: "invalid", 401: "unauthorized", 404: "invalid", 405: "invalid", 408: "timeout",
+                      413: "invalid", 429: "rate_limited", 503: "unavailable", 504: "timeout"}
 
 
 def ring_client_for(config: FrontendConfig, transport_factory=None) -> RingClient:
@@ -59,7 +63,10 @@ def create_app(config: FrontendConfig, *, client: RingClient | None = None,
     metrics = FrontendMetrics(model)
     owns = client is None
     client = client or ring_client_for(config, transport_factory)
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    middlewares = [_errors]
+    if config.api_key:
+        middlewares.append(api_key_middleware(config.api_key, config.auth_all_routes))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[CLIENT] = client
     app[OWNS_CLIENT] = owns
@@ -67,12 +74,14 @@ def create_app(config: FrontendConfig, *, client: RingClient | None = None,
     app[STARTED_AT] = int(time.time())
     app[SERVICE] = GenerationService(client, tokenizer, metrics, model, config.queue_timeout_s,
                                      config.max_tokens_default, config.max_stop_strings,
-                                     config.expose_backend_timing)
+                                     config.expose_backend_timing, RequestLimits.from_config(config),
+                                     config.log_prompts)
     app.router.add_post("/v1/completions", _endpoint(COMPLETIONS))
     app.router.add_post("/v1/chat/completions", _endpoint(CHAT))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     app.cleanup_ctx.append(_client_lifetime)
     return app
 
@@ -116,6 +125,12 @@ async def _health(request: web.Request) -> web.Response:
                               "heartbeat_age_s": h.heartbeat_age_s})
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    app = request.app
+    doc = openapi.document(app[CONFIG], app[SERVICE].limits.vocab_size, app[CLIENT].model_max_len or None)
+    return web.json_response(doc, dumps=api.dumps)
+
+
 async def _metrics(request: web.Request) -> web.Response:
     app = request.app
     client = app[CLIENT]
@@ -156,5 +171,5 @@ def _http_message(request: web.Request, e: web.HTTPException) -> str:
     if e.status == 405:
         return f"method {request.method} not allowed on {request.path}"
     if e.status == 413:
-        return f"request body too large (limit {MAX_BODY_BYTES} bytes)"
+        return f"request body too large (limit {request.app[CONFIG].max_body_bytes} bytes)"
     return e.reason or str(e.status)

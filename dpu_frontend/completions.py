@@ -7,7 +7,11 @@
 A stop string or an EOS / stop-id token seen here ends the reply at once and
 cancels the handle, so the daemon stops generating within a step. A client that
 goes away (write fails, or aiohttp cancels the handler) cancels the handle too:
-its slot comes back as soon as the daemon completes it.
+its slot comes back as soon as the daemon completes it. Limits (limits.py): the
+body is read within the request's deadline; the slot wait is capped by it; at
+the deadline the handle is aborted (504, or an error event in a stream); a
+client whose socket stays full for stall_timeout_s loses its request and its
+connection.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from shared_layout import ErrorCode, now_ns
 
 from . import openai_api as api
 from . import token_reader
+from .limits import RequestLimits, StallWatch, has_lone_surrogate
 from .metrics import FrontendMetrics
 from .openai_api import ApiError, ChatRequest, CompletionRequest
 from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
@@ -61,6 +66,9 @@ class Generation:
     rid: str
     created: int
     t_arrival_ns: int
+    deadline_s: float | None = None   # event-loop clock; None: no deadline
+    timed_out: bool = False           # the deadline aborted the handle
+    stalled: bool = False             # the client stopped reading
 
 
 class GenerationService:
@@ -68,19 +76,22 @@ class GenerationService:
 
     def __init__(self, client: RingClient, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  served_model: str, queue_timeout_s: float, max_tokens_default: int | None,
-                 max_stop_strings: int = 32, expose_backend_timing: bool = False):
+                 max_stop_strings: int = 32, expose_backend_timing: bool = False,
+                 request_limits: RequestLimits | None = None, log_prompts: bool = False):
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model = served_model
+        self.request_limits = request_limits or RequestLimits(queue_timeout_s=queue_timeout_s)
         self.queue_timeout_s = queue_timeout_s
         self.max_tokens_default = max_tokens_default
         self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings)
         self.expose_backend_timing = expose_backend_timing
+        self.log_prompts = log_prompts
 
     # -- request preparation ---------------------------------------------------
     async def prepare(self, endpoint: Endpoint, body, request_id_header: str | None,
-                      t_arrival_ns: int) -> Generation:
+                      t_arrival_ns: int, deadline_s: float | None = None) -> Generation:
         if endpoint.chat:
             req = api.parse_chat(body, self.limits)
         else:
@@ -88,10 +99,19 @@ class GenerationService:
         t0 = time.perf_counter()
         prompt_ids = await self._prompt_ids(req)
         self.metrics.tokenize.observe(time.perf_counter() - t0)
+        param = "messages" if endpoint.chat else "prompt"
         if not prompt_ids:
-            raise api.bad_request("the prompt is empty after tokenization", "messages" if endpoint.chat else "prompt")
-        return Generation(endpoint, req, prompt_ids, api.request_id(endpoint.id_prefix, request_id_header),
-                          int(time.time()), t_arrival_ns)
+            raise api.bad_request("the prompt is empty after tokenization", param)
+        cap = self.request_limits.max_prompt_tokens
+        if cap is not None and len(prompt_ids) > cap:
+            raise api.bad_request(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap}",
+                                  param)
+        gen = Generation(endpoint, req, prompt_ids, api.request_id(endpoint.id_prefix, request_id_header),
+                         int(time.time()), t_arrival_ns, deadline_s)
+        if self.log_prompts:   # debug setting: prompts are user data and stay out of logs otherwise
+            log.info("request %s prompt (%d tokens): %r", gen.rid, len(prompt_ids),
+                     self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        return gen
 
     async def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         tok = self.tokenizer
@@ -117,11 +137,19 @@ class GenerationService:
         default = self.max_tokens_default
         if default is None and not gen.endpoint.chat:
             default = api.COMPLETIONS_DEFAULT_MAX_TOKENS
+        cap = self.request_limits.max_tokens_limit
+        if cap is not None:
+            if s.max_tokens is not None and s.max_tokens > cap:
+                raise api.bad_request(f"'{param}' is too large: {s.max_tokens}; this server generates at most "
+                                      f"{cap} tokens per request", param)
+            default = cap if default is None else min(default, cap)
         max_tokens = api.resolve_max_tokens(s.max_tokens, len(gen.prompt_ids), max_len, default, param)
         params = SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids)
+        loop = asyncio.get_running_loop()
         try:
-            return await self.client.submit(gen.prompt_ids, params, self.queue_timeout_s)
+            return await self.client.submit(gen.prompt_ids, params,
+                                            self.request_limits.queue_wait_s(loop, gen.deadline_s))
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", retry_after_s=e.retry_after_s) from None
         except BackendUnavailable as e:
@@ -140,13 +168,32 @@ class GenerationService:
 
     async def respond(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
         """Stream or collect the reply; always leaves the handle finished or cancelled."""
+        timer = None
+        if gen.deadline_s is not None:
+            timer = asyncio.get_running_loop().call_at(gen.deadline_s, self._expire, gen, handle)
         try:
             if gen.request.stream.stream:
                 return await self._stream(request, gen, handle)
             return await self._collect(gen, handle)
         finally:
+            if timer is not None:
+                timer.cancel()
             if not handle.finished:
                 handle.cancel()   # client gone or an error here: the daemon stops and the slot comes back
+
+    def _expire(self, gen: Generation, handle: RequestHandle) -> None:
+        """The request's deadline passed: stop generating; the reply ends with a 504 error."""
+        if not handle.finished:
+            gen.timed_out = True
+            handle.abort(f"request deadline exceeded ({self.request_limits.request_timeout_s:g} s)")
+
+    def _error(self, gen: Generation, handle: RequestHandle) -> ApiError:
+        if gen.timed_out:
+            return ApiError(504, f"generation stopped: {handle.error}")
+        return generation_error(handle)
+
+    def _error_outcome(self, gen: Generation) -> str:
+        return "timeout" if gen.timed_out else "error"
 
     async def _collect(self, gen: Generation, handle: RequestHandle) -> web.Response:
         detok = self._detokenizer(gen)
@@ -159,8 +206,8 @@ class GenerationService:
                 break
         finish, stop_reason = self._finish(detok, handle)
         if finish == "error":
-            self._observe(gen, "error", t_first, detok.tokens_seen)
-            err = generation_error(handle)
+            self._observe(gen, self._error_outcome(gen), t_first, detok.tokens_seen)
+            err = self._error(gen, handle)
             return web.json_response(err.body(), status=err.status, headers=err.headers(), dumps=api.dumps)
         text = detok.text + detok.flush()
         usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
@@ -179,6 +226,10 @@ class GenerationService:
         fast = api.DeltaEncoder(ep.chat, gen.rid, gen.created, self.model)
         outcome = "client_disconnect"
         finish = None
+        watch = None
+        if self.request_limits.stall_timeout_s > 0:
+            watch = StallWatch(asyncio.get_running_loop(), self.request_limits.stall_timeout_s,
+                               lambda: self._stalled(request, gen, handle))
         try:
             await resp.prepare(request)
             request[STREAM_STARTED] = resp
@@ -211,7 +262,11 @@ class GenerationService:
                     if self.expose_backend_timing:
                         body["blink_timing"] = self._timing(handle, batch, t_batch_ns)
                     out += api.sse(body)
+                if watch is not None:
+                    watch.begin()
                 await resp.write(out)
+                if watch is not None:
+                    watch.end()
                 if last:
                     break
             else:
@@ -224,15 +279,17 @@ class GenerationService:
                     await resp.write(api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason,
                                                    usage)))
             if finish == "error":
-                await resp.write(api.sse(generation_error(handle).body()))
+                await resp.write(api.sse(self._error(gen, handle).body()))
             if opts.include_usage:
                 await resp.write(api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
                                                          api.usage(n_prompt, detok.tokens_seen))))
             await resp.write(api.SSE_DONE)
-            outcome = finish
+            outcome = self._error_outcome(gen) if finish == "error" else finish
             await resp.write_eof()
         except ConnectionError:
-            pass   # the client went away mid-stream; `respond` cancels the handle
+            if gen.stalled:
+                outcome = "stalled"
+            # else the client went away mid-stream; `respond` cancels the handle
         except Exception as e:
             if not resp.prepared:
                 raise   # nothing sent yet: the error middleware answers with a 500
@@ -244,8 +301,21 @@ class GenerationService:
                 await resp.write(api.sse(err.body()) + api.SSE_DONE)
             except ConnectionError:
                 pass
+        finally:
+            if watch is not None:
+                watch.close()
         self._observe(gen, outcome, t_first, detok.tokens_seen)
         return resp
+
+    @staticmethod
+    def _stalled(request: web.Request, gen: Generation, handle: RequestHandle) -> None:
+        """The client has taken no bytes for stall_timeout_s: cancel the request, drop the connection
+        (the blocked write then fails, and the handler ends)."""
+        gen.stalled = True
+        handle.abort("the client stopped reading the stream")
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
 
     @staticmethod
     def _timing(handle: RequestHandle, batch: list[int], t_batch_ns: int) -> dict[str, int]:
@@ -301,27 +371,40 @@ def code_trace(e: BaseException) -> str:
     return "".join(traceback.format_tb(e.__traceback__)).rstrip()
 
 
-async def read_json(request: web.Request):
-    """The body as JSON, or a 400 that says why not."""
+async def read_json(request: web.Request, deadline_s: float | None = None):
+    """The body as JSON, or a 400 / 408 / 413 that says why not."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout_at(deadline_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise ApiError(413, f"request body too large ({e.text})") from None
+    except TimeoutError:
+        raise ApiError(408, "the request body did not arrive before the request deadline") from None
     if not raw.strip():
         raise api.bad_request("request body is empty; expected a JSON object")
     try:
-        return api.loads(raw)
+        body = api.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise api.bad_request(f"malformed JSON body: {e}") from None
+        raise api.bad_request(f"malformed JSON body: {_short(e)}") from None
+    if has_lone_surrogate(raw, body):
+        raise api.bad_request("the body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                              "text must be valid Unicode")
+    return body
+
+
+def _short(e: Exception) -> str:
+    text = str(e)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 async def handle_generation(request: web.Request, service: GenerationService, endpoint: Endpoint):
     t_arrival = now_ns()
-    body = await read_json(request)
-    gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival)
+    deadline_s = service.request_limits.deadline_s(asyncio.get_running_loop())
+    body = await read_json(request, deadline_s)
+    gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival, deadline_s)
     handle = await service.submit(gen)
     try:
         return await service.respond(request, gen, handle)
     except asyncio.CancelledError:
-        service.metrics.outcome(endpoint.name, "client_disconnect")
+        service.metrics.outcome(endpoint.name, "stalled" if gen.stalled else "client_disconnect")
         raise

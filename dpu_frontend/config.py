@@ -3,7 +3,11 @@
 `blink frontend` flags -> FrontendConfig (frozen) -> create_app(config). The ring
 client keeps its own small config (ring_client.py); this one holds what the
 HTTP layer decides: where to listen, which model name it answers to, how long a
-request may wait for a slot, defaults for omitted parameters.
+request may wait for a slot, defaults for omitted parameters, the limits that
+keep an overloaded or hostile client from exhausting the server, and the API key.
+
+Environment: BLINK_CACHE_DIR (prepared models), BLINK_API_KEY (the API key when
+no --api-key is given; preferred, since a command line shows in `ps`).
 """
 from __future__ import annotations
 
@@ -14,11 +18,18 @@ import pathlib
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_ENV = "BLINK_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 << 20   # a 128k-token prompt as JSON text fits many times over
 
 
 def cache_dir() -> pathlib.Path:
     """${BLINK_CACHE_DIR:-~/.cache/blink}: where prepared models live."""
     return pathlib.Path(os.environ.get("BLINK_CACHE_DIR") or "~/.cache/blink").expanduser()
+
+
+def api_key_from_env() -> str | None:
+    """$BLINK_API_KEY, or None when unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def default_model_dir() -> pathlib.Path:
@@ -45,6 +56,16 @@ class FrontendConfig:
     heartbeat_timeout_s: float = 2.0     # backend heartbeat older than this: /health 503
     encode_in_thread_chars: int = 4096   # prompts longer than this are tokenized off the event loop
     max_stop_strings: int = 32
+    # Limits (overload and hostile input). None: only the model's context bounds it.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger bodies: 413
+    max_prompt_tokens: int | None = None   # longer prompts: 400
+    max_tokens_limit: int | None = None    # a larger max_tokens: 400; also caps the default
+    request_timeout_s: float = 600.0       # per-request deadline, arrival to last byte (0: none)
+    stall_timeout_s: float = 30.0          # a client that takes no bytes this long: request cancelled (0: never)
+    # Security. api_key None: no authentication.
+    api_key: str | None = dataclasses.field(default=None, repr=False)   # never in reprs or logs
+    auth_all_routes: bool = False          # also require the key on /health, /metrics, /openapi.json
+    log_prompts: bool = False              # debug only: log each request's prompt text
     # Benchmarks only: each streamed chunk also carries "blink_timing" {t_last_ns: the daemon's
     # monotonic stamp of the newest token in it, n_tokens}. Off: the chunks are exactly vLLM's.
     expose_backend_timing: bool = False
@@ -55,11 +76,18 @@ class FrontendConfig:
         for name in ("max_queue", "encode_in_thread_chars", "max_stop_strings"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("queue_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
+        for name in ("queue_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "request_timeout_s",
+                     "stall_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_tokens_default is not None and self.max_tokens_default < 1:
-            raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+        for name in ("max_tokens_default", "max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()
+                                         or not (self.api_key.isascii() and self.api_key.isprintable())):
+            raise ValueError("api_key must be non-empty printable ASCII without surrounding spaces")
 
     def served_name(self) -> str:
         """The model name clients send and /v1/models lists."""

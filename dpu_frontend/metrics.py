@@ -24,8 +24,8 @@ TOKENIZE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
                       0.25, 0.5, 1.0)
 
 # Request outcomes (the `outcome` label): how each accepted or rejected request ended.
-OUTCOMES = ("stop", "length", "abort", "error", "client_disconnect",
-            "invalid", "rate_limited", "unavailable", "internal_error")
+OUTCOMES = ("stop", "length", "abort", "error", "client_disconnect", "stalled", "timeout",
+            "invalid", "unauthorized", "rate_limited", "unavailable", "internal_error")
 
 
 def _escape(value: str) -> str:

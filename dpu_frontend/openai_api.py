@@ -32,12 +32,13 @@ class ApiError(Exception):
     """An error reply: HTTP status plus the OpenAI error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.extra_headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -49,13 +50,13 @@ class ApiError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return dict(self.extra_headers)
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                413: "RequestEntityTooLargeError", 429: "RateLimitError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -240,7 +241,11 @@ class _Fields:
 
 
 def _show(v: Any) -> str:
-    s = json.dumps(v) if not isinstance(v, (bytes, bytearray)) else repr(v)
+    """A short quote of a client's value for an error message (never fails: any depth, any number)."""
+    try:
+        s = json.dumps(v, ensure_ascii=True) if not isinstance(v, (bytes, bytearray)) else repr(v)
+    except (ValueError, RecursionError):   # too deep, or an int beyond the digit limit
+        s = f"a {type(v).__name__} that cannot be shown"
     return s if len(s) <= 60 else s[:57] + "..."
 
 

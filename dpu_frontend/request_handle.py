@@ -69,6 +69,12 @@ class RequestHandle:
         if not self._ended:
             self._on_cancel(self, "abort", None)
 
+    def abort(self, error: str) -> None:
+        """Stop the request as failed (deadline, stalled client): the slot's cancel flag goes
+        up and the stream ends with "error" and this message."""
+        if not self._ended:
+            self._on_cancel(self, "error", error)
+
     def __aiter__(self) -> "RequestHandle":
         return self
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from .config import DEFAULT_HOST, DEFAULT_PORT, FrontendConfig, default_model_dir
+from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, FrontendConfig, default_model_dir
 
 # Daemon knobs passed through unchanged: (flag, type, help).
 DAEMON_FLAGS = (
@@ -47,6 +47,15 @@ FRONTEND_FLAGS = (
     ("--queue-timeout-s", float, "longest wait for a free slot before 429"),
     ("--max-tokens-default", int, "output budget when a request gives none"),
     ("--heartbeat-timeout-s", float, "backend heartbeat older than this makes /health 503"),
+    ("--max-body-bytes", int, "larger request bodies get 413"),
+    ("--max-prompt-tokens", int, "longer prompts get 400"),
+    ("--max-tokens-limit", int, "a larger max_tokens gets 400"),
+    ("--request-timeout-s", float, "per-request deadline (0: none)"),
+    ("--stall-timeout-s", float, "a streaming client that takes no bytes this long loses its request"),
+)
+FRONTEND_SWITCHES = (
+    ("--auth-all-routes", "also require the API key on /health, /metrics and /openapi.json"),
+    ("--log-prompts", "debug: log every request's prompt text"),
 )
 STOP_GRACE_S = 15.0
 
@@ -68,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("passed to blink frontend")
     for flag, kind, help_text in FRONTEND_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=help_text)
+    for flag, help_text in FRONTEND_SWITCHES:
+        group.add_argument(flag, action="store_true", help=help_text)
+    group.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1/* (default ${API_KEY_ENV}); handed to "
+                            f"the frontend through its environment, never its command line")
 
 
 def blink_command() -> list[str]:
@@ -99,7 +113,17 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--startup-timeout-s", "0", *_passthrough(args, FRONTEND_FLAGS)]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
+    for flag, _ in FRONTEND_SWITCHES:
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            argv.append(flag)
     return argv
+
+
+def frontend_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The frontend's environment: ours, plus the API key when --api-key was given (not in argv: ps shows argv)."""
+    if not args.api_key:
+        return None
+    return {**os.environ, API_KEY_ENV: args.api_key}
 
 
 def _die_with_parent() -> None:
@@ -122,11 +146,11 @@ def prepare_default_model() -> None:
         raise RuntimeError(f"preparing the default model failed (exit code {rc})")
 
 
-def _healthy(host: str, port: int) -> bool:
+def _healthy(host: str, port: int, api_key: str | None = None) -> bool:
     probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
     conn = http.client.HTTPConnection(probe_host, port, timeout=2)
     try:
-        conn.request("GET", "/health")
+        conn.request("GET", "/health", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         return conn.getresponse().status == 200
     except (OSError, http.client.HTTPException):
         return False
@@ -140,8 +164,8 @@ class _Children:
     def __init__(self):
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str]) -> None:
-        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
         self.procs.append((name, proc))
 
     def exited(self) -> tuple[str, int] | None:
@@ -192,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 0
         children.start("gpu-daemon", daemon_argv(args))
-        children.start("frontend", frontend_argv(args))
+        children.start("frontend", frontend_argv(args), frontend_env(args))
         return _supervise(args, children, stop)
     except RuntimeError as e:
         if stop.is_set():   # Ctrl-C during the model preparation: not a failure to report
@@ -219,7 +243,8 @@ def _supervise(args: argparse.Namespace, children: _Children, stop: threading.Ev
             print(f"blink serve: {name} {_describe(rc)}; stopped the {other}", file=sys.stderr, flush=True)
             return 1
         if not ready:
-            if _healthy(args.host, args.port):
+            key = (args.api_key or os.environ.get(API_KEY_ENV)) if args.auth_all_routes else None
+            if _healthy(args.host, args.port, key):
                 ready = True
                 url = f"http://{args.host}:{args.port}"
                 name = FrontendConfig(model=args.model, served_model_name=args.served_model_name).served_name()

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from .config import DEFAULT_HOST, DEFAULT_PORT, FrontendConfig
+from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, FrontendConfig, api_key_from_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait this long for a READY backend at start, then serve 503 until it comes")
     p.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
                    help="backend heartbeat older than this makes /health 503")
+    g = p.add_argument_group("limits (overload and hostile input)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts get 400 (default: the model's context)")
+    g.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="a larger max_tokens gets 400; also caps the default (default: the rest of the context)")
+    g.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="per-request deadline, arrival to last byte: 504 or an error event after it (0: none)")
+    g.add_argument("--stall-timeout-s", type=float, default=30.0,
+                   help="a streaming client that takes no bytes this long loses its request (0: never)")
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; prefer the "
+                        f"variable, a command line shows in ps)")
+    g.add_argument("--auth-all-routes", action="store_true",
+                   help="also require the key on /health, /metrics and /openapi.json")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="debug: log every request's prompt text (off: prompts and keys never reach the log)")
     p.add_argument("--expose-backend-timing", action="store_true",
                    help="benchmarks: add blink_timing {t_last_ns, n_tokens} (daemon clock) to each streamed chunk")
     from .transport import verbs
@@ -45,7 +64,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         ring_name=args.ring, model=args.model, served_model_name=args.served_model_name,
         host=args.host, port=args.port, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
         max_tokens_default=args.max_tokens_default, startup_timeout_s=args.startup_timeout_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s, expose_backend_timing=args.expose_backend_timing)
+        heartbeat_timeout_s=args.heartbeat_timeout_s, expose_backend_timing=args.expose_backend_timing,
+        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout_s,
+        stall_timeout_s=args.stall_timeout_s, api_key=args.api_key or api_key_from_env(),
+        auth_all_routes=args.auth_all_routes, log_prompts=args.log_prompts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
                     access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
                     print=lambda _: logging.getLogger(__name__).info(
-                        "serving %s on http://%s:%d (ring %s)", config.served_name(), config.host,
-                        config.port, config.ring_name))
+                        "serving %s on http://%s:%d (ring %s, API key %s)", config.served_name(), config.host,
+                        config.port, config.ring_name, "required" if config.api_key else "off"))
     except OSError as e:
         print(f"blink frontend: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1

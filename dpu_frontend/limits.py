@@ -1,0 +1,103 @@
+"""What bounds one request: sizes, deadlines, and a watch on clients that stop reading.
+
+    FrontendConfig -> RequestLimits (frozen; one per app)
+    body bytes -> has_lone_surrogate (JSON "\\ud800" escapes the tokenizer cannot encode)
+    arrival -> deadline_s (request_timeout_s) -> queue wait capped by it -> handle aborted at it
+    each SSE write -> StallWatch: a write blocked longer than stall_timeout_s (the client's
+        socket and our bounded buffer are full) -> the request is cancelled and the
+        connection dropped, so a reader that stopped never holds a slot or memory
+
+Every limit is a setting with a sane default (config.py); 0 or None turns a
+deadline or a cap off.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from typing import Any, Callable
+
+from .config import FrontendConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    queue_timeout_s: float = 30.0          # longest wait for a slot (429 after)
+    request_timeout_s: float = 600.0       # arrival to last byte (0: none)
+    stall_timeout_s: float = 30.0          # longest blocked write to a client (0: none)
+    max_prompt_tokens: int | None = None   # None: the model's context
+    max_tokens_limit: int | None = None    # None: the rest of the context
+
+    @classmethod
+    def from_config(cls, c: FrontendConfig) -> "RequestLimits":
+        return cls(c.queue_timeout_s, c.request_timeout_s, c.stall_timeout_s, c.max_prompt_tokens,
+                   c.max_tokens_limit)
+
+    def deadline_s(self, loop: asyncio.AbstractEventLoop) -> float | None:
+        """The request's deadline on the loop's clock, from now (its arrival)."""
+        return loop.time() + self.request_timeout_s if self.request_timeout_s > 0 else None
+
+    def queue_wait_s(self, loop: asyncio.AbstractEventLoop, deadline_s: float | None) -> float:
+        """How long the request may wait for a slot: the queue timeout, or less near its deadline."""
+        if deadline_s is None:
+            return self.queue_timeout_s
+        return max(0.0, min(self.queue_timeout_s, deadline_s - loop.time()))
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def has_lone_surrogate(raw: bytes, obj: Any) -> bool:
+    """True when a string in the parsed body holds an unpaired UTF-16 surrogate ("\\ud800").
+
+    JSON allows them, UTF-8 cannot carry them: the tokenizer and our replies would fail on
+    them. Only bodies with such an escape are walked, iteratively (any nesting depth).
+    """
+    if not _SURROGATE_ESCAPE.search(raw):
+        return False
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+class StallWatch:
+    """Notices a write to the client that has not completed for `timeout_s`.
+
+    The stream marks each write (`begin` / `end`, two attribute stores on the hot
+    path); a timer every timeout_s / 2 checks the one in progress, so a stall is
+    caught between 1 and 1.5 timeouts after it began.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, on_stall: Callable[[], None]):
+        self.loop, self.timeout_s, self.on_stall = loop, timeout_s, on_stall
+        self.write_started_s: float | None = None
+        self.stalled = False
+        self._timer = loop.call_later(timeout_s / 2, self._check)
+
+    def begin(self) -> None:
+        self.write_started_s = self.loop.time()
+
+    def end(self) -> None:
+        self.write_started_s = None
+
+    def _check(self) -> None:
+        started = self.write_started_s
+        if started is not None and self.loop.time() - started >= self.timeout_s:
+            self.stalled = True
+            self.on_stall()
+            return
+        self._timer = self.loop.call_later(self.timeout_s / 2, self._check)
+
+    def close(self) -> None:
+        self._timer.cancel()
