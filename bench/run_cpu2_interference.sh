@@ -10,6 +10,10 @@
 # It first waits (up to QUIET_WAIT_S, default 40 min) for a 1-minute load average below
 # QUIET_LOAD (default 1.0) and records what it saw in the markdown.
 # Usage: bench/run_cpu2_interference.sh [extra blink bench flags]
+# To measure a fixed commit while others edit the checkout, run it from an exported tree:
+#   git archive HEAD | tar -x -C /tmp/snap && cd /tmp/snap && PYTHON=<repo>/.venv/bin/python \
+#   PYTHONPATH=/tmp/snap BLINK_PEERS_DIR=<repo>/.peers BLINK_SOURCE_COMMIT=$(git rev-parse --short HEAD) \
+#   OUT=<repo>/bench/results bench/run_cpu2_interference.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 NAME="${NAME:-2026-11-22-cpu2-interference}"
@@ -34,7 +38,7 @@ echo "$quiet" >&2
 
 # 15 s per level plus at most 20 s of drain, 2 warm-up requests: the four systems, both
 # conditions and vLLM's start (2-4 min of compilation on one core) fit in about 25 minutes.
-exec .venv/bin/blink bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-15}" \
+exec "${PYTHON:-.venv/bin/python}" -m dpu_frontend.cli bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-15}" \
   --drain-s "${DRAIN_S:-20}" --warmup-requests 2 \
   --server-cpus 0 --client-cpus 0 --server-threads 1 \
   --interferer "pbzip2:1@1+compile:1@1" --slo "ttft:2000,tpot:200" \

@@ -84,12 +84,15 @@ def _pkg_version(python: pathlib.Path, dist: str) -> str | None:
 
 
 def blink_version() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        commit = out.stdout.strip() if out.returncode == 0 else "unknown"
-    except OSError:
-        commit = "unknown"
+    """The git commit of the code being measured (BLINK_SOURCE_COMMIT for an exported snapshot)."""
+    commit = os.environ.get("BLINK_SOURCE_COMMIT")
+    if not commit:
+        try:
+            out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True, timeout=10)
+            commit = out.stdout.strip() if out.returncode == 0 else "unknown"
+        except OSError:
+            commit = "unknown"
     return f"blink-py git {commit}"
 
 
