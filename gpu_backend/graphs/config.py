@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import torch
@@ -24,6 +25,7 @@ DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_KV_CACHE_MB = 8192
 DEFAULT_SPLIT_LEN = 512
+CTX_CELL_TOKENS = 128
 BUCKETS_ENV = "BLINK_GRAPH_BUCKETS"
 
 
@@ -70,9 +72,11 @@ class GraphExecConfig:
             raise GraphConfigError("the context must hold at least 2 tokens")
         split = min(DEFAULT_SPLIT_LEN, policy.max_prefill_tokens)
         ctx_grid = tuple(c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if c < max_len)
+        # context cells of 128 tokens (every context bucket is a multiple): a small table, still exact
         kw = dict(max_batch_size=policy.max_batch_size, max_prefill_tokens=policy.max_prefill_tokens,
-                  max_model_len=max_len, block_size=bs, split_len=max(16, split),
-                  len_granularity=16, prefill_ctxs=(max(16, split),), decode_ctxs=ctx_grid)
+                  max_model_len=max_len, block_size=bs, split_len=max(16, split), len_granularity=16,
+                  ctx_granularity=math.lcm(bs, CTX_CELL_TOKENS), prefill_ctxs=(max(16, split),),
+                  decode_ctxs=ctx_grid)
         kw.update(_bucket_overrides())
         try:
             buckets = BucketConfig(**kw)

@@ -1,0 +1,67 @@
+"""bench/cuda_graphs.py's machinery without a GPU: the daemon it starts (here the
+null executor), the N x I -> O workload written into the ring and timed from the
+backend's stamps, the ratios and the report; a clear refusal without a GPU; and
+the TensorRT probe, which skips cleanly where TensorRT is absent."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import pytest
+
+import bench.cuda_graphs as bench
+from gpu_backend.cuda import driver
+from gpu_backend.graphs import tensorrt
+
+
+def test_workloads_through_a_real_daemon(tmp_path, ring_name):
+    args = argparse.Namespace(buckets=None, slots=64, max_batch_size=16, max_prefill_tokens=256,
+                              max_model_len=256, kv_cache_mb=16, startup_timeout_s=120)
+    daemon = bench.Daemon("cpu", "null", ring_name, args, tmp_path)
+    try:
+        assert daemon.setup_s > 0
+        for n, i, o in ((16, 32, 8), (8, 100, 20), (16, 32, 8)):      # slots are handed back between runs
+            r = bench.run_workload(daemon.ring, n, i, o, bench.Energy(), seed=n + i)
+            assert r["tokens"] == n * o and 0 < r["makespan_ms"] <= r["seen_ms"] + 1
+        with pytest.raises(bench.BenchError, match="does not fit"):
+            bench.run_workload(daemon.ring, 65, 4, 4, bench.Energy(), seed=1)
+    finally:
+        daemon.stop()
+    assert "ready" in daemon.tail()
+    assert not pathlib.Path(f"/dev/shm/{ring_name}").exists()
+
+
+def _fake(p_iso, h_iso, p_int, h_int):
+    def runs(a, b):
+        return {"isolated": {"64x128->32": {"makespan_ms": a, "j_per_token": 0.5}},
+                "interference": {"64x128->32": {"makespan_ms": b}}}
+    return {"date": bench.DATE, "machine": "t", "model": "m", "dtype": "float32", "daemon_cpu": 0,
+            "interferer_cpus": [1, 2], "interferer": "pyhog", "energy": "nvml", "config": {"repeats": 3},
+            "device": "x", "executors": {"cuda": {"setup_s": 1, "report": {}, "runs": runs(p_iso, p_int)},
+                                         "cuda-hostloop": {"setup_s": 1, "report": {}, "runs": runs(h_iso, h_int)}}}
+
+
+def test_ratios_and_report(tmp_path):
+    res = _fake(100.0, 150.0, 110.0, 210.0)
+    res["ratios"] = bench.ratios(res, [(64, 128, 32)])
+    r = res["ratios"]["64x128->32"]
+    assert r["hostloop_over_persistent_isolated"] == 1.5 and r["hostloop_over_persistent_interference"] == 1.909
+    assert r["cuda_retention"] == 0.909 and res["ratios"]["targets"]["met"] and not res["ratios"]["targets"]["retention_met"]
+    stem = bench.write_results(res, tmp_path, "t")
+    md = stem.with_suffix(".md").read_text()
+    assert "| 64x128->32 | isolated | 100.0 | 150.0 | 1.5x |" in md and "NOT met" in md
+
+
+def test_refuses_in_one_line_without_a_gpu(capsys):
+    if driver.unavailable_reason() is None:
+        pytest.skip("a usable GPU is present")
+    assert bench.main(["--quick", "--out", "/tmp"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "needs a GPU" in out[0]
+
+
+def test_tensorrt_probe_is_one_line():
+    line = tensorrt.status()
+    assert "\n" not in line and "PyTorch capture" in line
+    if tensorrt.unavailable_reason() is not None:
+        assert "skipped" in line
