@@ -400,11 +400,13 @@ def _short(e: Exception) -> str:
 async def handle_generation(request: web.Request, service: GenerationService, endpoint: Endpoint):
     t_arrival = now_ns()
     deadline_s = service.request_limits.deadline_s(asyncio.get_running_loop())
-    body = await read_json(request, deadline_s)
-    gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival, deadline_s)
-    handle = await service.submit(gen)
+    gen = None
     try:
+        body = await read_json(request, deadline_s)
+        gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival, deadline_s)
+        handle = await service.submit(gen)
         return await service.respond(request, gen, handle)
     except asyncio.CancelledError:
-        service.metrics.outcome(endpoint.name, "stalled" if gen.stalled else "client_disconnect")
+        # The client went away at any point (body, queue, reply): counted once, here.
+        service.metrics.outcome(endpoint.name, "stalled" if gen is not None and gen.stalled else "client_disconnect")
         raise
