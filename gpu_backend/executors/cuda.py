@@ -81,6 +81,7 @@ class CudaExecutor:
         torch.cuda.set_device(self.device.ordinal)        # torch on the primary context the driver API uses
         model_config, model = load_graph_model(options.model, torch.float32)
         g = GraphExecConfig.from_options(options, model_config)
+        g.apply_blas()
         self.vocab_size, self.max_model_len = model_config.vocab_size, g.max_model_len
         self.config = SchedulerConfig(
             max_batch_size=g.policy.max_batch_size, max_prefill_tokens=g.policy.max_prefill_tokens,

@@ -141,12 +141,14 @@ class GraphCache:
     def __init__(self, model: LlamaModel, table: BucketTable, num_blocks: int, module, instances: int = 2):
         """model: on the GPU, in eval mode; module: gpu_backend.cuda.runtime.Module (staging kernels)."""
         d = bindings()
+        if instances != structs.STEP_GRAPHS:
+            raise ValueError(f"the scheduler alternates {structs.STEP_GRAPHS} instances per graph, not {instances}")
         self.model, self.table, self.module, self.instances = model, table, module, instances
+        for name in ("blink_stage_inputs", "blink_finish_step"):
+            module.function(name)          # looked up now: no driver calls but launches inside a capture
         cfg = model.config
         self.plan = CapturePlan(table, cfg, dtype_bytes=torch.finfo(model.dtype).bits // 8)
         bs = table.config.block_size
-        torch.cuda.synchronize()
-        self._mem0 = (torch.cuda.memory_reserved(), self._free_bytes())
         self.pool = GraphKVPool(KVShape.of(cfg, num_blocks, bs), model.dtype, model.device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), model.device)
         self.step = StepFunction(model, self.pool, self.buffers, self.plan)
@@ -160,8 +162,6 @@ class GraphCache:
         self._arrays = table.device_arrays()
         self.timing: dict[str, float] = {}
         self.memory: dict[str, int] = {}
-        torch.cuda.synchronize()
-        self._mem1 = (torch.cuda.memory_reserved(), self._free_bytes())
 
     @staticmethod
     def _free_bytes() -> int:
@@ -193,6 +193,7 @@ class GraphCache:
             for g in [*kinds.values(), *kinds.values()]:
                 self.step.run(g)
         self.stream.synchronize()
+        torch.cuda.empty_cache()           # the warm-up's activations are not part of the graph cache
 
     def capture(self, params_addr: int) -> None:
         """Capture, check, instantiate for device launch (twice) and upload every graph; the
@@ -204,7 +205,8 @@ class GraphCache:
         flag = int(d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH)
         from ..cuda.runtime import KernelArgs
         finish_args = KernelArgs(params_addr, self.io_addr)
-        mem_before_capture = self._free_bytes()
+        torch.cuda.synchronize()
+        free_before, reserved_before = self._free_bytes(), torch.cuda.memory_reserved()
         for gid in self.plan.capture_order():
             shape = self.table.shapes[gid]
             stage_args = KernelArgs(params_addr, self.io_addr, shape.len, shape.ctx)
@@ -229,10 +231,13 @@ class GraphCache:
         t_end = time.monotonic()
         self.timing = {"warm_up_s": t_warm - t0, "capture_s": sum(g.capture_s for g in self.graphs),
                        "instantiate_s": sum(g.instantiate_s for g in self.graphs), "total_s": t_end - t0}
+        torch.cuda.synchronize()
+        # device-wide free memory lost to capture + instantiation: the shared capture pool
+        # (torch's reserve for it) plus the driver's memory for the instantiated graphs
+        lost = free_before - self._free_bytes()
+        pool = torch.cuda.memory_reserved() - reserved_before
         self.memory = {"kv_pool_bytes": self.pool.nbytes, "static_bytes": self.buffers.nbytes,
-                       "reserved_by_torch_bytes": torch.cuda.memory_reserved() - self._mem1[0],
-                       "graph_cache_bytes": mem_before_capture - self._free_bytes()
-                       + (torch.cuda.memory_reserved() - self._mem1[0])}
+                       "capture_pool_bytes": pool, "instantiated_bytes": lost - pool, "graph_cache_bytes": lost}
         log.info("graph cache: %d graphs captured in %.1f s (%.1f s instantiating), %.0f MiB",
                  len(self.graphs), self.timing["total_s"], self.timing["instantiate_s"],
                  self.memory["graph_cache_bytes"] / 2**20)

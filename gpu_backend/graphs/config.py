@@ -2,10 +2,12 @@
 from the daemon's flags and the model, so an A/B comparison differs only in
 who schedules.
 
-    ExecutorOptions + ModelConfig (+ BLINK_GRAPH_BUCKETS, read here and nowhere
-    else: JSON overrides of BucketConfig fields, e.g. '{"decode_rows": [1, 64, 256]}')
+    ExecutorOptions + ModelConfig (+ the environment, read here and nowhere else:
+    BLINK_GRAPH_BUCKETS  JSON overrides of BucketConfig fields, e.g. '{"decode_rows": [1, 64, 256]}'
+    BLINK_GRAPH_BLAS     "cublas" or "cublaslt": torch's preferred BLAS library while capturing,
+                         should one library's kernels refuse device launch on some GPU)
       -> policy (max batch, prefill budget, block size), KV pool blocks,
-         max_model_len, BucketConfig (grids), dtype
+         max_model_len, BucketConfig (grids), dtype, BLAS choice
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ DEFAULT_KV_CACHE_MB = 8192
 DEFAULT_SPLIT_LEN = 512
 CTX_CELL_TOKENS = 128
 BUCKETS_ENV = "BLINK_GRAPH_BUCKETS"
+BLAS_ENV = "BLINK_GRAPH_BLAS"
 
 
 class GraphConfigError(ValueError):
@@ -54,6 +57,11 @@ class GraphExecConfig:
     max_model_len: int
     buckets: BucketConfig
     dtype: torch.dtype = torch.float32
+    blas: str | None = None    # torch.backends.cuda.preferred_blas_library while capturing; None: torch's default
+
+    def apply_blas(self) -> None:
+        if self.blas is not None:
+            torch.backends.cuda.preferred_blas_library(self.blas)
 
     @classmethod
     def from_options(cls, options, model: ModelConfig, dtype: torch.dtype = torch.float32) -> "GraphExecConfig":
@@ -83,4 +91,7 @@ class GraphExecConfig:
         except (TypeError, ValueError) as e:
             raise GraphConfigError(f"graph buckets: {e}") from None
         assert blocks_needed(max_len, bs) <= num_blocks
-        return cls(policy, num_blocks, max_len, buckets, dtype)
+        blas = os.environ.get(BLAS_ENV, "").strip() or None
+        if blas not in (None, "cublas", "cublaslt"):
+            raise GraphConfigError(f"{BLAS_ENV} must be cublas or cublaslt, got {blas!r}")
+        return cls(policy, num_blocks, max_len, buckets, dtype, blas)

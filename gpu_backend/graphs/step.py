@@ -20,9 +20,9 @@ may be replayed after any other. The same code runs eagerly on CPU tensors
 """
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
