@@ -99,8 +99,9 @@ class ServeUnderTest:
         self.argv = [*blink_cmd(), "serve", "--port", str(self.port), "--ring", ring, *args]
         self.log_path = log_path
         self._log = open(log_path, "w")
+        from dpu_frontend.serve import _die_with_parent   # the server goes when this process goes
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + ready_timeout_s
         while http_get(self.base + "/health", 2)[0] != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:

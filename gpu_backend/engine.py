@@ -143,8 +143,13 @@ class Engine:
             self.running.remove(s)
             self.allocator.free(s.blocks)
             s.blocks, s.num_computed = [], 0
-            if int(self.ring.state[slot]) != SlotState.DECODE_PAUSED:
-                self.port.move(slot, SlotState.DECODE_PAUSED)
+            try:
+                if int(self.ring.state[slot]) != SlotState.DECODE_PAUSED:
+                    self.port.move(slot, SlotState.DECODE_PAUSED)
+            except IllegalTransition as e:   # the frontend scribbled on a slot we own
+                log.error("slot %d: %s; dropping its request", slot, e)
+                self._drop(s)
+                continue
             self.waiting.appendleft(s)
 
     def _schedule(self, plan: StepPlan) -> StepBatch:
@@ -178,9 +183,10 @@ class Engine:
                 self._finish(s, FinishReason.LENGTH)
             elif int(self.ring.state[s.slot]) != SlotState.DECODE_PROCESSING:
                 self.port.move(s.slot, SlotState.DECODE_PROCESSING)
-        except IllegalTransition as e:   # someone else wrote a slot we own: drop it, keep serving
-            log.error("slot %d: %s; dropping its request", s.slot, e)
-            self._drop(s)
+        except ValueError as e:   # IllegalTransition, or output fields rewritten out of range (someone else
+            # wrote a slot we own): end that request alone, keep serving the others
+            log.error("slot %d: %s; ending its request", s.slot, e)
+            self._finish(s, FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
 
     def _finish(self, s: Sequence, finish: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
         try:

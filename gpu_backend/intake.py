@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_layout import BackendPort, ErrorCode, FinishReason, Ring, request_error
+from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, request_error
 from shared_layout.layout import FLAG_HAS_SEED, FLAG_IGNORE_EOS, MAX_STOP_IDS
 
 from .sequence import SamplingParams, Sequence
@@ -42,7 +42,10 @@ class Intake:
         frontend_epoch = self.ring.get("frontend_epoch")
         out = []
         for slot in pending.tolist():
-            self.port.claim(slot)
+            try:
+                self.port.claim(slot)
+            except IllegalTransition:   # the frontend rewrote the state word since the scan
+                continue
             seq, finish, error = self._read(slot, frontend_epoch)
             if seq is None:
                 self.port.complete(slot, finish, error)
@@ -51,7 +54,9 @@ class Intake:
         return out
 
     def _read(self, slot: int, frontend_epoch: int) -> tuple[Sequence | None, FinishReason, ErrorCode]:
-        r = self.ring.slots[slot]
+        # A copy of the record and of the prompt: a hostile frontend rewriting them after
+        # the checks below cannot change what was checked.
+        r = self.ring.slots[slot].copy()
         if int(r["epoch"]) != frontend_epoch:
             return None, FinishReason.ABORT, ErrorCode.STALE_EPOCH
         if int(r["cancel"]):
@@ -62,7 +67,7 @@ class Intake:
         plen, poff = int(r["prompt_len"]), int(r["prompt_offset"])
         if plen >= self.config.max_model_len:
             return None, FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG
-        prompt = self.ring.prompt_arena[poff:poff + plen]      # bounds checked by request_error
+        prompt = self.ring.prompt_arena[poff:poff + plen].copy()      # bounds checked by request_error
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.config.vocab_size:
             return None, FinishReason.ERROR, ErrorCode.INVALID_TOKEN
         flags = int(r["flags"])
