@@ -236,3 +236,32 @@ def test_twin_thread_counts(tiny_model, twin_lib, shm_ring, threads):
     work = workload(tiny_model.config.vocab_size, 5, seed=6)
     got, _, _ = serve_twin(tiny_model, shm_ring(GEOM), 100, work, threads=threads)
     assert got == [greedy_generate(tiny_model, p, n) for p, n, _ in work]
+
+
+class CopyingLauncher:
+    """CudaLauncher's copy plan on the CPU: only StepBlock.extents() reach a second block (the
+    stand-in for device memory) that the graphs read; the tokens are copied back."""
+
+    def __init__(self, graphs: CpuGraphs, block: StepBlock, ring: Ring):
+        self.graphs, self.block = graphs, block
+        self.dev = np.full(block.nbytes, 0xAB, np.uint8)          # garbage wherever nothing was copied
+        self.params = block.params(self.dev.ctypes.data, np.frombuffer(ring.buf, np.uint8).ctypes.data, ring)
+
+    def launch(self, graph: int, n_chunks: int) -> None:
+        for off, n in self.block.extents(n_chunks):
+            ctypes.memmove(self.dev.ctypes.data + off, self.block.addr + off, n)
+        assert self.graphs.launch(ctypes.addressof(self.params), graph * 2) == 0
+        off = self.block.layout["step_tokens"]
+        ctypes.memmove(self.block.addr + off, self.dev.ctypes.data + off, 4 * n_chunks)
+
+
+def test_the_device_copy_plan_carries_everything_the_graph_reads(tiny_model, twin_lib):
+    work = workload(tiny_model.config.vocab_size, 10, seed=8)
+    ring = Ring.create(bytearray(GEOM.total_size), GEOM)
+    table = BucketTable(BUCKETS)
+    graphs = CpuGraphs(tiny_model, table, 40)
+    block = StepBlock(BATCH, table.max_rows, blocks_needed(MAX_LEN, BS))
+    runner = HostLoopRunner(ring, block, CopyingLauncher(graphs, block, ring), table)
+    engine = Engine(ring, runner, EngineConfig(PolicyConfig(BATCH, BUDGET, BS), 40),
+                    IntakeConfig(tiny_model.config.vocab_size, MAX_LEN, ()))
+    assert serve_engine(ring, engine, work) == [greedy_generate(tiny_model, p, n) for p, n, _ in work]
