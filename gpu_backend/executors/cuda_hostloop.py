@@ -77,7 +77,7 @@ class CudaHostLoopExecutor:
             torch.cuda.set_device(self.device.ordinal)
             model_config, model = load_graph_model(options.model, torch.float32)
             g = GraphExecConfig.from_options(options, model_config)
-        g.apply_blas()
+            g.apply_blas()
             self.vocab_size, self.max_model_len = model_config.vocab_size, g.max_model_len
             self.eos_ids = tuple(model_config.eos_token_ids)
             self.policy, self.num_blocks = g.policy, g.num_blocks
