@@ -16,6 +16,10 @@
  * done flag. Written once for the device and the CPU twin (template over the
  * platform), so CI runs the very staging code the graph runs.
  *
+ * Token ids are re-read from the ring's arenas at every (re)prefill; an id the
+ * frontend scribbled out of the vocabulary since intake becomes 0 rather than an
+ * out-of-range embedding index (a device-side assert would end the context).
+ *
  * Padding: rows past state->n_rows and tokens past a row's length get id 0,
  * position 0 and a KV slot in the sink block (one block past the pool, never
  * handed out), and block-table entries past the row's blocks point there too,
@@ -74,11 +78,13 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
     const uint32_t start = p->row_start[r], n = p->row_len[r], plen = q->prompt_len;
     const int32_t *prompt = blink_prompt_arena(p) + q->prompt_offset;
     const int32_t *output = blink_output_arena(p) + q->output_offset;
+    const uint32_t vocab = p->policy.vocab_size;
     for (uint32_t i = tid; i < S; i += nt) {
         if (i < n) {
             const uint32_t t = start + i;
             /* volatile loads: on the host-mapped ring a cached line could hold an older prompt */
-            ids[i] = (int32_t)plat.ld32(t < plen ? &prompt[t] : &output[t - plen]);
+            const uint32_t tok = plat.ld32(t < plen ? &prompt[t] : &output[t - plen]);
+            ids[i] = tok < vocab ? (int32_t)tok : 0;
             pos[i] = t;
             kv_slot[i] = (int64_t)table[t / bs] * bs + t % bs;
         } else {

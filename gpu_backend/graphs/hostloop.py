@@ -79,19 +79,19 @@ class StepBlock:
         self.step_tokens = np.ctypeslib.as_array(
             (ctypes.c_int32 * max_chunks).from_address(host_addr + layout["step_tokens"]))
 
-    def params(self, base_addr: int, ring_addr: int, ring: Ring, extra: dict | None = None):
+    def params(self, base_addr: int, ring_addr: int, ring: Ring):
         """structs.SchedParams for the graphs' kernels with this block at `base_addr` (the
-        device's copy, or this host memory) and the ring at `ring_addr`."""
+        device's copy, or this host memory) and the ring at `ring_addr`; the staging kernel
+        keeps token ids below the vocabulary the ring header publishes."""
         from ..cuda import structs
         g = ring.geom
         p = structs.SchedParams(ring=ring_addr, slot_count=self.max_chunks,
                                 prompt_arena_tokens=g.prompt_arena_tokens, output_arena_tokens=g.output_arena_tokens,
                                 slots_offset=g.slots_offset, prompt_arena_offset=g.prompt_arena_offset,
                                 output_arena_offset=g.output_arena_offset, kv_max_blocks=self.max_blocks)
+        p.policy.vocab_size = ring.get("model_vocab_size") or 0xFFFF_FFFF
         for name, off in self.layout.items():
             setattr(p, name, base_addr + off)
-        for name, value in (extra or {}).items():
-            setattr(p, name, value)
         return p
 
     def extents(self, n_chunks: int) -> list[tuple[int, int]]:
@@ -117,6 +117,7 @@ class HostLoopRunner:
     def __init__(self, ring: Ring, block: StepBlock, launcher: Launcher, table: BucketTable | None):
         self.ring, self.block, self.launcher, self.table = ring, block, launcher, table
         self._seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Sequence -> derived seed
+        self._offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> arena offsets
         self.graph_steps = np.zeros(len(table.shapes) if table else 1, np.int64)
 
     def _seed(self, seq) -> int:
@@ -125,6 +126,19 @@ class HostLoopRunner:
         if seq not in self._seeds:
             self._seeds[seq] = int.from_bytes(os.urandom(8), "little")
         return self._seeds[seq]
+
+    def _arena_offsets(self, seq) -> tuple[int, int]:
+        """(prompt, output) arena offsets read once from the slot and bounds-checked: the graph
+        reads token ids there at every step, and a slot the frontend rewrites later must not
+        move those reads outside the arenas."""
+        got = self._offsets.get(seq)
+        if got is None:
+            rec, g = self.ring.slots[seq.slot], self.ring.geom
+            got = int(rec["prompt_offset"]), int(rec["output_offset"])
+            if got[0] + len(seq.prompt) > g.prompt_arena_tokens or got[1] + seq.max_tokens > g.output_arena_tokens:
+                raise ValueError(f"slot {seq.slot}: arena offsets {got} out of range")
+            self._offsets[seq] = got
+        return got
 
     def run(self, batch: StepBatch) -> list[int]:
         b, chunks = self.block, batch.chunks
@@ -139,12 +153,10 @@ class HostLoopRunner:
             if not self.table.fits(graph, kind, *key):
                 raise RuntimeError(f"step {key} fits no captured graph")
             rows = self.table.fill_rows([(i, c.start, c.num_tokens, c.sample) for i, c in enumerate(chunks)])
-        slots = self.ring.slots
         for i, c in enumerate(chunks):
             s, r = c.seq, b.reqs[i]
-            rec = slots[s.slot]
-            r.prompt_offset, r.prompt_len = int(rec["prompt_offset"]), len(s.prompt)
-            r.output_offset, r.generated = int(rec["output_offset"]), len(s.output)
+            r.prompt_offset, r.output_offset = self._arena_offsets(s)
+            r.prompt_len, r.generated = len(s.prompt), len(s.output)
             r.num_computed, r.num_blocks = s.num_computed, len(s.blocks)
             r.temperature, r.top_p, r.top_k = s.params.temperature, s.params.top_p, s.params.top_k
             r.seed = self._seed(s)

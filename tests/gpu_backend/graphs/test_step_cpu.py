@@ -210,6 +210,9 @@ def test_staging_fills_rows_and_padding(tiny_model, twin_lib):
     assert b.token_index[:2].tolist() == [0, 3] and b.seeds[0] == 5 - 2**63
     assert torch.allclose(b.temperature[:3], torch.tensor([0.5, 0.5, 0.0]))
     assert b.top_k[:3].tolist() == [7, 7, 0]
+    params.policy.vocab_size = 1008           # ids scribbled out of the vocabulary since intake become 0
+    twin_lib.blink_twin_stage(ctypes.addressof(params), ctypes.byref(graphs.io), R, S, C)
+    assert b.input_ids[:8].tolist() == [1006, 1007, 0, 0, 7, 8, 9, 0]
     b.tokens[:3] = torch.tensor([99, 123, 77])
     block.state.step_no = 41
     twin_lib.blink_twin_finish(ctypes.addressof(params), ctypes.byref(graphs.io))
