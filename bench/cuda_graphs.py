@@ -69,6 +69,12 @@ class Energy:
         except Exception as e:  # no nvidia-ml-py, no permission, unsupported GPU
             self.handle, self.why = None, f"NVML energy not readable ({type(e).__name__}: {e})"
 
+    def device_name(self) -> str:
+        if self.handle is None:
+            return "unknown"
+        name = self.nvml.nvmlDeviceGetName(self.handle)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
     def read_mj(self) -> int | None:
         if self.handle is None:
             return None
@@ -87,7 +93,7 @@ class Daemon:
         self.executor, self.ring_name = executor, ring_name
         self.log_path = log_dir / f"daemon-{executor}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")    # one core: no CPU thread pool to oversubscribe it
         if args.buckets:
             env["BLINK_GRAPH_BUCKETS"] = args.buckets
         cmd = [sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", executor, "--model", model,
@@ -231,12 +237,7 @@ def run(args) -> dict:
                "max_batch_size": args.max_batch_size, "max_prefill_tokens": args.max_prefill_tokens,
                "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb, "slots": args.slots,
                "buckets": args.buckets or "default", "repeats": args.repeats}, "executors": {}}
-    try:
-        import torch
-        res["device"] = torch.cuda.get_device_name(0)
-        res["torch"] = torch.__version__
-    except Exception as e:
-        res["device"] = f"unknown ({e})"
+    res["device"] = energy.device_name()            # no CUDA context in this process: it only writes the ring
     with tempfile.TemporaryDirectory(prefix="blink-cuda-graphs-") as work:
         for executor in ("cuda", "cuda-hostloop"):
             ring_name = f"blink-bench-graphs-{os.getpid()}-{executor}"
