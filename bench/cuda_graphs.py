@@ -18,8 +18,8 @@ the daemon's busy, in one run.
     -> ratios measured in this run: host-loop / persistent makespan per workload,
        and each executor's interfered / isolated throughput
 
-Model: `random:smollm2` by default (SmolLM2-135M's shape with random weights;
-the embedded GGUF is 98 MB, over what the lent GPU machine can be sent), float32.
+Model: `random:smollm2` by default (SmolLM2-135M's shape with random weights and an
+untied head; the embedded GGUF is 98 MB, over what the lent GPU machine can be sent), float32.
 Speed does not depend on the weights; outputs are not checked for quality here.
 
     python -m bench.cuda_graphs [--machine h100] [--out DIR] [--quick]

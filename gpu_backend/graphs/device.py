@@ -105,23 +105,27 @@ class CudaLauncher:
             self.params_addr = 0
 
 
-def smollm2_shape_config():
-    """SmolLM2-135M-Instruct's shape (the embedded default's), for random-weight benchmarks."""
+def smollm2_shape_config(tied: bool = True):
+    """SmolLM2-135M-Instruct's shape (the embedded default's), for random-weight benchmarks.
+    `tied=False` gives the head its own weights: with random tied embeddings the model only
+    repeats its last token (a token's own embedding dominates its logits), which tells
+    nothing about agreement; the head's matmul costs the same either way."""
     from ..model.config import ModelConfig
     return ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-                       max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+                       max_position_embeddings=8192, tie_word_embeddings=tied, attention_bias=False, qk_norm=False,
                        bos_token_id=1, eos_token_ids=(2,))
 
 
 def load_graph_model(spec: str, dtype: torch.dtype, device: str = "cuda"):
-    """(ModelConfig, LlamaModel on `device`). "random:smollm2" or "random:<folder with config.json>":
-    random weights of that shape (seeded), for machines the real weights cannot reach."""
+    """(ModelConfig, LlamaModel on `device`). "random:smollm2" (SmolLM2's shape, untied head) or
+    "random:<folder with config.json>": random weights of that shape (LlamaModel.random, seed 0),
+    for machines the real weights cannot reach."""
     from ..model.llama import LlamaModel
     if spec.startswith("random:"):
         what = spec.removeprefix("random:")
         if what == "smollm2":
-            config = smollm2_shape_config()
+            config = smollm2_shape_config(tied=False)
         else:
             import json
             import pathlib

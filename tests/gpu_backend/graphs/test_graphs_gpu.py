@@ -241,12 +241,21 @@ def test_daemons_agree_with_the_cpu_reference(ring_name):
     cuda = _daemon_tokens(ring_name, "cuda", greedy + seeded)
     host = _daemon_tokens(ring_name, "cuda-hostloop", greedy + seeded)
     cuda_again = _daemon_tokens(ring_name, "cuda", seeded)
-    model = LlamaModel.random(smollm2_shape_config(), seed=0)
+    model = LlamaModel.random(smollm2_shape_config(tied=False), seed=0)    # what `random:smollm2` loads
     ref = [greedy_generate(model, p, 24) for p in prompts]
-    report = {"cuda_vs_cpu": [], "hostloop_vs_cpu": [], "cuda_vs_hostloop": []}
+    # the CPU executor itself (its engine and paged attention), on the same weights
+    from gpu_backend.executors.cpu import CpuExecutor
+    from shared_layout import Ring
+    from test_step_cpu import serve_engine
+    cpu_ex = CpuExecutor(ExecutorOptions(model="random:smollm2", max_batch_size=8, max_model_len=1024,
+                                         kv_cache_mb=2048), model=model)
+    ring = Ring.create(bytearray(GEOM.total_size), GEOM)
+    cpu = serve_engine(ring, cpu_ex.engine(ring), [(p, 24, dict(ignore_eos=True)) for p in prompts])
+    report = {"cpu_executor_vs_reference": [], "cuda_vs_cpu": [], "hostloop_vs_cpu": [], "cuda_vs_hostloop": []}
     for k, p in enumerate(prompts):
-        report["cuda_vs_cpu"].append(_explained(model, p, ref[k], cuda[k]))
-        report["hostloop_vs_cpu"].append(_explained(model, p, ref[k], host[k]))
+        report["cpu_executor_vs_reference"].append(_explained(model, p, ref[k], cpu[k]))
+        report["cuda_vs_cpu"].append(_explained(model, p, cpu[k], cuda[k]))
+        report["hostloop_vs_cpu"].append(_explained(model, p, cpu[k], host[k]))
         report["cuda_vs_hostloop"].append(_explained(model, p, cuda[k], host[k]))
     print("divergences (first index, relative CPU logit gap)", json.dumps(report))
     for pairs in report.values():
