@@ -27,7 +27,7 @@ from shared_layout import ErrorCode, now_ns
 
 from . import openai_api as api
 from . import token_reader
-from .limits import RequestLimits, StallWatch, has_lone_surrogate
+from .limits import RequestLimits, StallWatch, has_lone_surrogate, limit_send_buffer
 from .metrics import FrontendMetrics
 from .openai_api import ApiError, ChatRequest, CompletionRequest
 from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
@@ -231,6 +231,7 @@ class GenerationService:
             watch = StallWatch(asyncio.get_running_loop(), self.request_limits.stall_timeout_s,
                                lambda: self._stalled(request, gen, handle))
         try:
+            limit_send_buffer(request.transport)
             await resp.prepare(request)
             request[STREAM_STARTED] = resp
             async for batch in handle:

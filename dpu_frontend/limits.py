@@ -3,6 +3,9 @@
     FrontendConfig -> RequestLimits (frozen; one per app)
     body bytes -> has_lone_surrogate (JSON "\\ud800" escapes the tokenizer cannot encode)
     arrival -> deadline_s (request_timeout_s) -> queue wait capped by it -> handle aborted at it
+    each SSE stream -> limit_send_buffer: the kernel holds at most ~2 x 64 KiB for it (not the
+        megabytes TCP autotuning allows), asyncio's transport 64 KiB more, the handle a bounded
+        number of tokens (RingClientConfig.max_buffered_tokens)
     each SSE write -> StallWatch: a write blocked longer than stall_timeout_s (the client's
         socket and our bounded buffer are full) -> the request is cancelled and the
         connection dropped, so a reader that stopped never holds a slot or memory
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import socket
 from typing import Any, Callable
 
 from .config import FrontendConfig
@@ -42,6 +46,21 @@ class RequestLimits:
         if deadline_s is None:
             return self.queue_timeout_s
         return max(0.0, min(self.queue_timeout_s, deadline_s - loop.time()))
+
+
+# Kernel send buffer of a streaming connection (Linux doubles it). Token streams need little;
+# a client that stops reading fills it quickly, so the stall watch sees the stall.
+STREAM_SEND_BUFFER_BYTES = 64 << 10
+
+
+def limit_send_buffer(transport: asyncio.BaseTransport | None) -> None:
+    """Cap the kernel's send buffer for this connection (no-op where there is no socket)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
+        except OSError:
+            pass
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
