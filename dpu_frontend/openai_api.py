@@ -256,7 +256,8 @@ def _model(f: _Fields, limits: ApiLimits) -> str | None:
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {_show(model)}", "model")
     if model != limits.served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        shown = model if len(model) <= 100 else model[:97] + "..."
+        raise ApiError(404, f"The model `{shown}` does not exist.", "model")
     return model
 
 
@@ -365,6 +366,8 @@ def _prompt(v: Any, limits: ApiLimits) -> str | tuple[int, ...]:
 # -- /v1/chat/completions -----------------------------------------------------
 
 _ROLES = ("system", "developer", "user", "assistant")
+# Names the template renderer takes itself: a kwarg of the same name would collide with them.
+_RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message", "self")
 
 
 def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
@@ -379,6 +382,10 @@ def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
     kwargs = f.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in _RESERVED_TEMPLATE_KWARGS:
+        if kwargs and key in kwargs:
+            raise bad_request(f"'chat_template_kwargs' may not set '{key}' (it has its own parameter)",
+                              f"chat_template_kwargs.{key}")
     add_generation_prompt = f.bool("add_generation_prompt", True)
     continue_final = f.bool("continue_final_message", False)
     if continue_final and add_generation_prompt and body.get("add_generation_prompt") is True:
