@@ -92,7 +92,9 @@ def children_of(pid: int) -> list[tuple[int, str]]:
 class ServeUnderTest:
     """`blink serve` as the user runs it, on a free port and a private ring."""
 
-    def __init__(self, ring: str, args: list[str], log_path: pathlib.Path, ready_timeout_s: float = 600.0):
+    def __init__(self, ring: str, args: list[str], log_path: pathlib.Path, ready_timeout_s: float = 600.0,
+                 headers: dict[str, str] | None = None):
+        self.headers = headers or {}   # sent with /health and /metrics (an API key on every route)
         self.port = free_port()
         self.ring = ring
         self.base = f"http://127.0.0.1:{self.port}"
@@ -103,7 +105,7 @@ class ServeUnderTest:
         self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + ready_timeout_s
-        while http_get(self.base + "/health", 2)[0] != 200:
+        while http_get(self.base + "/health", 2, self.headers)[0] != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"blink serve did not become healthy; see {log_path}")
@@ -116,7 +118,7 @@ class ServeUnderTest:
         return {"frontend": rss_mib(self.frontend_pid), "daemon": rss_mib(self.daemon_pid)}
 
     def metrics(self) -> dict[str, float]:
-        status, body = http_get(self.base + "/metrics")
+        status, body = http_get(self.base + "/metrics", headers=self.headers)
         return parse_metrics(body.decode()) if status == 200 else {}
 
     def stop(self, timeout_s: float = 60.0) -> int:
