@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--server-cpus", default=None, help="CPUs for every server process (taskset-style list)")
     g.add_argument("--client-cpus", default=None, help="CPUs for this load generator")
     g.add_argument("--no-isolated", action="store_true", help="skip the isolated sweep")
+    g.add_argument("--quiet-busy", type=float, default=None,
+                   help="before each system, wait until every core is less busy than this (e.g. 0.15)")
+    g.add_argument("--quiet-wait-s", type=float, default=600.0,
+                   help="longest total quiet wait over the run (default 600)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="bench/out", help="output folder (default bench/out)")
     g.add_argument("--name", default=None, help="file name stem (default DATE-HOST-bench)")
@@ -188,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
                      model=args.model, server_cpus=server_cpus, client_cpus=client_cpus, server_threads=threads,
                      ready_timeout_s=args.ready_timeout_s, url=args.url, url_model=url_model,
                      blink_args=tuple(args.blink_arg), max_model_len=args.max_model_len,
-                     workdir=pathlib.Path(args.work_dir))
+                     workdir=pathlib.Path(args.work_dir), quiet_busy=args.quiet_busy,
+                     quiet_wait_s=args.quiet_wait_s)
     try:
         tok = load_tokenizer("default")
     except WorkloadError as e:

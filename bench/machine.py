@@ -2,6 +2,7 @@
 
     machine_info() -> {hostname, cpu model, cores, memory, kernel, python, load average, ...}
     cpu_times() before and after a level -> cpu_busy(before, after) -> busy fraction per core
+    wait_quiet(): sample every core's busy fraction until all are below a bound (or time is up)
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import platform
 import socket
 import sys
+import time
 
 
 def _cpu_model() -> str:
@@ -67,3 +69,18 @@ def cpu_busy(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int
         b0, t0 = before.get(cpu, (0, 0))
         out[str(cpu)] = round((b1 - b0) / (t1 - t0), 3) if t1 > t0 else float("nan")
     return out
+
+
+def wait_quiet(max_busy: float, budget_s: float, window_s: float = 3.0) -> tuple[float, dict[str, float]]:
+    """Wait until every core was less than max_busy busy over one window, at most budget_s.
+
+    Returns (seconds waited, the last window's busy fractions).
+    """
+    t0 = time.monotonic()
+    while True:
+        before = cpu_times()
+        time.sleep(window_s)
+        busy = cpu_busy(before, cpu_times())
+        waited = time.monotonic() - t0
+        if not busy or max(busy.values()) < max_busy or waited >= budget_s:
+            return waited, busy

@@ -140,6 +140,15 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
     lines += ["## Per level", ""]
     for run in results["runs"]:
         lines += [f"### {run['system']} / {run['condition']}", ""]
+        q = run.get("quiet_before_system")
+        if q:
+            lines += [f"Before this system started: waited {q['waited_s']:g} s for quiet, CPU busy then "
+                      f"{', '.join(f'{k}: {v:.0%}' for k, v in q['busy'].items())}"
+                      f"{'' if q['quiet'] else ' (not quiet: went on)'}.", ""]
+        flagged = [lv["offered"] for lv in run["levels"] if lv.get("foreign_load")]
+        if flagged:
+            lines += [f"**Foreign load** (a core running nothing of this benchmark was busy) during levels "
+                      f"{', '.join(f'{x:g}' for x in flagged)}: other processes shared the machine.", ""]
         if run.get("error"):
             lines += [f"Error: {run['error']}", ""]
         if not run["levels"]:
@@ -151,6 +160,8 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
             s = lv["summary"]
             busy = " ".join(f"{k}:{v:.0%}" for k, v in (lv.get("cpu_busy") or {}).items()
                             if isinstance(v, float) and math.isfinite(v))
+            if lv.get("foreign_load"):
+                busy += " **foreign load**"
             lines.append(
                 f"| {lv['offered']:g} | {s['completed']}/{s['requests']} | {s['failed']} ({s['timeouts']}) "
                 f"| {_f(s['request_throughput'], 3)} | {_f(s['output_throughput'])} "

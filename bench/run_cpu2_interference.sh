@@ -30,16 +30,17 @@ while awk -v l="$load" -v q="$QUIET_LOAD" 'BEGIN { exit !(l >= q) }' && [ "$wait
   load=$(cut -d' ' -f1 /proc/loadavg)
 done
 if awk -v l="$load" -v q="$QUIET_LOAD" 'BEGIN { exit !(l < q) }'; then
-  quiet="The run started on a quiet machine: 1-minute load average $load (< $QUIET_LOAD) after waiting ${waited} s."
+  quiet="The run started on a quiet machine (1-minute load average $load < $QUIET_LOAD, after waiting ${waited} s); before each system it waited again until every core was under 15 % busy (at most 15 min in all). Other engineers' tests may still have run during it: levels marked **foreign load** had CPU 1 busy in an isolated sweep, where nothing of this benchmark runs."
 else
   quiet="The machine never got quiet: after waiting ${waited} s the 1-minute load average was still $load (>= $QUIET_LOAD); other engineers' tests ran at the same time, so absolute numbers are noisy. Ratios within one system (colocated / isolated) and between systems measured minutes apart are still comparable only roughly."
 fi
 echo "$quiet" >&2
 
-# 15 s per level plus at most 20 s of drain, 2 warm-up requests: the four systems, both
-# conditions and vLLM's start (2-4 min of compilation on one core) fit in about 25 minutes.
-exec "${PYTHON:-.venv/bin/python}" -m dpu_frontend.cli bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-15}" \
-  --drain-s "${DRAIN_S:-20}" --warmup-requests 2 \
+# 30 s per level plus at most 20 s of drain, 2 warm-up requests: the four systems, both
+# conditions and vLLM's start (1.5-4 min of compilation on one core) take about 23 minutes,
+# plus the quiet waits.
+exec "${PYTHON:-.venv/bin/python}" -m dpu_frontend.cli bench --systems "$SYSTEMS" --preset cpu2 --duration-s "${DURATION_S:-30}" \
+  --drain-s "${DRAIN_S:-20}" --warmup-requests 2 --quiet-busy 0.15 --quiet-wait-s 900 \
   --server-cpus 0 --client-cpus 0 --server-threads 1 \
   --interferer "pbzip2:1@1+compile:1@1" --slo "ttft:2000,tpot:200" \
   --out "$OUT" --name "$NAME" --notes "$quiet ${NOTES:-}" "$@"

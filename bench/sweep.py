@@ -29,7 +29,7 @@ from . import analysis, stages
 from .client import Endpoint
 from .interference import (InterferenceError, InterfererSpec, format_cpus, missing_reason, start_interferer)
 from .load import LoadConfig, LevelResult, new_session, run_level, warm_up
-from .machine import cpu_busy, cpu_times, machine_info
+from .machine import cpu_busy, cpu_times, machine_info, wait_quiet
 from .metrics import RequestRecord, Slo, summarize
 from .progress import Progress
 from .servers import RunningServer, ServerError, ServerSpec, http_get, server_spec, start_server, wait_ready
@@ -67,6 +67,9 @@ class BenchPlan:
     blink_args: tuple[str, ...] = ()
     max_model_len: int = 2048
     pool_size: int = 256                   # distinct prompts prepared (cycled beyond)
+    quiet_busy: float | None = None        # before each system, wait until every core is below this busy
+    quiet_wait_s: float = 0.0              # ... for at most this long in the whole run
+    foreign_busy: float = 0.25             # an idle core busier than this in an isolated level is flagged
     workdir: pathlib.Path = pathlib.Path(tempfile.gettempdir()) / "blink-bench"   # interferer inputs, server logs
 
 
@@ -96,6 +99,7 @@ class Runner:
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self.out_dir = out_dir or pathlib.Path("bench/out")
         self.pool: list[WorkRequest] = []
+        self.quiet_waited_s = 0.0
 
     def _count_tokens(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False))
@@ -149,9 +153,21 @@ class Runner:
         return server_spec(system, model=plan.model, cpus=plan.server_cpus, threads=plan.server_threads,
                            max_model_len=plan.max_model_len, blink_args=plan.blink_args)
 
+    def _wait_quiet(self) -> dict | None:
+        plan = self.plan
+        if plan.quiet_busy is None:
+            return None
+        left = max(0.0, plan.quiet_wait_s - self.quiet_waited_s)
+        waited, busy = wait_quiet(plan.quiet_busy, left)
+        self.quiet_waited_s += waited
+        quiet = bool(busy) and max(busy.values()) < plan.quiet_busy
+        self.log(f"quiet wait: {waited:.0f} s, CPU busy {busy} ({'quiet' if quiet else 'NOT quiet, going on'})")
+        return {"waited_s": round(waited, 1), "busy": busy, "quiet": quiet, "max_busy": plan.quiet_busy}
+
     def _run_system(self, spec: ServerSpec, conditions: list[Condition], skipped: list) -> list[dict]:
         server: RunningServer | None = None
         runs = []
+        quiet = self._wait_quiet()
         try:
             if spec.system != "url":
                 log_path = self.plan.workdir / "logs" / f"{spec.system}-{int(time.time())}.log"
@@ -163,6 +179,7 @@ class Runner:
                 self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
             for cond in conditions:
                 runs.append(self._run_condition(spec, server, cond))
+                runs[-1]["quiet_before_system"] = quiet
         except ServerError as e:
             self.log(f"SKIPPED system {spec.system}: {e}")
             skipped.append({"system": spec.system, "reason": str(e)})
@@ -234,10 +251,22 @@ class Runner:
         after = await asyncio.to_thread(_scrape, spec.base_url, spec.metrics_path)
         bar.close()
         summary = summarize(res.records, res.duration_s, plan.slo)
+        busy = cpu_busy(cpu0, cpu1)
         return {"offered": level, "t_start_unix": res.t_start_unix, "summary": summary.as_dict(),
+                "foreign_load": self._foreign(busy, cond),
                 "stages": stages.stage_budget(before, after) if before is not None and after is not None else None,
-                "cpu_busy": cpu_busy(cpu0, cpu1), "loadavg_1m": round(os.getloadavg()[0], 2),
+                "cpu_busy": busy, "loadavg_1m": round(os.getloadavg()[0], 2),
                 "requests": [record_dict(r) for r in res.records]}
+
+
+    def _foreign(self, busy: dict[str, float], cond: Condition) -> bool | None:
+        """In an isolated level, was a core that runs nothing of this benchmark busy? None: cannot tell."""
+        plan = self.plan
+        if cond.colocated or plan.server_cpus is None or plan.client_cpus is None:
+            return None
+        ours = set(plan.server_cpus) | set(plan.client_cpus)
+        idle = [v for k, v in busy.items() if int(k) not in ours and math.isfinite(v)]
+        return any(v > plan.foreign_busy for v in idle) if idle else None
 
 
 def _points(run: dict) -> list[analysis.LevelPoint]:
