@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (prompt + output) to serve; default the model's, capped by the KV pool")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the cpu executor (default: all cores but one)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="weights and KV cache of the cpu executor; auto: bfloat16 where the CPU computes it "
+                        "natively (avx512_bf16 / amx), else float32")
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=2.0,
                    help="on SIGTERM, in-flight requests get this long to finish before they are aborted")
     p.add_argument("--policy-trace", default=None, metavar="PATH",
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     options = ExecutorOptions(model=args.model, max_batch_size=args.max_batch_size,
                               max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
-                              threads=args.threads, shutdown_grace_s=args.shutdown_grace_s,
+                              threads=args.threads, dtype=args.dtype, shutdown_grace_s=args.shutdown_grace_s,
                               policy_trace=args.policy_trace)
     try:
         rdma = rdma_server.config_from_args(args)      # before the model loads: no RDMA, one line

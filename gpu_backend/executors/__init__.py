@@ -47,6 +47,7 @@ class ExecutorOptions:
     kv_cache_mb: int | None = None
     max_model_len: int | None = None
     threads: int | None = None
+    dtype: str = "auto"                 # cpu executor: auto | float32 | bfloat16
     shutdown_grace_s: float = 2.0
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
 

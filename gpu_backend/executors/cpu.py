@@ -80,6 +80,23 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def resolve_dtype(name: str) -> torch.dtype:
+    """--dtype: auto picks bfloat16 where the CPU has native bf16 math (2-3x faster decode
+    linears than float32 on such a CPU, half the weight and KV bytes), else float32."""
+    if name == "auto":
+        name = "bfloat16" if cpu_has_native_bf16() else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 class CpuExecutor:
     name = "cpu"
 
@@ -88,7 +105,7 @@ class CpuExecutor:
         torch.set_num_threads(options.threads or default_threads())
         if model is None:
             from ..model.loader import load_model
-            model = load_model(options.model).model
+            model = load_model(options.model, dtype=resolve_dtype(options.dtype)).model
         self.model = model
         self.options = options
         cfg = model.config

@@ -27,7 +27,8 @@ def test_smollm2_greedy_through_the_daemon_equals_reference(ring_name):
     chats = ["What is the capital of France?", "Name three colors.", "Count from one to five."]
     prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
     proc = start_daemon(ring_name, "--model", "default", "--kv-cache-mb", "64", "--max-batch-size", "4",
-                         "--threads", "1")   # one intra-op thread: the CI box is shared
+                         "--threads", "1",   # one intra-op thread: the CI box is shared
+                         "--dtype", "float32")   # the reference below computes in float32
     # start_daemon passes --model null first; the later --model wins in argparse
     try:
         ring = wait_ready(ring_name, proc, timeout_s=120)
