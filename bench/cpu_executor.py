@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
+                    help="weights and KV of both the executor and the baseline loop")
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--prompts", default="128,512,2048")
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompts.split(",")]
     rng = random.Random(0)
-    model = load_model(args.model).model
+    from gpu_backend.executors.cpu import resolve_dtype
+    model = load_model(args.model, dtype=resolve_dtype(args.dtype)).model
     vocab = model.config.vocab_size
     load_before = os.getloadavg()
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     ttft = {n: min(v) for n, v in runs["ttft"].items()}
 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    argv_used = ["--threads", str(torch.get_num_threads()), "--batches", args.batches, "--prompts", args.prompts,
+    argv_used = ["--threads", str(torch.get_num_threads()), "--dtype", args.dtype, "--batches", args.batches, "--prompts", args.prompts,
                  "--decode-tokens", str(args.decode_tokens), "--reps", str(args.reps), "--date", args.date, "--machine", args.machine]
     result = {
         "bench": "cpu_executor", "date": args.date, "machine": args.machine,
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{args.date}-{args.machine}-cpu_executor"
+    suffix = "" if model.dtype == torch.float32 else "-" + str(model.dtype).removeprefix("torch.")
+    stem = out / f"{args.date}-{args.machine}-cpu_executor{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(result, batches, prompt_lens))
     print(stem.with_suffix(".md").read_text())
