@@ -119,14 +119,14 @@ def test_no_key_in_argv_no_prompt_or_key_in_logs_loopback_and_ring_0600(keyed):
 
 @pytest.mark.slow
 def test_auth_all_routes_and_log_prompts(tmp_path):
-    # serve checks /health itself: with --auth-all-routes it must send the key too, so it still gets ready.
-    os.environ["BLINK_API_KEY"] = KEY
+    # --api-key on serve's own command line: the frontend child gets it through its environment.
+    # serve probes /health itself: with --auth-all-routes it sends the key, so it still gets ready.
+    s = ServeUnderTest(f"blink-test-sec2-{os.getpid()}",
+                       ["--model", "null", "--api-key", KEY, "--auth-all-routes", "--log-prompts"],
+                       tmp_path / "serve.log", ready_timeout_s=120, headers={"Authorization": f"Bearer {KEY}"})
     try:
-        s = ServeUnderTest(f"blink-test-sec2-{os.getpid()}", ["--model", "null", "--auth-all-routes", "--log-prompts"],
-                           tmp_path / "serve.log", ready_timeout_s=120, headers={"Authorization": f"Bearer {KEY}"})
-    finally:
-        del os.environ["BLINK_API_KEY"]
-    try:
+        with open(f"/proc/{s.frontend_pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
         auth_header = {"Authorization": f"Bearer {KEY}"}
         for path in ("/health", "/metrics", "/openapi.json", "/v1/models"):
             assert http_get(s.base + path)[0] == 401, path
