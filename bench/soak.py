@@ -36,7 +36,7 @@ from .reliability import (HealthProbe, MemorySampler, Outcome, ServeUnderTest, c
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
-# kind -> (weight, outcomes that are correct for it). 429 is correct for anything under load.
+# kind -> (weight, outcomes that are correct for it). 429 and 504 are correct for anything under load.
 KINDS = {
     "stream": (30, {"ok"}),
     "plain": (15, {"ok"}),
@@ -48,7 +48,7 @@ KINDS = {
     "bad_param": (5, {"bad_request"}),
     "bad_token": (5, {"bad_request"}),
 }
-ALWAYS_FINE = {"rejected_429"}
+ALWAYS_FINE = {"rejected_429", "deadline_504"}   # ended properly: overloaded, not lost
 
 
 def parse_args(argv=None) -> argparse.Namespace:
