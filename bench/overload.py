@@ -3,7 +3,9 @@
     start blink serve (bounded: --slots, --max-queue, --queue-timeout-s, --request-timeout-s)
     -> baseline: a light load, latency of an unloaded server
     -> ramp: open-loop levels (evenly spaced arrivals), each drained; saturation = the best
-       rate of completed requests over the levels (stops past the knee)
+       steady rate of completed requests over the levels (stops once a level falls short of
+       its offered rate and no longer beats the best before it by 10%: batching keeps adding
+       throughput past the first shortfall)
     -> overload: `factor` x saturation for `duration_s`, while /health is probed every
        0.5 s and resident memory sampled every 2 s
     -> recovery: the light load again; how long until requests complete at baseline latency
@@ -45,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="default (SmolLM2 on the CPU executor) | null (echo)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--ramp", default="0.25,0.5,1,2,4,8", help="offered req/s levels of the saturation ramp")
+    p.add_argument("--ramp", default="0.25,0.5,1,2,4,8,16,32", help="offered req/s levels of the saturation ramp")
     p.add_argument("--ramp-level-s", type=float, default=30.0)
     p.add_argument("--factor", type=float, default=3.0, help="overload = factor x saturation")
     p.add_argument("--duration-s", type=float, default=300.0, help="length of the overload phase")
@@ -162,8 +164,9 @@ async def run(args) -> dict:
                 print(f"ramp {rate:g} req/s: {stats['steady_completed_per_s']:.2f} completed/s in steady state, "
                       f"{stats['outcomes']}", file=sys.stderr, flush=True)
                 await settle(serve, geometry)
-                if stats["steady_completed_per_s"] < 0.8 * rate:
-                    break   # past the knee: higher levels only queue more
+                best_before = max((lv["steady_completed_per_s"] for lv in levels[:-1]), default=0.0)
+                if stats["steady_completed_per_s"] < 0.8 * rate and stats["steady_completed_per_s"] < 1.1 * best_before:
+                    break   # past the knee and no longer growing (bigger batches can still add throughput)
             saturation = max(lv["steady_completed_per_s"] for lv in levels)
             light = max(0.05, args.light_fraction * saturation)
             overload = args.factor * saturation
