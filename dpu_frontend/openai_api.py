@@ -257,6 +257,7 @@ def _model(f: _Fields, limits: ApiLimits) -> str | None:
         raise bad_request(f"'model' must be a string, got {_show(model)}", "model")
     if model != limits.served_model:
         shown = model if len(model) <= 100 else model[:97] + "..."
+        shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")   # lone surrogates stay printable
         raise ApiError(404, f"The model `{shown}` does not exist.", "model")
     return model
 
