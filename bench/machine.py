@@ -71,16 +71,17 @@ def cpu_busy(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int
     return out
 
 
-def wait_quiet(max_busy: float, budget_s: float, window_s: float = 3.0) -> tuple[float, dict[str, float]]:
-    """Wait until every core was less than max_busy busy over one window, at most budget_s.
+def wait_quiet(max_busy: float, budget_s: float, window_s: float = 3.0,
+               cores: set[int] | None = None) -> tuple[float, dict[str, float]]:
+    """Wait until every core (of `cores`; None: all) was under max_busy over one window, at most budget_s.
 
-    Returns (seconds waited, the last window's busy fractions).
+    Returns (seconds waited, the last window's busy fractions of the cores watched).
     """
     t0 = time.monotonic()
     while True:
         before = cpu_times()
         time.sleep(window_s)
-        busy = cpu_busy(before, cpu_times())
+        busy = {k: v for k, v in cpu_busy(before, cpu_times()).items() if cores is None or int(k) in cores}
         waited = time.monotonic() - t0
         if not busy or max(busy.values()) < max_busy or waited >= budget_s:
             return waited, busy

@@ -145,6 +145,11 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
             lines += [f"Before this system started: waited {q['waited_s']:g} s for quiet, CPU busy then "
                       f"{', '.join(f'{k}: {v:.0%}' for k, v in q['busy'].items())}"
                       f"{'' if q['quiet'] else ' (not quiet: went on)'}.", ""]
+        qs = run.get("quiet_before_sweep")
+        if qs:
+            lines += [f"Before this sweep: waited {qs['waited_s']:g} s for the idle cores "
+                      f"({', '.join(f'{k}: {v:.0%}' for k, v in qs['busy'].items())})"
+                      f"{'' if qs['quiet'] else ' (not quiet: went on)'}.", ""]
         flagged = [lv["offered"] for lv in run["levels"] if lv.get("foreign_load")]
         if flagged:
             lines += [f"**Foreign load** (a core running nothing of this benchmark was busy) during levels "

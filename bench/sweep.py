@@ -27,7 +27,8 @@ from typing import Callable
 
 from . import analysis, stages
 from .client import Endpoint
-from .interference import (InterferenceError, InterfererSpec, format_cpus, missing_reason, start_interferer)
+from .interference import (ALL_CPUS, InterferenceError, InterfererSpec, format_cpus, missing_reason,
+                           start_interferer)
 from .load import LoadConfig, LevelResult, new_session, run_level, warm_up
 from .machine import cpu_busy, cpu_times, machine_info, wait_quiet
 from .metrics import RequestRecord, Slo, summarize
@@ -153,12 +154,19 @@ class Runner:
         return server_spec(system, model=plan.model, cpus=plan.server_cpus, threads=plan.server_threads,
                            max_model_len=plan.max_model_len, blink_args=plan.blink_args)
 
-    def _wait_quiet(self) -> dict | None:
+    def _idle_cores(self) -> set[int] | None:
+        """Cores that run nothing of this benchmark in an isolated sweep (None: cannot tell)."""
+        plan = self.plan
+        if plan.server_cpus is None or plan.client_cpus is None:
+            return None
+        return set(ALL_CPUS) - set(plan.server_cpus) - set(plan.client_cpus) or None
+
+    def _wait_quiet(self, cores: set[int] | None = None) -> dict | None:
         plan = self.plan
         if plan.quiet_busy is None:
             return None
         left = max(0.0, plan.quiet_wait_s - self.quiet_waited_s)
-        waited, busy = wait_quiet(plan.quiet_busy, left)
+        waited, busy = wait_quiet(plan.quiet_busy, left, cores=cores)
         self.quiet_waited_s += waited
         quiet = bool(busy) and max(busy.values()) < plan.quiet_busy
         self.log(f"quiet wait: {waited:.0f} s, CPU busy {busy} ({'quiet' if quiet else 'NOT quiet, going on'})")
@@ -178,8 +186,11 @@ class Runner:
                                             spec.health_path)
                 self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
             for cond in conditions:
+                # An isolated sweep also waits for the cores it leaves idle to be idle.
+                before = self._wait_quiet(self._idle_cores()) if not cond.colocated and self._idle_cores() else None
                 runs.append(self._run_condition(spec, server, cond))
                 runs[-1]["quiet_before_system"] = quiet
+                runs[-1]["quiet_before_sweep"] = before
         except ServerError as e:
             self.log(f"SKIPPED system {spec.system}: {e}")
             skipped.append({"system": spec.system, "reason": str(e)})
@@ -264,8 +275,8 @@ class Runner:
         plan = self.plan
         if cond.colocated or plan.server_cpus is None or plan.client_cpus is None:
             return None
-        ours = set(plan.server_cpus) | set(plan.client_cpus)
-        idle = [v for k, v in busy.items() if int(k) not in ours and math.isfinite(v)]
+        idle_cores = self._idle_cores() or set()
+        idle = [v for k, v in busy.items() if int(k) in idle_cores and math.isfinite(v)]
         return any(v > plan.foreign_busy for v in idle) if idle else None
 
 
