@@ -332,9 +332,17 @@ class MemorySampler:
             after = [v for t, v in series if t >= warmup_s] or [series[-1][1]]
             first = after[:max(1, len(after) // 10)]
             last = after[-max(1, len(after) // 10):]
+            t_end = series[-1][0]
+            thirds = [[v for t, v in series if lo <= t <= hi] or [series[-1][1]]
+                      for lo, hi in ((warmup_s, warmup_s + (t_end - warmup_s) / 3),
+                                     (t_end - (t_end - warmup_s) / 3, t_end))]
             out[name] = {"start_mib": round(series[0][1], 1), "after_warmup_mib": round(float(np.median(first)), 1),
                          "end_mib": round(float(np.median(last)), 1), "peak_mib": round(max(v for _, v in series), 1),
-                         "growth_after_warmup_mib": round(float(np.median(last) - np.median(first)), 1)}
+                         "growth_after_warmup_mib": round(float(np.median(last) - np.median(first)), 1),
+                         # growth within the first and the last third after warm-up: a cache filling up
+                         # slows down (last << first), a leak keeps its pace
+                         "growth_first_third_mib": round(float(thirds[0][-1] - thirds[0][0]), 1),
+                         "growth_last_third_mib": round(float(thirds[1][-1] - thirds[1][0]), 1)}
         return out
 
 

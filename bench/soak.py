@@ -240,7 +240,9 @@ def markdown(r: dict) -> str:
     for name, mm in r["memory"].items():
         lines.append(f"- {name} resident memory: start {mm['start_mib']} MiB, after warm-up ({a['warmup_s']:g} s) "
                      f"{mm['after_warmup_mib']} MiB, end {mm['end_mib']} MiB, peak {mm['peak_mib']} MiB (growth after "
-                     f"warm-up {mm['growth_after_warmup_mib']} MiB).")
+                     f"warm-up {mm['growth_after_warmup_mib']} MiB; within the first third after warm-up "
+                     f"{mm.get('growth_first_third_mib', '?')} MiB, within the last third "
+                     f"{mm.get('growth_last_third_mib', '?')} MiB)." + _trend(mm))
     lk = r["leak_check"]
     lines += [f"- Leak check at the end (frontend /metrics, {lk['settle_s']} s to settle): slots {lk['slots_by_state']}, "
               f"held {lk['held_slots']:g}, in flight {lk['inflight']:g}, queued {lk['queue_depth']:g}, arena tokens "
@@ -249,6 +251,27 @@ def markdown(r: dict) -> str:
               "field), so a KV leak is not checked here; tests/reliability checks the engine's allocator in process.",
               "", f"Reproduce: `.venv/bin/{r['command']}` ({r['wall_s']:.0f} s wall).", ""]
     return "\n".join(lines)
+
+
+def _trend(mm: dict) -> str:
+    first, last = mm.get("growth_first_third_mib"), mm.get("growth_last_third_mib")
+    if first is None or last is None or mm["growth_after_warmup_mib"] <= 16:
+        return ""
+    if last <= 0.25 * max(first, 1e-9):
+        return (" The growth slowed to a near-plateau: the pattern of caches filling up (shape-keyed kernel "
+                "caches, allocator arenas), not of a steady leak (not verified here: no per-cache accounting).")
+    return " The growth kept its pace: a leak candidate."
+
+
+def rerender(json_path: pathlib.Path) -> None:
+    """Recompute the memory summary from the saved samples and rewrite the markdown beside the JSON."""
+    r = json.loads(json_path.read_text())
+    sampler = MemorySampler.__new__(MemorySampler)
+    sampler.samples = [tuple(x) for x in r["memory_samples"]]
+    r["memory"] = sampler.summary(r["args"]["warmup_s"])
+    r["verdict"] = verdict(r)
+    json_path.write_text(json.dumps(r, indent=1, default=str) + "\n")
+    json_path.with_suffix(".md").write_text(markdown(r))
 
 
 def main(argv=None) -> int:
