@@ -82,6 +82,12 @@ class Engine:
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
         self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
+        ring.set("kv_blocks_total", config.num_blocks)
+        self._publish_kv()
+
+    def _publish_kv(self) -> None:
+        """Free KV blocks into the header, where the frontend's /metrics shows them (leak checks)."""
+        self.ring.set("kv_blocks_free", self.allocator.free_count)
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> bool:
@@ -101,6 +107,7 @@ class Engine:
             self.scenario.record(inp, plan)
         self._preempt(plan.preempted)
         if plan.kind == StepKind.IDLE:
+            self._publish_kv()
             return bool(plan.preempted)
         batch = self._schedule(plan)
         self.steps += 1
@@ -114,8 +121,10 @@ class Engine:
             log.exception("executor step failed; ending its %d requests with ERROR/INTERNAL", len(batch.chunks))
             for c in batch.chunks:
                 self._finish(c.seq, FinishReason.ERROR, ErrorCode.INTERNAL)
+            self._publish_kv()
             return True
         self._postprocess(batch, tokens)
+        self._publish_kv()
         return True
 
     def _policy_input(self) -> PolicyInput:

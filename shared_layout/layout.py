@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 SECTION_ALIGN = 256       # bytes; keeps arenas aligned for vector loads and RDMA
 DEFAULT_SLOTS = 4096      # paper §4.2
@@ -62,7 +62,8 @@ HEADER_FIELDS = [
     ("model_vocab_size", "u32", 1, "published by the backend before READY"),
     ("model_max_len", "u32", 1, "context length (prompt + output), published before READY"),
     ("backend_pid", "u32", 1, "daemon process id (0 on the device-only path)"),
-    ("reserved0", "u32", 1, "zero"),
+    ("kv_blocks_total", "u32", 1, "KV cache blocks in the daemon's pool (0: not reported)"),
+    ("kv_blocks_free", "u32", 1, "KV blocks free after the daemon's latest step"),
 ]
 
 SLOT_FIELDS = [

@@ -19,7 +19,7 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 1u
+#define BLINK_LAYOUT_VERSION 2u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
@@ -87,8 +87,9 @@ typedef struct BLINK_ALIGN8 blink_ring_header {
     uint32_t model_vocab_size;  /* @112: published by the backend before READY */
     uint32_t model_max_len;  /* @116: context length (prompt + output), published before READY */
     uint32_t backend_pid;  /* @120: daemon process id (0 on the device-only path) */
-    uint32_t reserved0;  /* @124: zero */
-    uint8_t _pad0[128];
+    uint32_t kv_blocks_total;  /* @124: KV cache blocks in the daemon's pool (0: not reported) */
+    uint32_t kv_blocks_free;  /* @128: KV blocks free after the daemon's latest step */
+    uint8_t _pad0[124];
 } blink_ring_header_t;
 
 BLINK_STATIC_ASSERT(sizeof(blink_ring_header_t) == 256, "blink_ring_header size");
@@ -112,7 +113,8 @@ BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, shutdown) == 108, "blink_ring_
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_vocab_size) == 112, "blink_ring_header.model_vocab_size offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 116, "blink_ring_header.model_max_len offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 120, "blink_ring_header.backend_pid offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, reserved0) == 124, "blink_ring_header.reserved0 offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 124, "blink_ring_header.kv_blocks_total offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 128, "blink_ring_header.kv_blocks_free offset");
 
 typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t state;  /* @0: SlotState */

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from shared_layout import HEADER, SLOT, LayoutMismatch, Ring, RingGeometry
+from shared_layout import HEADER, LAYOUT_VERSION, SLOT, LayoutMismatch, Ring, RingGeometry
 from shared_layout.layout import HEADER_FIELDS, SLOT_FIELDS, SECTION_ALIGN
 
 
@@ -67,7 +67,7 @@ def test_attach_rejects_mismatches_with_one_clear_message():
     ring.set("layout_version", 99)
     with pytest.raises(LayoutMismatch, match="layout version 99"):
         Ring.attach(buf)
-    ring.set("layout_version", 1)
+    ring.set("layout_version", LAYOUT_VERSION)
     ring.set("slot_size", 7)
     with pytest.raises(LayoutMismatch, match="slot_size is 7 bytes"):
         Ring.attach(buf)
