@@ -34,6 +34,8 @@ class HealthMonitor:
         self.backend_pid = 0
         self.model_max_len = 0
         self.vocab_size = 0
+        self.kv_blocks_total = 0           # the daemon's KV pool (0: not reported)
+        self.kv_blocks_free = 0
         self._beat: int | None = None
         self._beat_seen_s = 0.0
 
@@ -57,6 +59,8 @@ class HealthMonitor:
         self.backend_pid = int(header["backend_pid"])
         self.model_max_len = int(header["model_max_len"])
         self.vocab_size = int(header["model_vocab_size"])
+        self.kv_blocks_total = int(header["kv_blocks_total"])
+        self.kv_blocks_free = int(header["kv_blocks_free"])
 
     def heartbeat_age_s(self, now_s: float | None = None) -> float | None:
         if self._beat is None:

@@ -139,7 +139,9 @@ class FrontendMetrics:
                 ("inflight", "blink_requests_inflight", "Requests with a listener, holding a slot."),
                 ("held_slots", "blink_held_slots", "Slots this frontend submitted and has not reset yet."),
                 ("output_arena_free_tokens", "blink_output_arena_free_tokens", "Output arena tokens free."),
-                ("prompt_arena_free_tokens", "blink_prompt_arena_free_tokens", "Prompt arena tokens free.")):
+                ("prompt_arena_free_tokens", "blink_prompt_arena_free_tokens", "Prompt arena tokens free."),
+                ("kv_blocks_total", "blink_kv_blocks_total", "KV cache blocks in the daemon's pool (0: not reported)."),
+                ("kv_blocks_free", "blink_kv_blocks_free", "KV cache blocks free after the daemon's latest step.")):
             if key in stats:
                 lines += _gauge(name, help_text, [({}, float(stats[key]))])
         if health is not None:

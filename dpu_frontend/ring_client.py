@@ -184,6 +184,8 @@ class RingClient:
             "prompt_arena_used_tokens": s.geom.prompt_arena_tokens - s.prompts.free_tokens if s else 0,
             "output_arena_used_tokens": s.geom.output_arena_tokens - s.outputs.free_tokens if s else 0,
             "frontend_epoch": s.epoch if s else 0,
+            "kv_blocks_total": self._health.kv_blocks_total if self._health else 0,
+            "kv_blocks_free": self._health.kv_blocks_free if self._health else 0,
             "attach_total": self._attaches,
             "backend": dataclasses.asdict(h),
             "submitted_total": self._submitted,

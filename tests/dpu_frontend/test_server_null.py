@@ -243,6 +243,9 @@ async def test_100_disconnects_mid_stream_leave_nothing_behind(server):
     assert metric(page, "blink_held_slots") == 0
     # every prompt and output arena range came back (default ring: 4M tokens each)
     assert metric(page, "blink_prompt_arena_free_tokens") == metric(page, "blink_output_arena_free_tokens") == 1 << 22
+    # and every KV block of the daemon's pool (published in the ring header)
+    assert metric(page, "blink_kv_blocks_total") > 0
+    assert metric(page, "blink_kv_blocks_free") == metric(page, "blink_kv_blocks_total")
     assert _count(page, "client_disconnect") - gone0 > 50   # most really left mid-stream
     r = await asyncio.to_thread(http_get, server.base + "/health")
     assert r[0] == 200
