@@ -293,7 +293,9 @@ def markdown(r: dict) -> str:
     lk = r["leak_check"]
     lines.append(f"- Leak check after the run (frontend /metrics, {lk['settle_s']} s to settle): slots {lk['slots_by_state']}, "
                  f"held {lk['held_slots']:g}, in flight {lk['inflight']:g}, queued {lk['queue_depth']:g}, arena tokens "
-                 f"used {lk['prompt_arena_used_tokens']:g} prompt / {lk['output_arena_used_tokens']:g} output.")
+                 f"used {lk['prompt_arena_used_tokens']:g} prompt / {lk['output_arena_used_tokens']:g} output"
+                 + (f"; KV blocks used {lk['kv_blocks_used']:g} of {lk['kv_blocks_total']} (ring header)."
+                    if lk.get("kv_blocks_total") else "; KV blocks not reported by this daemon."))
     lines += ["", f"Reproduce: `.venv/bin/{r['command']}` ({r['wall_s']:.0f} s wall).", ""]
     return "\n".join(lines)
 

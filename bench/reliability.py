@@ -9,7 +9,8 @@ one classified request, and the watchers that run beside the load.
         a 5xx that is not 503/504, a broken stream the server did not end)
     HealthProbe: GET /health every interval; answered, latency, status
     MemorySampler: VmRSS of the frontend and the daemon from /proc
-    settle(base): /metrics once nothing is queued, held or in flight -> the leak check
+    settle(base): /metrics once nothing is queued, held or in flight, and the daemon's
+        KV-block words in the ring header (layout v2) say every block is free -> the leak check
 
 Everything here is plain asyncio + aiohttp and /proc; nothing is mocked.
 """
@@ -146,8 +147,24 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def leak_check(m: dict[str, float], geometry: dict[str, int]) -> dict:
-    """What /metrics says is still held once the server is idle; `clean` when nothing is."""
+def backend_kv_blocks(ring: str) -> tuple[int, int] | None:
+    """(total, free) KV blocks as the daemon publishes them in the ring header; None where the
+    ring has no such words (layout v1) or the daemon reports none."""
+    from shared_layout.layout import HEADER, HEADER_DTYPE
+    if "kv_blocks_total" not in HEADER_DTYPE.names:
+        return None
+    try:
+        with open(f"/dev/shm/{ring}", "rb") as f:
+            header = np.frombuffer(f.read(HEADER.size), HEADER_DTYPE, 1)[0]
+    except OSError:
+        return None
+    total, free = int(header["kv_blocks_total"]), int(header["kv_blocks_free"])
+    return (total, free) if total else None
+
+
+def leak_check(m: dict[str, float], geometry: dict[str, int], kv: tuple[int, int] | None = None) -> dict:
+    """What /metrics (and the ring header's KV words) say is still held once the server is idle;
+    `clean` when nothing is."""
     slots = {k[len('blink_slots{state="'):-2]: v for k, v in m.items() if k.startswith("blink_slots{")}
     held = {
         "non_empty_slots": sum(v for s, v in slots.items() if s != "EMPTY"),
@@ -157,14 +174,17 @@ def leak_check(m: dict[str, float], geometry: dict[str, int]) -> dict:
         "prompt_arena_used_tokens": geometry["prompt_arena_tokens"] - m.get("blink_prompt_arena_free_tokens", -1),
         "output_arena_used_tokens": geometry["output_arena_tokens"] - m.get("blink_output_arena_free_tokens", -1),
     }
-    return {"slots_by_state": slots, **held, "clean": all(v == 0 for v in held.values())}
+    if kv is not None:
+        held["kv_blocks_used"] = kv[0] - kv[1]
+    return {"slots_by_state": slots, **held, "kv_blocks_total": kv[0] if kv else None,
+            "clean": all(v == 0 for v in held.values())}
 
 
 async def settle(serve: ServeUnderTest, geometry: dict[str, int], timeout_s: float = 60.0) -> tuple[dict, float]:
     """Wait until /metrics shows nothing held; (leak check, seconds it took)."""
     t0 = time.monotonic()
     while True:
-        check = leak_check(await asyncio.to_thread(serve.metrics), geometry)
+        check = leak_check(await asyncio.to_thread(serve.metrics), geometry, backend_kv_blocks(serve.ring))
         if check["clean"] or time.monotonic() - t0 > timeout_s:
             return check, time.monotonic() - t0
         await asyncio.sleep(0.25)

@@ -246,9 +246,11 @@ def markdown(r: dict) -> str:
     lk = r["leak_check"]
     lines += [f"- Leak check at the end (frontend /metrics, {lk['settle_s']} s to settle): slots {lk['slots_by_state']}, "
               f"held {lk['held_slots']:g}, in flight {lk['inflight']:g}, queued {lk['queue_depth']:g}, arena tokens "
-              f"used {lk['prompt_arena_used_tokens']:g} prompt / {lk['output_arena_used_tokens']:g} output.",
-              "- KV blocks: the daemon exposes no KV-block count the frontend can read (the ring header has no such "
-              "field), so a KV leak is not checked here; tests/reliability checks the engine's allocator in process.",
+              f"used {lk['prompt_arena_used_tokens']:g} prompt / {lk['output_arena_used_tokens']:g} output"
+              + (f"; KV blocks used {lk['kv_blocks_used']:g} of {lk['kv_blocks_total']} (the daemon's words in the "
+                 f"ring header, layout v2)." if lk.get("kv_blocks_total") else
+                 ". KV blocks: this daemon published no KV-block count (ring layout v1), so a KV leak is not checked "
+                 "here; tests/reliability checks the engine's allocator in process."),
               "", f"Reproduce: `.venv/bin/{r['command']}` ({r['wall_s']:.0f} s wall).", ""]
     return "\n".join(lines)
 
