@@ -1,12 +1,10 @@
-"""Fixtures for the CUDA executor's tests: compilers (skip cleanly without
-them), the CPU twin library, and small rings in real shared memory."""
+"""Fixtures for the CUDA executor's tests: nvcc (skip cleanly without it).
+The twin library and shm rings come from tests/gpu_backend/conftest.py."""
 from __future__ import annotations
 
 import pytest
 
 from gpu_backend.cuda import build
-from shared_layout import Ring, RingGeometry
-from shared_layout.shm import ShmRegion
 
 
 @pytest.fixture(scope="session")
@@ -15,26 +13,3 @@ def nvcc():
     if path is None:
         pytest.skip("nvcc not installed")
     return path
-
-
-@pytest.fixture(scope="session")
-def twin_lib():
-    if build.find_gxx() is None:
-        pytest.skip("no g++")
-    from gpu_backend.cuda import twin
-    return twin.lib()
-
-
-@pytest.fixture
-def shm_ring(ring_name):
-    """make(geometry) -> Ring in /dev/shm/<ring_name>; unlinked by ring_name's fixture."""
-    regions = []
-
-    def make(geom: RingGeometry = RingGeometry(64, 1 << 16, 1 << 16)) -> Ring:
-        region = ShmRegion.create(ring_name, geom.total_size)
-        regions.append(region)
-        return Ring.create(region.buf, geom)
-
-    yield make
-    for r in regions:
-        r.close()
