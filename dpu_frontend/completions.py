@@ -206,14 +206,14 @@ class GenerationService:
                 break
         finish, stop_reason = self._finish(detok, handle)
         if finish == "error":
-            self._observe(gen, self._error_outcome(gen), t_first, detok.tokens_seen)
+            self._observe(gen, self._error_outcome(gen), t_first, detok.tokens_seen, handle)
             err = self._error(gen, handle)
             return web.json_response(err.body(), status=err.status, headers=err.headers(), dumps=api.dumps)
         text = detok.text + detok.flush()
         usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
         build = api.chat_body if gen.endpoint.chat else api.completion_body
         body = build(gen.rid, gen.created, self.model, text, finish, stop_reason, usage)
-        self._observe(gen, finish, t_first, detok.tokens_seen)
+        self._observe(gen, finish, t_first, detok.tokens_seen, handle)
         return web.json_response(body, dumps=api.dumps)
 
     async def _stream(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
@@ -305,7 +305,7 @@ class GenerationService:
         finally:
             if watch is not None:
                 watch.close()
-        self._observe(gen, outcome, t_first, detok.tokens_seen)
+        self._observe(gen, outcome, t_first, detok.tokens_seen, handle)
         return resp
 
     @staticmethod
@@ -332,7 +332,8 @@ class GenerationService:
         reason = handle.finish_reason or "abort"
         return reason, None
 
-    def _observe(self, gen: Generation, outcome: str, t_first_ns: int | None, n_tokens: int) -> None:
+    def _observe(self, gen: Generation, outcome: str, t_first_ns: int | None, n_tokens: int,
+                 handle: RequestHandle | None = None) -> None:
         m = self.metrics
         m.outcome(gen.endpoint.name, outcome)
         m.prompt_tokens.inc(by=len(gen.prompt_ids))
@@ -343,6 +344,9 @@ class GenerationService:
             m.ttft.observe((t_first_ns - gen.t_arrival_ns) / 1e9)
             if n_tokens > 1:
                 m.tpot.observe((now - t_first_ns) / 1e9 / (n_tokens - 1))
+        if handle is not None:   # the slot's stamps as the reader last copied them (all of them at completion)
+            m.observe_stages(handle.t_submit_ns, handle.t_picked_ns, handle.t_first_ns, handle.t_last_ns,
+                             self.client.shares_clock)
 
 
 # Why a request the backend ended with an error failed, by the daemon's ErrorCode: the client's

@@ -1,6 +1,7 @@
 """Frontend metrics in the Prometheus text format (exposition 0.0.4), no client library.
 
     handlers -> FrontendMetrics.observe_*(...) (counters, histograms; O(buckets))
+    finished request -> observe_stages(slot timestamps) -> queue wait / prefill / decode
     GET /metrics -> render(ring stats, backend health) -> text
 
 Counters and histograms live here; gauges (slots by state, queue depth,
@@ -22,6 +23,9 @@ E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 
                  30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 TOKENIZE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25, 0.5, 1.0)
+# Queue wait is sub-millisecond on an idle ring and seconds under overload: finer low end than TTFT.
+QUEUE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Request outcomes (the `outcome` label): how each accepted or rejected request ended.
 OUTCOMES = ("stop", "length", "abort", "error", "client_disconnect", "stalled", "timeout",
@@ -120,15 +124,46 @@ class FrontendMetrics:
                              "From request arrival to the last byte, per finished request.", E2E_BUCKETS_S)
         self.tokenize = Histogram("blink_tokenization_seconds",
                                   "Time to render the chat template and tokenize a prompt.", TOKENIZE_BUCKETS_S)
+        # Per-stage budget from the slot's timestamps (bench/stages.py reads these three by name).
+        self.queue_wait = Histogram("blink_queue_wait_seconds",
+                                    "Slot submitted -> backend claims it (t_picked - t_submit); only with a "
+                                    "backend on this host's monotonic clock (shm transport).", QUEUE_BUCKETS_S)
+        self.prefill = Histogram("blink_prefill_seconds",
+                                 "Backend claims the slot -> first token (t_first - t_picked, backend clock).",
+                                 TTFT_BUCKETS_S)
+        self.decode = Histogram("blink_decode_seconds",
+                                "First token -> latest token the frontend saw (t_last - t_first, backend clock).",
+                                E2E_BUCKETS_S)
 
     def outcome(self, endpoint: str, outcome: str) -> None:
         self.requests.inc(endpoint, outcome)
+
+    def observe_stages(self, t_submit_ns: int, t_picked_ns: int, t_first_ns: int, t_last_ns: int,
+                       shares_clock: bool) -> None:
+        """Queue wait, prefill and decode of one finished request, from its slot's timestamps.
+
+        A zero stamp means the stage never happened (cancelled before the claim, no token yet)
+        and a negative span means the stamps are not comparable: neither is observed. Queue wait
+        mixes the frontend's clock (t_submit) with the backend's (t_picked), so it is observed
+        only when both are this host's CLOCK_MONOTONIC (`shares_clock`: shm transport); with a
+        remote backend (verbs) the difference of two machines' clocks is meaningless.
+        """
+        if t_picked_ns <= 0:
+            return
+        if shares_clock and 0 < t_submit_ns <= t_picked_ns:
+            self.queue_wait.observe((t_picked_ns - t_submit_ns) / 1e9)
+        if t_first_ns < t_picked_ns:   # also t_first_ns == 0: no token was generated
+            return
+        self.prefill.observe((t_first_ns - t_picked_ns) / 1e9)
+        if t_last_ns >= t_first_ns:
+            self.decode.observe((t_last_ns - t_first_ns) / 1e9)
 
     def render(self, stats: dict | None, health) -> str:
         """Prometheus text; `stats` from RingClient.stats(), `health` a BackendHealth (or None)."""
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens,
-                       self.ttft, self.tpot, self.e2e, self.tokenize):
+                       self.ttft, self.tpot, self.e2e, self.tokenize, self.queue_wait, self.prefill,
+                       self.decode):
             lines += metric.render()
         stats = stats or {}
         slots = stats.get("slots") or {}

@@ -164,6 +164,13 @@ class RingClient:
     def vocab_size(self) -> int:
         return self._health.vocab_size if self._health else 0
 
+    @property
+    def shares_clock(self) -> bool:
+        """True when the attached backend stamps the ring with this host's monotonic clock
+        (shm transport), so its t_picked_ns compares with our t_submit_ns; False for a
+        remote backend (verbs) or none attached."""
+        return self._health.shares_clock if self._health else False
+
     def stats(self) -> dict:
         """Counters and gauges for /metrics."""
         s = self._session

@@ -61,3 +61,21 @@ def test_stage_budget_is_the_mean_per_request_between_scrapes():
     assert missing_stages([b]) == ["queue_wait", "prefill", "decode", "server_e2e"]
     idle = stage_budget(after, after)
     assert math.isnan(idle["tokenize"]["mean_ms"])
+
+
+def test_stage_budget_reads_the_frontends_own_stage_histograms():
+    """bench/stages.py and dpu_frontend/metrics.py agree on the names and the text format."""
+    from dpu_frontend.metrics import FrontendMetrics
+    m = FrontendMetrics("m")
+    before = parse_histograms(m.render(None, None))
+    ms = 1_000_000
+    m.tokenize.observe(0.001)
+    m.observe_stages(100 * ms, 102 * ms, 112 * ms, 142 * ms, shares_clock=True)
+    m.observe_stages(100 * ms, 104 * ms, 114 * ms, 154 * ms, shares_clock=True)
+    b = stage_budget(before, parse_histograms(m.render(None, None)))
+    assert b["queue_wait"]["metric"] == "blink_queue_wait_seconds" and b["queue_wait"]["count"] == 2
+    assert b["queue_wait"]["mean_ms"] == pytest.approx(3.0)
+    assert b["prefill"]["metric"] == "blink_prefill_seconds" and b["prefill"]["mean_ms"] == pytest.approx(10.0)
+    assert b["decode"]["metric"] == "blink_decode_seconds" and b["decode"]["mean_ms"] == pytest.approx(35.0)
+    assert b["tokenize"]["count"] == 1
+    assert missing_stages([b]) == ["server_ttft", "server_e2e"]

@@ -42,3 +42,51 @@ def test_label_values_are_escaped():
     m = FrontendMetrics("m")
     m.outcome('we"ird\\', "stop")
     assert 'endpoint="we\\"ird\\\\"' in m.render(None, None)
+
+
+def _stage_counts(m: FrontendMetrics) -> tuple[int, int, int]:
+    return m.queue_wait.count(), m.prefill.count(), m.decode.count()
+
+
+def test_stage_histograms_from_slot_timestamps():
+    m = FrontendMetrics("m")
+    ms = 1_000_000
+    m.observe_stages(t_submit_ns=100 * ms, t_picked_ns=103 * ms, t_first_ns=110 * ms, t_last_ns=150 * ms,
+                     shares_clock=True)
+    page = m.render(None, None)
+    assert metric(page, "blink_queue_wait_seconds_count") == 1
+    assert math.isclose(metric(page, "blink_queue_wait_seconds_sum"), 0.003)
+    assert math.isclose(metric(page, "blink_prefill_seconds_sum"), 0.007)
+    assert math.isclose(metric(page, "blink_decode_seconds_sum"), 0.040)
+    assert metric(page, "blink_decode_seconds_bucket", le="+Inf") == 1
+    assert "# TYPE blink_prefill_seconds histogram" in page
+    # One token: decode is 0 s, still observed (the request finished its decode stage).
+    m.observe_stages(100 * ms, 101 * ms, 102 * ms, 102 * ms, True)
+    assert _stage_counts(m) == (2, 2, 2)
+
+
+def test_stage_histograms_skip_garbage():
+    ms = 1_000_000
+    m = FrontendMetrics("m")
+    m.observe_stages(100 * ms, 0, 0, 0, True)                 # cancelled before the backend claimed it
+    m.observe_stages(0, 0, 0, 0, True)                        # nothing stamped at all
+    assert _stage_counts(m) == (0, 0, 0)
+    m.observe_stages(100 * ms, 103 * ms, 0, 103 * ms, True)   # claimed, no token (complete() stamps t_last)
+    assert _stage_counts(m) == (1, 0, 0)
+    m.observe_stages(200 * ms, 103 * ms, 110 * ms, 120 * ms, True)   # picked "before" submit: not comparable
+    assert _stage_counts(m) == (1, 1, 1)
+    m.observe_stages(100 * ms, 103 * ms, 110 * ms, 105 * ms, True)   # last before first: decode skipped
+    assert _stage_counts(m) == (2, 2, 1)
+    m.observe_stages(100 * ms, 90 * ms, 80 * ms, 120 * ms, True)     # first before picked: no prefill/decode
+    assert _stage_counts(m) == (2, 2, 1)
+
+
+def test_queue_wait_needs_a_shared_clock():
+    """A remote backend (verbs) stamps t_picked on another machine's clock: no queue wait,
+    but prefill and decode (both backend stamps) still count."""
+    ms = 1_000_000
+    m = FrontendMetrics("m")
+    m.observe_stages(100 * ms, 5 * ms, 7 * ms, 9 * ms, shares_clock=False)
+    assert _stage_counts(m) == (0, 1, 1)
+    page = m.render(None, None)
+    assert "blink_queue_wait_seconds_count" not in page and "# TYPE blink_queue_wait_seconds histogram" in page
