@@ -81,13 +81,26 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
+        self.qkv_proj: nn.Module | None = None     # set by fuse(): q, k and v in one matmul
+
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one qkv_proj (rows q, then k, then v): one weight pass per step."""
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]                                                      # x: [T, hidden]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))     # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))  # [T, KV, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)               # [T, KV, D]
+        hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))       # [T, H, D]
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))    # [T, KV, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)                 # [T, KV, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(layer, q, k, v)                                            # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))   # [T, hidden]
@@ -100,9 +113,34 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.intermediate_size = i
+        self.gate_up_proj: nn.Module | None = None    # set by fuse(): gate and up in one matmul
+
+    def fuse(self) -> None:
+        """Replace gate/up_proj by one gate_up_proj (rows gate, then up)."""
+        if self.gate_up_proj is not None:
+            return
+        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (same math, one weight pass)."""
+    w = parts[0].weight
+    out = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts),
+                    bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))
+    return out.requires_grad_(w.requires_grad)
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +167,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None   # an executor's faster equivalent of the lm_head matmul
         # float32 even in a bf16 model (as HF keeps it); recomputed by to()/load, never saved.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim / 2]
 
@@ -155,8 +194,23 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
+    def fuse_projections(self) -> "LlamaModel":
+        """q/k/v and gate/up projections fused per layer (fewer, larger matmuls). In place;
+        HF-named weights (state_dict, loaders) refer to the unfused model, so fuse after loading."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the output projection (embed_tokens.weight when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in float32."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
         return F.linear(hidden, weight).float()
 
