@@ -446,7 +446,7 @@ class RingClient:
                 return
         else:
             self._lost = False   # beating again (a restarted daemon, or one that was stalled)
-        if not hm.health(now_s).healthy and self._waiters:
+        if self._waiters and not hm.health(now_s).healthy:   # health() builds a report: only when needed
             self._fail_waiters(BackendUnavailable(hm.health(now_s).message))
         if now_s >= self._next_stale_check_s:
             self._next_stale_check_s = now_s + self.config.stale_check_interval_s

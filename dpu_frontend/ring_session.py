@@ -12,6 +12,8 @@ and a new one attaches; nothing carries over.
 from __future__ import annotations
 
 import dataclasses
+import struct
+import sys
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from .transport.base import Transport
 
 _EMPTY = np.array([SlotState.EMPTY], "<u4").tobytes()
 _ONE = np.array([1], "<u4").tobytes()
+_NATIVE_LE = sys.byteorder == "little" and struct.calcsize("i") == 4   # ring tokens are <i4
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +83,8 @@ class RingSession:
     def read_tokens(self, flight: Flight, start: int, stop: int) -> list[int]:
         """Output tokens [start, stop) of `flight` (the caller saw `generated` >= stop)."""
         raw = self.transport.read(self._output_base + (flight.output_offset + start) * 4, (stop - start) * 4)
+        if _NATIVE_LE:
+            return memoryview(raw).cast("i").tolist()   # no numpy array for a few tokens
         return np.frombuffer(raw, "<i4").tolist()
 
     # -- submissions ------------------------------------------------------------

@@ -22,6 +22,7 @@ class SlotTracker:
         self.free = np.zeros(slot_count, bool)   # [slots] snapshot EMPTY and not held
         self.held = np.zeros(slot_count, bool)   # [slots] ours until we reset it
         self.n_free = 0
+        self.version = 0   # bumped whenever `held` changes (the snapshot caches its watched arcs by it)
         self._hint = 0
 
     def refresh(self, states: np.ndarray) -> None:
@@ -42,6 +43,7 @@ class SlotTracker:
             slot = i + j
         self.free[slot] = False
         self.held[slot] = True
+        self.version += 1
         self.n_free -= 1
         self._hint = (slot + 1) % self.slot_count
         return slot
@@ -49,6 +51,7 @@ class SlotTracker:
     def untake(self, slot: int) -> None:
         """Give back a slot taken but never written (its submission failed)."""
         self.held[slot] = False
+        self.version += 1
         self.free[slot] = True
         self.n_free += 1
 
@@ -56,6 +59,7 @@ class SlotTracker:
         """We reset `slot` to EMPTY: free for the next request."""
         if self.held[slot]:
             self.held[slot] = False
+            self.version += 1
         if not self.free[slot]:
             self.free[slot] = True
             self.n_free += 1

@@ -2,8 +2,9 @@
 
     poll: read header + slot records (slot_snapshot.py: every slot now and then,
           else the arc covering our in-flight slots: one Transport.read, two if it wraps)
-          -> health.observe(header), tracker.refresh(states)
-          -> slots whose generated count, state or seq moved (vectorised over the snapshot)
+          -> health.observe(header) when its bytes changed, tracker.refresh(states) on full reads
+          -> slots whose generated count, state or seq moved (one struct unpack per flight
+             while few are in flight, numpy over the snapshot when many are)
           -> read tokens [received, generated) per slot -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
     pace: spin while tokens flow, then `busy_interval_s` while requests are in flight,
@@ -25,6 +26,7 @@ from shared_layout import ErrorCode, FinishReason, SlotState
 
 from .backend_health import HealthMonitor
 from .ring_session import Flight, RingSession
+from .slot_snapshot import PROGRESS_FIELDS
 
 _ERROR_TEXT = {
     ErrorCode.INVALID_REQUEST: "the backend rejected the request as invalid",
@@ -56,7 +58,8 @@ def finish_of(finish_reason: int, error_code: int) -> tuple[str, str | None]:
     return "error", _ERROR_TEXT.get(ec, f"request failed ({fr.name.lower()}, {ec.name.lower()})")
 
 
-_PROGRESS_FIELDS = ("state", "seq", "epoch", "generated", "t_picked_ns", "t_first_ns", "t_last_ns")
+_PROGRESS_FIELDS = PROGRESS_FIELDS   # the words `_Progress` holds, in its order
+_COMPLETED = int(SlotState.DECODE_COMPLETED)
 
 
 class _Progress(NamedTuple):
@@ -77,6 +80,8 @@ class ReaderConfig:
     idle_interval_s: float = 0.02   # poll interval with nothing in flight (health only)
     max_slots_per_poll: int = 1024  # token reads per poll; the rest next poll
     full_scan_interval_s: float = 0.1   # read every slot this often; otherwise only the watched arc
+    scalar_max_flights: int = 128   # up to this many requests in flight, check slots one by one (struct),
+                                    # above it with numpy over the snapshot
 
 
 @dataclasses.dataclass
@@ -96,6 +101,8 @@ class TokenReader:
         self.urgent: set[int] = set()     # slots submitted whose first token we have not seen
         self._last_progress_s = 0.0
         self._last_full_s = 0.0
+        self._header: bytes | None = None   # header bytes last given to the health monitor
+        self._frontend_epoch = 0
         self.polls = 0
 
     def track(self, flight: Flight) -> None:
@@ -105,49 +112,51 @@ class TokenReader:
     def poll(self) -> PollResult:
         s = self.session
         snap = s.snapshot
-        held = s.tracker.held
+        tracker = s.tracker
         now_s = time.monotonic()
         full = now_s - self._last_full_s >= self.config.full_scan_interval_s
         if full:
-            snap.refresh_full(held)
+            snap.refresh_full(tracker.held)
             self._last_full_s = now_s
         else:
-            snap.refresh_watched(held)
-        header, slots = snap.header[0], snap.slots
+            snap.refresh_watched(tracker.held, tracker.version)
         self.polls += 1
-        self.health.observe(header, now_s)
-        states = slots["state"]
+        header = snap.header_bytes()
+        if header != self._header:
+            # observe() of an unchanged header changes nothing: skip the record decoding then.
+            self._header = header
+            rec = snap.header[0]
+            self.health.observe(rec, now_s)
+            self._frontend_epoch = int(rec["frontend_epoch"])
+        states = snap.states
         if full:
             # Between full reads the cache only changes where we watch, and the tracker
             # already follows our own takes and resets.
-            s.tracker.refresh(states)
-        res = PollResult(states=states, frontend_epoch=int(header["frontend_epoch"]))
+            tracker.refresh(states)
+        res = PollResult(states=states, frontend_epoch=self._frontend_epoch)
 
         # Completed slots nobody here holds: left by an earlier frontend.
-        fidx = np.flatnonzero(snap.foreign)
-        foreign = fidx[states[fidx] == SlotState.DECODE_COMPLETED].tolist()
+        foreign = [i for i in snap.foreign_slots if states[i] == _COMPLETED]
         # Our slots that moved: new tokens, completion, or (never expected) another seq.
-        hidx = np.flatnonzero(held)
-        mine = slots[hidx]   # [held] records, gathered
-        moved = hidx[(mine["state"] == SlotState.DECODE_COMPLETED) | (mine["generated"] != s.received[hidx])
-                     | (mine["seq"] != s.seqs[hidx])].tolist()
+        if len(s.flights) <= self.config.scalar_max_flights:
+            moved = self._moved_scalar()
+        else:
+            moved = self._moved_vector()
         if len(moved) > self.config.max_slots_per_poll:
-            first = [i for i in moved if i in self.urgent]
-            rest = [i for i in moved if i not in self.urgent]
+            urgent = self.urgent
+            first = [m for m in moved if m[0] in urgent]
+            rest = [m for m in moved if m[0] not in urgent]
             moved = (first + rest)[:self.config.max_slots_per_poll]
             res.backlog = True
 
-        resets: list[int] = list(foreign)
-        if moved:
-            sel = np.array(moved)
-            # One gather per column, then plain ints: per-slot numpy record access is slow.
-            cols = zip(moved, *(slots[name][sel].tolist() for name in _PROGRESS_FIELDS))
-            for slot, *words in cols:
-                flight = s.flights.get(slot)
-                if flight is None:   # held but unknown: cannot happen; never touch it
-                    continue
-                if self._read_slot(flight, _Progress(*words), resets):
-                    res.progress = True
+        resets: list[int] = foreign
+        flights = s.flights
+        for slot, words in moved:
+            flight = flights.get(slot)
+            if flight is None:   # held but unknown: cannot happen; never touch it
+                continue
+            if self._read_slot(flight, _Progress._make(words), resets):
+                res.progress = True
         if resets:
             s.write_resets(resets)
             for slot in resets:
@@ -159,6 +168,33 @@ class TokenReader:
         if res.progress:
             self._last_progress_s = now_s
         return res
+
+    def _moved_scalar(self) -> list[tuple[int, tuple]]:
+        """(slot, progress words) of our slots that moved, one struct unpack per flight: cheaper
+        than the numpy gathers when few requests are in flight."""
+        progress = self.session.snapshot.progress
+        moved = []
+        for slot, f in self.session.flights.items():
+            w = progress(slot)
+            if w[0] == _COMPLETED or w[3] != f.received or w[1] != f.seq:
+                moved.append((slot, w))
+        if len(moved) > 1:
+            moved.sort()
+        return moved
+
+    def _moved_vector(self) -> list[tuple[int, tuple]]:
+        """The same as `_moved_scalar`, vectorised over the snapshot: for many requests in flight."""
+        s = self.session
+        slots = s.snapshot.slots
+        hidx = np.flatnonzero(s.tracker.held)
+        mine = slots[hidx]   # [held] records, gathered
+        moved = hidx[(mine["state"] == SlotState.DECODE_COMPLETED) | (mine["generated"] != s.received[hidx])
+                     | (mine["seq"] != s.seqs[hidx])]
+        if moved.size == 0:
+            return []
+        # One gather per column, then plain ints: per-slot numpy record access is slow.
+        cols = [slots[name][moved].tolist() for name in _PROGRESS_FIELDS]
+        return list(zip(moved.tolist(), zip(*cols)))
 
     def _read_slot(self, flight: Flight, p: "_Progress", resets: list[int]) -> bool:
         """Hand over what moved in one of our slots; True if anything did."""

@@ -60,3 +60,19 @@ def test_hint_scan_visits_every_slot_under_churn():
             held.add(s)
         assert t.n_free == 64 - len(held) == int(t.free.sum())
         assert set(np.flatnonzero(t.held).tolist()) == held
+
+
+def test_version_moves_with_every_change_of_held():
+    t = SlotTracker(4)
+    t.refresh(np.zeros(4, np.uint32))
+    v0 = t.version
+    s = t.take()
+    assert t.version == v0 + 1
+    t.untake(s)
+    assert t.version == v0 + 2
+    s = t.take()
+    t.release(s)
+    assert t.version == v0 + 4
+    t.release(s)                                   # already released: nothing changed
+    t.refresh(np.zeros(4, np.uint32))
+    assert t.version == v0 + 4

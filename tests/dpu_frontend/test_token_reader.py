@@ -61,9 +61,10 @@ class Rig:
         return out
 
 
-@pytest.fixture
-def rig(ring_name):
-    return Rig(ring_name)
+@pytest.fixture(params=["scalar", "vector"])
+def rig(ring_name, request):
+    """Every reader test runs both ways of finding moved slots (one by one, and numpy)."""
+    return Rig(ring_name, ReaderConfig(scalar_max_flights=0) if request.param == "vector" else ReaderConfig())
 
 
 def test_submit_writes_a_request_the_backend_can_read(rig):
@@ -192,8 +193,9 @@ def test_completion_words_map_to_finish_reasons(rig, finish, code, want):
     assert finish_of(99, 0)[0] == "error"
 
 
-def test_new_slots_are_read_first_under_a_per_poll_cap(ring_name):
-    rig = Rig(ring_name, config=ReaderConfig(max_slots_per_poll=1))
+@pytest.mark.parametrize("scalar_max", [0, 128])
+def test_new_slots_are_read_first_under_a_per_poll_cap(ring_name, scalar_max):
+    rig = Rig(ring_name, config=ReaderConfig(max_slots_per_poll=1, scalar_max_flights=scalar_max))
     old, ho = rig.submit([1], 50)
     rig.claim(old.slot)
     rig.be.publish(old.slot, [1])
@@ -239,3 +241,40 @@ def test_health_monitor_window_and_shared_clock():
     hm2 = HealthMonitor(window_s=2.0, shares_clock=True)
     hm2.observe(dict(hdr, backend_heartbeat_ns=int(1e9)), 100.0)
     assert hm2.lost(100.0)
+
+
+def test_scalar_and_vector_polls_see_the_same_moves(ring_name):
+    """Many slots in several states: both ways of finding moved slots hand over the same tokens."""
+    rig = Rig(ring_name)
+    fs = [rig.submit([1], 20) for _ in range(6)]
+    for f, _ in fs[:5]:
+        rig.claim(f.slot)
+    rig.be.publish(fs[0][0].slot, [1, 2])
+    rig.be.publish(fs[2][0].slot, [3])
+    rig.be.publish(fs[3][0].slot, [4, 5, 6])
+    rig.be.complete(fs[3][0].slot, FinishReason.LENGTH)
+    rig.be.complete(fs[4][0].slot, FinishReason.STOP)
+    rig.session.snapshot.refresh_full(rig.session.tracker.held)
+    scalar = rig.reader._moved_scalar()
+    vector = rig.reader._moved_vector()
+    assert scalar == vector
+    assert [slot for slot, _ in scalar] == sorted(fs[i][0].slot for i in (0, 2, 3, 4))
+    assert all(isinstance(w, int) for _, words in scalar for w in words)
+    rig.reader.poll()
+    assert [rig.drained(h) for _, h in fs] == [[1, 2], [], [3], [4, 5, 6], [], []]
+    assert fs[3][1].finish_reason == "length" and fs[4][1].finish_reason == "stop"
+    rig.session.snapshot.refresh_full(rig.session.tracker.held)
+    assert rig.reader._moved_scalar() == rig.reader._moved_vector() == []
+
+
+def test_an_unchanged_header_is_not_decoded_again(rig):
+    seen = []
+    observe = rig.health.observe
+    rig.health.observe = lambda header, now_s=None: (seen.append(int(header["backend_heartbeat"])),
+                                                     observe(header, now_s))
+    rig.reader.poll()
+    rig.reader.poll()
+    assert len(seen) == 1
+    rig.be.beat()
+    rig.reader.poll()
+    assert len(seen) == 2 and seen[1] > seen[0] and rig.health.health().healthy

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dpu_frontend.slot_snapshot import SlotSnapshot, covering_arcs
+from dpu_frontend.slot_snapshot import PROGRESS_FIELDS, SlotSnapshot, covering_arcs
 from dpu_frontend.transport import ShmTransport
 from shared_layout import SLOT, Ring, RingGeometry, SlotState
 from shared_layout.layout import HEADER
@@ -82,3 +82,47 @@ def test_watched_reads_refresh_only_the_arc(ring_name, fallback):
     assert snap.bytes_read == HEADER.size
     snap.refresh_watched(mask(16, *range(10)))           # more than half the ring: one full read
     assert snap.slots["generated"][12] == 7
+
+
+def test_progress_words_match_the_records(ring_name):
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    snap = SlotSnapshot(ShmTransport.open(ring_name), GEOM)
+    words = dict(state=SlotState.DECODE_PROCESSING, seq=2**40 + 3, epoch=2**33 + 1, generated=77,
+                 t_picked_ns=2**62 + 5, t_first_ns=2**61 + 6, t_last_ns=2**63 + 7)
+    for name, v in words.items():
+        ring.slots[5][name] = v
+    ring.slots[5]["stop_ids"] = [9] * 8     # neighbours of the unpacked words stay out
+    ring.slots[5]["finish_reason"] = 3
+    snap.refresh_full(mask(16))
+    assert snap.progress(5) == tuple(int(words[name]) for name in PROGRESS_FIELDS)
+    assert snap.progress(6) == (0,) * len(PROGRESS_FIELDS)
+
+
+def test_foreign_slots_follow_full_reads_and_resets(ring_name):
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    snap = SlotSnapshot(ShmTransport.open(ring_name), GEOM)
+    ring.state[[2, 7, 11]] = SlotState.DECODE_COMPLETED
+    snap.refresh_full(mask(16, 7))
+    assert snap.foreign_slots == [2, 11]
+    snap.mark_empty([2])
+    assert snap.foreign_slots == [11] and snap.foreign.tolist() == mask(16, 11).tolist()
+
+
+def test_the_watched_arc_is_cached_by_version(ring_name):
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    Ring.create(region.buf, GEOM)
+    snap = SlotSnapshot(ShmTransport.open(ring_name), GEOM)
+    snap.refresh_full(mask(16))
+    held = mask(16, 3, 4)
+    snap.bytes_read = 0
+    snap.refresh_watched(held, held_version=1)
+    assert snap.bytes_read == HEADER.size + 2 * SLOT.size
+    held[6] = True                                   # changed without a new version: the old arc
+    snap.bytes_read = 0
+    snap.refresh_watched(held, held_version=1)
+    assert snap.bytes_read == HEADER.size + 2 * SLOT.size
+    snap.bytes_read = 0
+    snap.refresh_watched(held, held_version=2)       # a new version: the arc is recomputed
+    assert snap.bytes_read == HEADER.size + 4 * SLOT.size
