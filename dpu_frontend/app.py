@@ -4,6 +4,8 @@
         POST /v1/completions, /v1/chat/completions -> completions.GenerationService
         GET  /v1/models, /health (200 | 503), /metrics (Prometheus text),
              /openapi.json (the API as an OpenAPI 3.1 document, openapi.py)
+        header deadline middleware (outermost; http_server.py): tells the connection
+            its request's headers arrived, so a slow-header client is cut off
         error middleware: ApiError -> {"error": {...}} with its status; anything
             unexpected -> 500 JSON, logged without the request body
         API key middleware (auth.py) when config.api_key is set: 401 without it
@@ -27,6 +29,7 @@ from . import openapi
 from .auth import api_key_middleware
 from .completions import CHAT, COMPLETIONS, STREAM_STARTED, Endpoint, GenerationService, code_trace, handle_generation
 from .config import FrontendConfig
+from .http_server import header_deadline_middleware
 from .limits import RequestLimits
 from .metrics import FrontendMetrics
 from .openai_api import ApiError
@@ -63,7 +66,7 @@ def create_app(config: FrontendConfig, *, client: RingClient | None = None,
     metrics = FrontendMetrics(model)
     owns = client is None
     client = client or ring_client_for(config, transport_factory)
-    middlewares = [_errors]
+    middlewares = [header_deadline_middleware, _errors]
     if config.api_key:
         middlewares.append(api_key_middleware(config.api_key, config.auth_all_routes))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)

@@ -377,14 +377,15 @@ def code_trace(e: BaseException) -> str:
 
 
 async def read_json(request: web.Request, deadline_s: float | None = None):
-    """The body as JSON, or a 400 / 408 / 413 that says why not."""
+    """The body as JSON, or a 400 / 408 / 413 that says why not. `deadline_s` (loop clock):
+    the body timeout or the request's deadline, whichever is sooner."""
     try:
         async with asyncio.timeout_at(deadline_s):
             raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise ApiError(413, f"request body too large ({e.text})") from None
     except TimeoutError:
-        raise ApiError(408, "the request body did not arrive before the request deadline") from None
+        raise ApiError(408, "the request body did not arrive in time (body timeout or request deadline)") from None
     if not raw.strip():
         raise api.bad_request("request body is empty; expected a JSON object")
     try:
@@ -407,7 +408,7 @@ async def handle_generation(request: web.Request, service: GenerationService, en
     deadline_s = service.request_limits.deadline_s(asyncio.get_running_loop())
     gen = None
     try:
-        body = await read_json(request, deadline_s)
+        body = await read_json(request, service.request_limits.body_deadline_s(asyncio.get_running_loop(), deadline_s))
         gen = await service.prepare(endpoint, body, request.headers.get("X-Request-Id"), t_arrival, deadline_s)
         handle = await service.submit(gen)
         return await service.respond(request, gen, handle)

@@ -62,6 +62,8 @@ class FrontendConfig:
     max_tokens_limit: int | None = None    # a larger max_tokens: 400; also caps the default
     request_timeout_s: float = 600.0       # per-request deadline, arrival to last byte (0: none)
     stall_timeout_s: float = 30.0          # a client that takes no bytes this long: request cancelled (0: never)
+    header_timeout_s: float = 10.0         # a request's headers must arrive within this: else dropped (0: never)
+    body_timeout_s: float = 30.0           # a request's body must arrive within this after its headers: 408 (0: never)
     # Security. api_key None: no authentication.
     api_key: str | None = dataclasses.field(default=None, repr=False)   # never in reprs or logs
     auth_all_routes: bool = False          # also require the key on /health, /metrics, /openapi.json
@@ -77,7 +79,7 @@ class FrontendConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("queue_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "request_timeout_s",
-                     "stall_timeout_s"):
+                     "stall_timeout_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_tokens_default", "max_prompt_tokens", "max_tokens_limit"):

@@ -3,6 +3,8 @@
     FrontendConfig -> RequestLimits (frozen; one per app)
     body bytes -> has_lone_surrogate (JSON "\\ud800" escapes the tokenizer cannot encode)
     arrival -> deadline_s (request_timeout_s) -> queue wait capped by it -> handle aborted at it
+    arrival -> body_deadline_s (body_timeout_s, or the request's deadline if sooner) -> 408
+        (the headers' own deadline, header_timeout_s, is per connection: http_server.py)
     each SSE stream -> limit_send_buffer: the kernel holds at most ~2 x 64 KiB for it (not the
         megabytes TCP autotuning allows), asyncio's transport 64 KiB more, the handle a bounded
         number of tokens (RingClientConfig.max_buffered_tokens)
@@ -31,15 +33,24 @@ class RequestLimits:
     stall_timeout_s: float = 30.0          # longest blocked write to a client (0: none)
     max_prompt_tokens: int | None = None   # None: the model's context
     max_tokens_limit: int | None = None    # None: the rest of the context
+    body_timeout_s: float = 30.0           # headers in -> whole body read (0: only the request deadline)
 
     @classmethod
     def from_config(cls, c: FrontendConfig) -> "RequestLimits":
         return cls(c.queue_timeout_s, c.request_timeout_s, c.stall_timeout_s, c.max_prompt_tokens,
-                   c.max_tokens_limit)
+                   c.max_tokens_limit, c.body_timeout_s)
 
     def deadline_s(self, loop: asyncio.AbstractEventLoop) -> float | None:
         """The request's deadline on the loop's clock, from now (its arrival)."""
         return loop.time() + self.request_timeout_s if self.request_timeout_s > 0 else None
+
+    def body_deadline_s(self, loop: asyncio.AbstractEventLoop, deadline_s: float | None) -> float | None:
+        """When the body must have arrived, from now (headers in): body_timeout_s or the request's
+        deadline, whichever comes first; None: no limit."""
+        if self.body_timeout_s <= 0:
+            return deadline_s
+        body = loop.time() + self.body_timeout_s
+        return body if deadline_s is None else min(body, deadline_s)
 
     def queue_wait_s(self, loop: asyncio.AbstractEventLoop, deadline_s: float | None) -> float:
         """How long the request may wait for a slot: the queue timeout, or less near its deadline."""

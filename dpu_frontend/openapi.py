@@ -122,7 +122,7 @@ def _generation_responses(reply_ref: str) -> dict:
         "400": _error_response("invalid request: the error names the parameter"),
         "401": _error_response("missing or wrong API key (when one is configured)"),
         "404": _error_response("unknown model name"),
-        "408": _error_response("the body did not arrive before the request deadline"),
+        "408": _error_response("the body did not arrive within the body timeout or the request deadline"),
         "413": _error_response("request body larger than the server's limit"),
         "429": _error_response("server busy: wait queue full or no slot in time; see Retry-After"),
         "503": _error_response("no backend serving the ring (down, starting, restarted); see Retry-After"),

@@ -53,6 +53,8 @@ FRONTEND_FLAGS = (
     ("--max-tokens-limit", int, "a larger max_tokens gets 400"),
     ("--request-timeout-s", float, "per-request deadline (0: none)"),
     ("--stall-timeout-s", float, "a streaming client that takes no bytes this long loses its request"),
+    ("--header-timeout-s", float, "a request's headers must arrive within this, else the connection is dropped"),
+    ("--body-timeout-s", float, "a request's body must arrive within this after its headers, else 408"),
 )
 FRONTEND_SWITCHES = (
     ("--auth-all-routes", "also require the API key on /health, /metrics and /openapi.json"),

@@ -1,8 +1,8 @@
 """`blink frontend`: the OpenAI-compatible HTTP/SSE server over a ring.
 
     flags -> FrontendConfig -> create_app (tokenizer loaded, ring attached or
-    awaited) -> aiohttp run_app (SIGINT/SIGTERM: stop listening, cancel what is
-    in flight, detach)
+    awaited) -> http_server.serve (aiohttp behind a per-request header deadline;
+    SIGINT/SIGTERM: stop listening, cancel what is in flight, detach)
 """
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-request deadline, arrival to last byte: 504 or an error event after it (0: none)")
     g.add_argument("--stall-timeout-s", type=float, default=30.0,
                    help="a streaming client that takes no bytes this long loses its request (0: never)")
+    g.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this (from the connection's start, or the "
+                        "next request's first byte), else the connection is dropped: slow-header "
+                        "(slowloris) protection (0: never)")
+    g.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's whole body must arrive within this after its headers, else 408 "
+                        "(0: only --request-timeout-s)")
     g = p.add_argument_group("security")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; prefer the "
@@ -67,17 +74,19 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s, expose_backend_timing=args.expose_backend_timing,
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout_s,
-        stall_timeout_s=args.stall_timeout_s, api_key=args.api_key or api_key_from_env(),
+        stall_timeout_s=args.stall_timeout_s, header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s, api_key=args.api_key or api_key_from_env(),
         auth_all_routes=args.auth_all_routes, log_prompts=args.log_prompts)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from aiohttp import web
+    import asyncio
 
     from shared_layout.shm import shm_path
 
     from .app import create_app
+    from .http_server import serve
     from .tokenizer import TokenizerError
     try:
         shm_path(args.ring)
@@ -88,12 +97,18 @@ def run(args: argparse.Namespace) -> int:
     except (TokenizerError, ValueError) as e:
         print(f"blink frontend: {e}", file=sys.stderr)
         return 2
+
+    def ready() -> None:
+        logging.getLogger(__name__).info(
+            "serving %s on http://%s:%d (ring %s, API key %s)", config.served_name(), config.host,
+            config.port, config.ring_name, "required" if config.api_key else "off")
+
     try:
-        web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
-                    access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
-                    print=lambda _: logging.getLogger(__name__).info(
-                        "serving %s on http://%s:%d (ring %s, API key %s)", config.served_name(), config.host,
-                        config.port, config.ring_name, "required" if config.api_key else "off"))
+        asyncio.run(serve(app, config.host, config.port, header_timeout_s=config.header_timeout_s,
+                          access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
+                          on_ready=ready))
+    except KeyboardInterrupt:
+        pass
     except OSError as e:
         print(f"blink frontend: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
         return 1
