@@ -88,6 +88,7 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
         f"per-request timeout {load['timeout_s']:g} s (counted as a failure)"
         + (f", requests still running {load['drain_s']:g} s after a level's end are cut (counted as timeouts)"
            if load.get("drain_s") is not None else ""),
+        prompt_line(results),
         f"- Placement: server CPUs {pl['server_cpus']} ({pl['server_threads']} threads), "
         f"client CPUs {pl['client_cpus']}",
         f"- Command: `{' '.join(meta.get('argv') or [])}`", ""]
@@ -214,3 +215,18 @@ def write_all(results: dict, out_dir: pathlib.Path, name: str, notes: str = "", 
     mp.write_text(markdown(results, name, notes))
     paths.insert(2, mp)
     return paths
+
+
+def prompt_line(results: dict) -> str:
+    """Whether any system saw a prompt twice (a free prefix-cache hit for servers that cache)."""
+    windows = [lv["prompts"] for r in results.get("runs", []) for lv in r.get("levels", []) if lv.get("prompts")]
+    if not windows:
+        return "- Prompts: drawn from a pool and cycled (older run: repeats were possible)"
+    pool = max(w["pool"] for w in windows)
+    used = max(w["end"] for w in windows)
+    if any(w["reused"] for w in windows):
+        return (f"- Prompts: {pool} distinct, but a system's run needed up to {used}: some prompts were sent "
+                "twice, which servers with prefix caching answer partly from cache")
+    return (f"- Prompts: every request of a system's run had its own prompt (at most {used} of a pool of "
+            f"{pool}), the same sequence for every system; no prefix-cache hits are possible")
+

@@ -67,7 +67,8 @@ class BenchPlan:
     url_model: str | None = None
     blink_args: tuple[str, ...] = ()
     max_model_len: int = 2048
-    pool_size: int = 256                   # distinct prompts prepared (cycled beyond)
+    pool_size: int = 2048                  # distinct prompts prepared; a system's run uses each once
+                                           # (cycled only beyond), so no server gets prefix-cache hits
     quiet_busy: float | None = None        # before each system, wait until every core is below this busy
     quiet_wait_s: float = 0.0              # ... for at most this long in the whole run
     foreign_busy: float = 0.25             # an idle core busier than this in an isolated level is flagged
@@ -101,6 +102,7 @@ class Runner:
         self.out_dir = out_dir or pathlib.Path("bench/out")
         self.pool: list[WorkRequest] = []
         self.quiet_waited_s = 0.0
+        self.cursor = 0          # next unused prompt of the pool in the current system's run
 
     def _count_tokens(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False))
@@ -108,7 +110,7 @@ class Runner:
     def prepare_workload(self) -> None:
         n = max(self.plan.load.requests_for(lv) for lv in self.plan.load.levels) + self.plan.load.warmup_requests
         t0 = time.monotonic()
-        self.pool = build_requests(self.plan.workload, self.tok, min(n, self.plan.pool_size))
+        self.pool = build_requests(self.plan.workload, self.tok, max(n, self.plan.pool_size))
         self.log(f"workload {self.plan.workload.name}: {len(self.pool)} distinct prompts in "
                  f"{time.monotonic() - t0:.1f} s (mean {sum(r.prompt_tokens for r in self.pool) / len(self.pool):.0f} "
                  f"prompt / {sum(r.output_tokens for r in self.pool) / len(self.pool):.0f} output tokens)")
@@ -176,6 +178,10 @@ class Runner:
         server: RunningServer | None = None
         runs = []
         quiet = self._wait_quiet()
+        # Every system sees the same prompt sequence, each prompt once (isolated and colocated
+        # sweeps, all levels): a repeated prompt would be a free prefix-cache hit for the
+        # servers that cache prefixes (vLLM, llama-server) and measure that cache, not serving.
+        self.cursor = 0
         try:
             if spec.system != "url":
                 log_path = self.plan.workdir / "logs" / f"{spec.system}-{int(time.time())}.log"
@@ -230,7 +236,8 @@ class Runner:
         plan = self.plan
         async with new_session() as session:
             t0 = time.monotonic()
-            warm = await warm_up(session, ep, plan.load, self.pool, self._count_tokens)
+            warm = await warm_up(session, ep, plan.load, self._window(), self._count_tokens)
+            self.cursor += len(warm)
             run["warmup"] = {"requests": len(warm), "failed": sum(1 for r in warm if not r.success),
                              "seconds": round(time.monotonic() - t0, 2),
                              "errors": sorted({r.error for r in warm if r.error})[:3]}
@@ -247,11 +254,9 @@ class Runner:
 
     async def _level(self, session, spec, ep, cond, i: int, level: float) -> dict:
         plan = self.plan
-        # Each level takes a different window of the prompt pool, so levels do not replay each other.
-        n = plan.load.requests_for(level)
-        start = (i * 97) % len(self.pool)
-        work = [self.pool[(start + j) % len(self.pool)] for j in range(n)]
-        total = None if plan.load.mode == "concurrency" else n
+        work = self._window()        # the unused prompts first: levels and sweeps never replay each other
+        start = self.cursor
+        total = None if plan.load.mode == "concurrency" else plan.load.requests_for(level)
         unit = "conc" if plan.load.mode == "concurrency" else "req/s"
         bar = Progress(f"{spec.system} {cond.label[:28]} {i + 1}/{len(plan.load.levels)} {level:g} {unit}", total)
         before = await asyncio.to_thread(_scrape, spec.base_url, spec.metrics_path)
@@ -261,14 +266,23 @@ class Runner:
         cpu1 = cpu_times()
         after = await asyncio.to_thread(_scrape, spec.base_url, spec.metrics_path)
         bar.close()
+        # Requests cut at the level's end may not be in records: skip one in-flight window more.
+        self.cursor += len(res.records) + math.ceil(level)
         summary = summarize(res.records, res.duration_s, plan.slo)
         busy = cpu_busy(cpu0, cpu1)
         return {"offered": level, "t_start_unix": res.t_start_unix, "summary": summary.as_dict(),
                 "foreign_load": self._foreign(busy, cond),
                 "stages": stages.stage_budget(before, after) if before is not None and after is not None else None,
                 "cpu_busy": busy, "loadavg_1m": round(os.getloadavg()[0], 2),
+                "prompts": {"first": start, "end": self.cursor, "pool": len(self.pool),
+                            "reused": self.cursor > len(self.pool)},
                 "requests": [record_dict(r) for r in res.records]}
 
+
+    def _window(self) -> list[WorkRequest]:
+        """The pool rotated to start at the first unused prompt (cycled only once it runs out)."""
+        c = self.cursor % len(self.pool)
+        return self.pool[c:] + self.pool[:c]
 
     def _foreign(self, busy: dict[str, float], cond: Condition) -> bool | None:
         """In an isolated level, was a core that runs nothing of this benchmark busy? None: cannot tell."""

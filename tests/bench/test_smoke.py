@@ -44,6 +44,14 @@ def test_smoke_run_against_blink_serve_null(tmp_path):
                 assert r["output_tokens"] == r["max_tokens"] == 8 and r["ttft_ms"] > 0
             assert lv["stages"]["tokenize"]["count"] >= s["requests"]
     assert runs["colocated:pyhogx1@cpuall"]["interferers"][0]["kind"] == "pyhog"
+    # Each prompt once per system: level windows follow each other across both sweeps, never overlap.
+    windows = [lv["prompts"] for r in res["runs"] for lv in r["levels"]]
+    assert windows[0]["first"] >= 2                                     # after the warm-up requests
+    for prev, cur in zip(windows, windows[1:]):
+        assert cur["first"] >= prev["end"] > prev["first"]
+    assert all(w["end"] - w["first"] >= len(lv["requests"]) for w, lv in
+               zip(windows, [lv for r in res["runs"] for lv in r["levels"]]))
+    assert not any(w["reused"] for w in windows)
     an = res["analysis"]
     assert an["reference"]["system"] == "blink" and len(an["table"]) == 2
     col = [r for r in an["table"] if r["condition"] != "isolated"][0]
@@ -52,6 +60,7 @@ def test_smoke_run_against_blink_serve_null(tmp_path):
     assert len(rows) == 6 and float(rows[0]["request_throughput"]) > 0
     md = (out / "smoke.md").read_text()
     assert "Summary (paper Tables 6 and 7)" in md and "smoke-latency.png" in md
+    assert "no prefix-cache hits are possible" in md
     assert (out / "smoke-latency.png").read_bytes()[:4] == b"\x89PNG"
 
 
