@@ -31,14 +31,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     the queries being the last Tq of the Tk positions. Returns [Tq, num_heads, head_dim].
     """
     tq, tk = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, T, D]
+    # [1, heads, T, D]: with a batch dimension the CPU takes SDPA's flash kernel (GQA included);
+    # 3-D inputs fall back to the math path, 5x slower at 2048 tokens (394 vs 74 ms a layer, bf16).
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if tq == tk:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         # Query i sits at absolute position tk - tq + i: bottom-right aligned causal mask.
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)  # [Tq, Tk]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)                                 # [Tq, H, D]
+    return out[0].transpose(0, 1)                              # [Tq, H, D]
 
 
 class DenseCausalAttention:
