@@ -85,8 +85,10 @@ class PagedAttention:
         kvh, d = kc.shape[0], kc.shape[3]
         kc.view(kvh, -1, d).index_copy_(1, b.slot_mapping, k.transpose(0, 1).to(kc.dtype))
         vc.view(kvh, -1, d).index_copy_(1, b.slot_mapping, v.transpose(0, 1).to(vc.dtype))
-        out = torch.empty_like(q)                            # [T, H, D]
         nd = b.num_decode
+        if not b.prefills:                                   # decode-only step: no output to assemble
+            return self._decode(q, kc, vc, b)
+        out = torch.empty_like(q)                            # [T, H, D]
         if nd:
             out[:nd] = self._decode(q[:nd], kc, vc, b)
         for s in b.prefills:

@@ -82,6 +82,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
         self.qkv_proj: nn.Module | None = None     # set by fuse(): q, k and v in one matmul
+        self.fused_rope = False
 
     def fuse(self) -> None:
         """Replace q/k/v_proj by one qkv_proj (rows q, then k, then v): one weight pass per step."""
@@ -89,11 +90,18 @@ class Attention(nn.Module):
             return
         self.qkv_proj = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
+        self.fused_rope = isinstance(self.q_norm, nn.Identity)     # q/k norms are per tensor: keep them apart
 
     def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]                                                      # x: [T, hidden]
         hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None and self.fused_rope:
+            # Fused fast path (no q/k norm): RoPE over the q and k heads in one pass.
+            qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)     # [T, H + KV, D]
+            o = attn(layer, qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, self.num_heads + self.num_kv_heads:])
+            return self.o_proj(o.reshape(t, hq))                                         # [T, hidden]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
         else:
