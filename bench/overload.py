@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import pathlib
 import sys
@@ -37,7 +36,7 @@ import numpy as np
 
 from .machine import machine_info
 from .reliability import (OK, HealthProbe, MemorySampler, Outcome, ServeUnderTest, count_outcomes,
-                          new_session, percentiles, prompt_ids, ring_geometry, send, settle)
+                          new_session, percentiles, prompt_ids, ring_geometry, send, settle, write_result)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -304,11 +303,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = asyncio.run(run(args))
     out = pathlib.Path(args.out) if args.out else RESULTS / f"{args.date}-{args.machine}-overload"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    return 0 if result["verdict"]["all_passed"] else 1
+    return write_result(result, out, markdown)
 
 
 if __name__ == "__main__":

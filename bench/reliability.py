@@ -289,20 +289,16 @@ async def _read_stream(r: aiohttp.ClientResponse, out: Outcome, loop, t0: float,
         out.outcome = OK if finish in ("stop", "length") else "odd_finish"
 
 
-class HealthProbe:
-    """GET /health every `interval_s` in a thread (the event loop's own load must not delay it)."""
+class _Periodic:
+    """Calls `_sample` every `interval_s` until stop(); subclasses append to `samples`."""
 
-    def __init__(self, base: str, interval_s: float = 0.5, timeout_s: float = 5.0):
-        self.base, self.interval_s, self.timeout_s = base, interval_s, timeout_s
-        self.samples: list[tuple[float, int, float]] = []   # (t, status, latency_s)
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
         self._stop = asyncio.Event()
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _every(self, sample) -> None:
         while not self._stop.is_set():
-            t = loop.time()
-            status, _ = await asyncio.to_thread(http_get, self.base + "/health", self.timeout_s)
-            self.samples.append((t, status, loop.time() - t))
+            await sample()
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
             except TimeoutError:
@@ -310,6 +306,24 @@ class HealthProbe:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class HealthProbe(_Periodic):
+    """GET /health every `interval_s` in a thread (the event loop's own load must not delay it)."""
+
+    def __init__(self, base: str, interval_s: float = 0.5, timeout_s: float = 5.0):
+        super().__init__(interval_s)
+        self.base, self.timeout_s = base, timeout_s
+        self.samples: list[tuple[float, int, float]] = []   # (t, status, latency_s)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def probe() -> None:
+            t = loop.time()
+            status, _ = await asyncio.to_thread(http_get, self.base + "/health", self.timeout_s)
+            self.samples.append((t, status, loop.time() - t))
+        await self._every(probe)
 
     def summary(self) -> dict:
         lat = np.array([s[2] for s in self.samples]) if self.samples else np.zeros(1)
@@ -321,26 +335,21 @@ class HealthProbe:
                 "latency_p99_s": float(np.percentile(lat, 99)), "latency_max_s": float(lat.max())}
 
 
-class MemorySampler:
+class MemorySampler(_Periodic):
     """Resident memory of the frontend and the daemon every `interval_s`."""
 
     def __init__(self, serve: ServeUnderTest, interval_s: float = 2.0):
-        self.serve, self.interval_s = serve, interval_s
+        super().__init__(interval_s)
+        self.serve = serve
         self.samples: list[tuple[float, float | None, float | None]] = []   # (t, frontend MiB, daemon MiB)
-        self._stop = asyncio.Event()
 
     async def run(self, t0: float) -> None:
         loop = asyncio.get_running_loop()
-        while not self._stop.is_set():
+
+        async def sample() -> None:
             r = self.serve.rss()
             self.samples.append((loop.time() - t0, r["frontend"], r["daemon"]))
-            try:
-                await asyncio.wait_for(self._stop.wait(), self.interval_s)
-            except TimeoutError:
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
+        await self._every(sample)
 
     def summary(self, warmup_s: float) -> dict:
         """Peak, and the growth from the end of warm-up to the end (MiB) per process."""
@@ -395,3 +404,14 @@ def ring_geometry(args_slots: int | None, prompt_arena: int | None, output_arena
     from shared_layout.layout import DEFAULT_OUTPUT_ARENA_TOKENS, DEFAULT_PROMPT_ARENA_TOKENS
     return {"prompt_arena_tokens": prompt_arena or DEFAULT_PROMPT_ARENA_TOKENS,
             "output_arena_tokens": output_arena or DEFAULT_OUTPUT_ARENA_TOKENS, "slots": args_slots or 0}
+
+
+def write_result(result: dict, out: pathlib.Path, markdown) -> int:
+    """<out>.json + <out>.md (markdown(result)), the summary printed; exit 0 when every check passed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    text = markdown(result)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0 if result["verdict"]["all_passed"] else 1
+

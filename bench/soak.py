@@ -32,7 +32,7 @@ import numpy as np
 
 from .machine import machine_info
 from .reliability import (HealthProbe, MemorySampler, Outcome, ServeUnderTest, count_outcomes, new_session,
-                          percentiles, prompt_ids, ring_geometry, send, settle)
+                          percentiles, prompt_ids, ring_geometry, send, settle, write_result)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -280,11 +280,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = asyncio.run(run(args))
     out = pathlib.Path(args.out) if args.out else RESULTS / f"{args.date}-{args.machine}-soak"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    return 0 if result["verdict"]["all_passed"] else 1
+    return write_result(result, out, markdown)
 
 
 if __name__ == "__main__":

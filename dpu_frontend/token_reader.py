@@ -58,12 +58,11 @@ def finish_of(finish_reason: int, error_code: int) -> tuple[str, str | None]:
     return "error", _ERROR_TEXT.get(ec, f"request failed ({fr.name.lower()}, {ec.name.lower()})")
 
 
-_PROGRESS_FIELDS = PROGRESS_FIELDS   # the words `_Progress` holds, in its order
 _COMPLETED = int(SlotState.DECODE_COMPLETED)
 
 
 class _Progress(NamedTuple):
-    """The words of one slot record the reader acts on."""
+    """The words of one slot record the reader acts on (slot_snapshot.PROGRESS_FIELDS, in order)."""
     state: int
     seq: int
     epoch: int
@@ -193,7 +192,7 @@ class TokenReader:
         if moved.size == 0:
             return []
         # One gather per column, then plain ints: per-slot numpy record access is slow.
-        cols = [slots[name][moved].tolist() for name in _PROGRESS_FIELDS]
+        cols = [slots[name][moved].tolist() for name in PROGRESS_FIELDS]
         return list(zip(moved.tolist(), zip(*cols)))
 
     def _read_slot(self, flight: Flight, p: "_Progress", resets: list[int]) -> bool:
@@ -211,7 +210,7 @@ class TokenReader:
         if completed:
             # Final count, finish words and timestamps, read after the state word that covers them.
             rec = s.read_slot(flight.slot)
-            p = _Progress(*(int(rec[name]) for name in _PROGRESS_FIELDS))
+            p = _Progress(*(int(rec[name]) for name in PROGRESS_FIELDS))
         gen = min(p.generated, flight.max_tokens)
         h = flight.handle
         moved = False
