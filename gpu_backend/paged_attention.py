@@ -40,6 +40,7 @@ class PagedBatch:
     decode_block_tables: torch.Tensor   # [Bd, max_blocks] int64, padded with block 0
     decode_key_mask: torch.Tensor       # [1, Bd, 1, max_blocks * block_size] bool, True = attend
     prefills: tuple[PrefillSpan, ...]
+    decode_context_lens: torch.Tensor   # [Bd] int64: cached positions each decode attends to
 
     @classmethod
     def build(cls, chunks: list[tuple[int, int, list[int]]], block_size: int,
@@ -53,6 +54,8 @@ class PagedBatch:
             raise ValueError("single-token chunks must lead the batch")
         slots: list[int] = []
         for start, n, table in chunks:
+            if (start + n + block_size - 1) // block_size > len(table):     # the kernels trust the tables
+                raise ValueError(f"positions {start}..{start + n - 1} outside a {len(table)}-block table")
             for p in range(start, start + n):
                 slots.append(table[p // block_size] * block_size + p % block_size)
         dec = chunks[:num_decode]
@@ -68,7 +71,7 @@ class PagedBatch:
             spans.append(PrefillSpan(row, n, start + n, torch.tensor(table, dtype=torch.long, device=device)))
             row += n
         return cls(torch.tensor(slots, dtype=torch.long, device=device), num_decode,
-                   tables.to(device), mask[None, :, None, :].to(device), tuple(spans))
+                   tables.to(device), mask[None, :, None, :].to(device), tuple(spans), ctx.to(device))
 
 
 class PagedAttention:
@@ -91,15 +94,7 @@ class PagedAttention:
         out = torch.empty_like(q)                            # [T, H, D]
         if nd:
             out[:nd] = self._decode(q[:nd], kc, vc, b)
-        for s in b.prefills:
-            rows = slice(s.token_start, s.token_start + s.num_tokens)
-            if s.context_len == s.num_tokens:                # fresh sequence: the chunk is all its context
-                out[rows] = causal_attention(q[rows], k[rows], v[rows])
-            else:
-                keys = kc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]   # [KV, ctx, D]
-                vals = vc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]
-                out[rows] = causal_attention(q[rows], keys.transpose(0, 1).to(q.dtype),
-                                             vals.transpose(0, 1).to(q.dtype))
+        prefill_attention(q, k, v, kc, vc, b, out)
         return out
 
     @staticmethod
@@ -117,3 +112,20 @@ class PagedAttention:
         scores = scores.masked_fill(~b.decode_key_mask, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), vals)                  # [KV, Bd, G, D]
         return o.transpose(0, 1).reshape(bd, h, d)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      b: PagedBatch, out: torch.Tensor) -> None:
+    """out[rows of each prefill span] = causal attention of the span's queries over its context:
+    the chunk itself for a fresh sequence, else the cached blocks (this chunk's k/v already in
+    the pool). q, out: [T, H, D]; k, v: [T, KV, D]; kc, vc: one pool layer [KV, blocks, bs, D]."""
+    kvh, d = kc.shape[0], kc.shape[3]
+    for s in b.prefills:
+        rows = slice(s.token_start, s.token_start + s.num_tokens)
+        if s.context_len == s.num_tokens:                # fresh sequence: the chunk is all its context
+            out[rows] = causal_attention(q[rows], k[rows], v[rows])
+        else:
+            keys = kc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]   # [KV, ctx, D]
+            vals = vc.index_select(1, s.block_table).view(kvh, -1, d)[:, :s.context_len]
+            out[rows] = causal_attention(q[rows], keys.transpose(0, 1).to(q.dtype),
+                                         vals.transpose(0, 1).to(q.dtype))

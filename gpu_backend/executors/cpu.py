@@ -4,9 +4,10 @@
     (cpu_linear.py: fused q|k|v and gate|up, oneDNN-prepacked bf16 weights) + KVPool
     sized from --kv-cache-mb -> Engine(ring, CpuRunner) -> per step:
       StepBatch -> flat batch (single-token chunks first, then prefill chunks):
-      input_ids [T], positions [T], PagedBatch -> model.forward with
-      PagedAttention -> hidden of each sampled chunk's last token [N, hidden]
-      -> compute_logits [N, vocab] -> sampling.sample -> tokens
+      input_ids [T], positions [T], PagedBatch -> KernelForward (cpu_forward.py: the
+      fused C++ kernels of gpu_backend/cpu_kernels between the matmuls) where the model
+      and the machine allow, else model.forward with PagedAttention -> hidden of each
+      sampled chunk's last token [N, hidden] -> compute_logits [N, vocab] -> sampling.sample
 
 Runs everywhere; the embedded default and what CI exercises end to end.
 """
@@ -23,11 +24,13 @@ from shared_layout import Ring
 from ..engine import Engine, EngineConfig, StepBatch
 from ..intake import IntakeConfig
 from ..kv_cache import KVCacheConfig, KVPool, blocks_for_budget
+from .. import cpu_kernels
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedAttention, PagedBatch
 from ..policy import PolicyConfig, blocks_needed
 from ..sampling import sample
 from . import ExecutorOptions
+from .cpu_forward import KernelForward
 from .cpu_linear import prepare_model
 
 log = logging.getLogger("blink.gpu_daemon")
@@ -40,10 +43,12 @@ DEFAULT_KV_CACHE_MB = 1024
 class CpuRunner:
     """Runs one StepBatch through the model over the paged pool and samples."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool):
+    def __init__(self, model: LlamaModel, pool: KVPool, kernels: cpu_kernels.CpuKernels | None = None):
         self.model = model
         self.attn = PagedAttention(pool)
         self.block_size = pool.config.block_size
+        # The fused-kernel layer where it applies (fused bf16/f32 model, kernels built); else PyTorch ops.
+        self.kernel_forward = KernelForward(model, pool, kernels) if KernelForward.applicable(model, kernels) else None
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> list[int]:
@@ -56,14 +61,18 @@ class CpuRunner:
             ids += c.seq.token_slice(c.start, c.start + c.num_tokens)
             positions += range(c.start, c.start + c.num_tokens)
             last_row[i] = len(ids) - 1
-        self.attn.batch = PagedBatch.build(
+        paged = PagedBatch.build(
             [(batch.chunks[i].start, batch.chunks[i].num_tokens, batch.chunks[i].seq.blocks) for i in order],
             self.block_size)
-        try:
-            hidden = self.model(torch.tensor(ids, dtype=torch.long),
-                                torch.tensor(positions, dtype=torch.long), self.attn)        # [T, hidden]
-        finally:
-            self.attn.batch = None
+        input_ids, pos = torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+        if self.kernel_forward is not None:
+            hidden = self.kernel_forward(input_ids, pos, paged)                               # [T, hidden]
+        else:
+            self.attn.batch = paged
+            try:
+                hidden = self.model(input_ids, pos, self.attn)                                # [T, hidden]
+            finally:
+                self.attn.batch = None
         sampled = [i for i, c in enumerate(batch.chunks) if c.sample]
         if not sampled:
             return []
@@ -148,6 +157,7 @@ class CpuExecutor:
             from ..model.loader import load_model
             model = load_model(options.model, dtype=resolve_dtype(options.dtype)).model
         self.model = prepare_model(model)    # in place: fused projections, prepacked bf16 matmuls
+        self.kernels = cpu_kernels.load()     # None when they cannot be built, or BLINK_CPU_KERNELS=0
         self.options = options
         cfg = model.config
         bs = options.block_size
@@ -176,7 +186,9 @@ class CpuExecutor:
         assert blocks_needed(max_len, bs) <= num_blocks
 
     def engine(self, ring: Ring, scenario=None) -> Engine:
-        return Engine(ring, CpuRunner(self.model, self.pool),
+        runner = CpuRunner(self.model, self.pool, self.kernels)
+        log.info("decoder layer: %s", "fused C++ kernels" if runner.kernel_forward else "PyTorch ops")
+        return Engine(ring, runner,
                       EngineConfig(self.policy, self.pool.config.num_blocks,
                                    shutdown_grace_s=self.options.shutdown_grace_s),
                       IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids), scenario=scenario)

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from gpu_backend import cpu_kernels
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors import ExecutorOptions
 from gpu_backend.executors.cpu import CpuExecutor, CpuRunner
@@ -33,9 +34,16 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return LlamaModel.random(tiny_config(), seed=3)
+@pytest.fixture(scope="module", params=["pytorch", "kernels"])
+def model(request):
+    """The same weights run by the PyTorch layer, and fused (q|k|v, gate|up) so that the
+    runner takes the C++ kernel layer (cpu_forward.KernelForward)."""
+    m = LlamaModel.random(tiny_config(), seed=3)
+    if request.param == "kernels":
+        if cpu_kernels.load() is None:
+            pytest.skip("the CPU kernels cannot be built here (no g++)")
+        m.fuse_projections()
+    return m
 
 
 def make_engine(model, *, num_blocks=256, block_size=4, max_batch_size=8, max_prefill_tokens=64, max_len=None,
@@ -44,7 +52,10 @@ def make_engine(model, *, num_blocks=256, block_size=4, max_batch_size=8, max_pr
     cfg = model.config
     pool = KVPool(KVCacheConfig(num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
     policy = PolicyConfig(max_batch_size, max_prefill_tokens, block_size)
-    engine = Engine(ring, runner or CpuRunner(model, pool), EngineConfig(policy, num_blocks),
+    if runner is None:
+        runner = CpuRunner(model, pool, cpu_kernels.load())
+        assert (runner.kernel_forward is not None) == (model.layers[0].mlp.gate_up_proj is not None)
+    engine = Engine(ring, runner, EngineConfig(policy, num_blocks),
                     IntakeConfig(cfg.vocab_size, max_len or cfg.max_position_embeddings, eos))
     return engine, FrontendPlayer(ring)
 

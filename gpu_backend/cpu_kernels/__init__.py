@@ -1,0 +1,182 @@
+"""Fused CPU kernels (kernels.cc) for the CPU executor, built once with g++ and called by ctypes.
+
+    kernels.cc --g++ -O3 -march=native -fopenmp--> ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
+      <hash of source, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
+    -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul on torch
+       tensors (shapes and dtypes checked here, data pointers handed to C)
+
+-march=native is why the CPU's flags are part of the cache key: a cache shared between
+machines never hands one CPU another's build. No compiler, or a failed build, makes
+load() return None with one log line; the executor then runs the plain PyTorch layer.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+
+import torch
+
+from ..cuda.build import BuildError, _publish, _run, _version, find_gxx
+
+log = logging.getLogger("blink.gpu_daemon")
+
+SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
+GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+             "-Wall", "-Wextra"]
+LIB_NAME = "libblink_cpu_kernels.so"
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+MAX_HEAD_DIM = 1024          # kernels.cc keeps a row's two halves on the stack
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "rope_cache": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int],
+    "decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                         _i64, _f32, _int],
+    "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
+}
+
+
+def cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("BLINK_CACHE_DIR", "~/.cache/blink")).expanduser() / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build(gxx: str | None = None) -> pathlib.Path:
+    """The kernels as a shared library (cached; a second call only hashes)."""
+    gxx = gxx or find_gxx()
+    if gxx is None:
+        raise BuildError("no C++ compiler found (g++); set BLINK_CXX")
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (gxx, _version(gxx), _cpu_flags(), *GXX_FLAGS):
+        h.update(part.encode())
+
+    def compile_to(tmp: pathlib.Path) -> pathlib.Path:
+        out = tmp / LIB_NAME
+        _run([gxx, *GXX_FLAGS, str(SOURCE), "-o", str(out)], "g++ cpu_kernels/kernels.cc")
+        return out
+
+    return _publish(compile_to, cache_root() / h.hexdigest()[:16], LIB_NAME)
+
+
+class CpuKernels:
+    """The loaded library; every method takes contiguous CPU tensors of one dtype (bf16 or f32)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {}
+        for suffix in SUFFIX.values():
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, f"blink_{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, suffix] = fn
+
+    def _fn(self, name: str, dtype: torch.dtype):
+        try:
+            return self._fns[name, SUFFIX[dtype]]
+        except KeyError:
+            raise TypeError(f"cpu kernel {name}: dtype {dtype} not supported (bfloat16, float32)") from None
+
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in SUFFIX and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, n] (the residual stream; x += delta in place when delta is given) ->
+        RMSNorm(x) * weight, as LlamaModel's RMSNorm computes it."""
+        rows, n = x.shape
+        _check(x, weight, delta)
+        if delta is not None and delta.shape != x.shape:
+            raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} != x {tuple(x.shape)}")
+        if weight.shape != (n,):
+            raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} for rows of {n}")
+        out = torch.empty_like(x) if out is None else out
+        self._fn("add_rms_norm", x.dtype)(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                          weight.data_ptr(), out.data_ptr(), rows, n, eps, _threads())
+        return out
+
+    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   kc: torch.Tensor, vc: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        """qkv [T, H + 2 KV, D]: RoPE in place on the q and k heads, then k and v of token t
+        written to slot slots[t] of the pool layer kc / vc [KV, blocks, bs, D]."""
+        t, heads_total, d = qkv.shape
+        _check(qkv, cos, sin, kc, vc)
+        if heads_total != num_heads + 2 * num_kv_heads or cos.shape != (t, d) or sin.shape != (t, d):
+            raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)} for "
+                             f"{num_heads} + 2x{num_kv_heads} heads")
+        if kc.shape != vc.shape or kc.shape[0] != num_kv_heads or kc.shape[3] != d:
+            raise ValueError(f"rope_cache: pool {tuple(kc.shape)} for {num_kv_heads} kv heads of {d}")
+        if slots.dtype != torch.int64 or slots.shape != (t,) or not slots.is_contiguous():
+            raise ValueError("rope_cache: slots must be a contiguous int64 [T]")
+        self._fn("rope_cache", qkv.dtype)(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+            t, heads_total, num_heads + num_kv_heads, num_heads, num_kv_heads, d, kc.shape[1] * kc.shape[2],
+            _threads())
+
+    def decode_attention(self, qkv: torch.Tensor, num_heads: int, kc: torch.Tensor, vc: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Rows 0..B-1 of qkv [T, H + 2 KV, D] are single-token queries; each attends to its
+        context_lens[b] cached positions through block_tables[b] -> o [B, H, D]. The tables
+        must cover the lengths (PagedBatch.build checks it once per step, not here per layer)."""
+        b, max_blocks = block_tables.shape
+        _, heads_total, d = qkv.shape
+        kvh, num_blocks, bs, _ = kc.shape
+        _check(qkv, kc, vc)
+        for name, idx in (("block_tables", block_tables), ("context_lens", context_lens)):
+            if idx.dtype != torch.int64 or not idx.is_contiguous():
+                raise ValueError(f"decode_attention: {name} must be contiguous int64")
+        if context_lens.shape != (b,) or qkv.shape[0] < b or num_heads % kvh:
+            raise ValueError(f"decode_attention: {b} tables, {tuple(context_lens.shape)} lengths, "
+                             f"{qkv.shape[0]} rows, {num_heads} heads over {kvh} kv heads")
+        o = torch.empty((b, num_heads, d), dtype=qkv.dtype)
+        self._fn("decode_attention", qkv.dtype)(
+            qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(), max_blocks,
+            context_lens.data_ptr(), o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
+        return o
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2n] (gate, then up) -> silu(gate) * up [rows, n]."""
+        rows, two_n = gate_up.shape
+        _check(gate_up)
+        out = torch.empty((rows, two_n // 2), dtype=gate_up.dtype)
+        self._fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2, _threads())
+        return out
+
+
+def _check(*tensors: torch.Tensor | None) -> None:
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype:
+            raise ValueError(f"cpu kernels take contiguous CPU tensors of one dtype; got {t.dtype} "
+                             f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, built on first use; None (logged once) where they cannot be built or loaded."""
+    if os.environ.get("BLINK_CPU_KERNELS", "1") == "0":
+        log.info("fused CPU kernels disabled by BLINK_CPU_KERNELS=0")
+        return None
+    try:
+        path = build()
+        return CpuKernels(ctypes.CDLL(str(path)))
+    except (BuildError, OSError, AttributeError) as e:
+        log.warning("fused CPU kernels unavailable, running the PyTorch layer: %s", e)
+        return None

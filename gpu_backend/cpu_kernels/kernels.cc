@@ -1,0 +1,359 @@
+// Fused CPU kernels for the CPU executor's decoder layer (bfloat16 and float32).
+//
+// Everything between two matmuls of a Llama layer, one pass over memory each:
+//   rms_norm / add_rms_norm   residual add + RMSNorm (HF numerics: normalise in f32,
+//                             round to the model dtype, then scale by the weight)
+//   rope_cache                RoPE in place over the q and k heads of the fused qkv rows,
+//                             then k and v written into the paged KV pool by slot
+//   decode_attention          single-token queries over their paged context, straight from
+//                             the pool's blocks (no gather copy), GQA groups share each K/V row
+//   silu_mul                  SwiGLU: silu(gate) * up from the fused gate|up rows
+//
+// Layouts (row-major, contiguous unless a stride is given):
+//   qkv   [T, H + 2*KV, D]       q heads, then k heads, then v heads of each token
+//   pool  [KV, blocks, bs, D]    one layer of KVPool.k / KVPool.v
+//   cos/sin [T, D]               HF rotate_half convention, in the model dtype
+// Rounding follows the PyTorch ops these replace, step by step (every bf16 op rounds its
+// result), so the kernel path and the PyTorch path agree to the last bit in all but rare
+// reduction-order cases. Attention accumulates in float32 and rounds once.
+//
+// Threads: OpenMP over rows / (sequence, kv head) pairs with the caller's thread count; the
+// process shares PyTorch's libgomp (same soname), so there is one OpenMP runtime.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BLINK_AVX512_BF16 1      // -march=native on a CPU with vdpbf16ps: bf16 dot products in hardware
+// GCC 12's AVX-512 headers initialise their "undefined" registers with `__Y = __Y`, which
+// -Wmaybe-uninitialized reports at every inlined cast/extract: a known false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#else
+#define BLINK_AVX512_BF16 0
+#endif
+
+namespace {
+
+struct BF16 {
+    using T = uint16_t;
+    static inline float load(T v) {
+        uint32_t u = uint32_t(v) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    static inline T store(float f) {          // round to nearest even, NaN kept quiet
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return T((u >> 16) | 0x40u);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return T(u >> 16);
+    }
+    static inline float round(float f) { return load(store(f)); }
+};
+
+struct F32 {
+    using T = float;
+    static inline float load(T v) { return v; }
+    static inline T store(float f) { return f; }
+    static inline float round(float f) { return f; }
+};
+
+// exp for the softmax and SiLU loops (Cephes expf: Cody-Waite reduction, degree-5 polynomial,
+// within 2 ulp of expf): plain arithmetic, so the loops vectorize (libm's expf does not
+// without -ffast-math). Inputs are clamped to expf's finite range.
+static inline float vexp(float x) {
+    x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;     // 2^n, n in [-126, 128)
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+// x [rows, n] -> out = weight * dtype(x * rsqrt(mean(x^2) + eps)); with delta, first
+// x = dtype(x + delta) in place (the residual stream), as `x + sublayer(x)` then the norm.
+template <class P>
+void add_rms_norm(typename P::T* x, const typename P::T* delta, const typename P::T* weight,
+                  typename P::T* out, int64_t rows, int64_t n, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        typename P::T* xr = x + r * n;
+        typename P::T* yr = out + r * n;
+        if (delta) {
+            const typename P::T* dr = delta + r * n;
+            for (int64_t i = 0; i < n; ++i) xr[i] = P::store(P::load(xr[i]) + P::load(dr[i]));
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+            float v = P::load(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+        for (int64_t i = 0; i < n; ++i)
+            yr[i] = P::store(P::load(weight[i]) * P::round(P::load(xr[i]) * inv));
+    }
+}
+
+// RoPE on heads [0, rope_heads) of each qkv row, in place; then the row's k and v heads
+// (at k_head, k_head + kv_heads) go to pool slot slots[t] = block * bs + offset.
+template <class P>
+void rope_cache(typename P::T* qkv, const typename P::T* cos, const typename P::T* sin,
+                const int64_t* slots, typename P::T* kc, typename P::T* vc,
+                int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
+                int64_t d, int64_t pool_slots, int threads) {
+    const int64_t half = d / 2;
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && tokens > 1)
+    for (int64_t t = 0; t < tokens; ++t) {
+        typename P::T* row = qkv + t * heads_total * d;
+        const typename P::T* c = cos + t * d;
+        const typename P::T* s = sin + t * d;
+        for (int64_t h = 0; h < rope_heads; ++h) {
+            typename P::T* x = row + h * d;
+            float lo[512], hi[512];           // d <= 1024 (checked by the caller)
+            for (int64_t i = 0; i < half; ++i) {
+                lo[i] = P::load(x[i]);
+                hi[i] = P::load(x[i + half]);
+            }
+            for (int64_t i = 0; i < half; ++i) {
+                // x*cos + rotate_half(x)*sin, rotate_half = cat(-x[half:], x[:half])
+                x[i] = P::store(P::round(lo[i] * P::load(c[i])) + P::round(-hi[i] * P::load(s[i])));
+                x[i + half] = P::store(P::round(hi[i] * P::load(c[i + half])) +
+                                       P::round(lo[i] * P::load(s[i + half])));
+            }
+        }
+        const int64_t slot = slots[t];
+        for (int64_t g = 0; g < kv_heads; ++g) {
+            std::memcpy(kc + (g * pool_slots + slot) * d, row + (k_head + g) * d, d * sizeof(typename P::T));
+            std::memcpy(vc + (g * pool_slots + slot) * d, row + (k_head + kv_heads + g) * d,
+                        d * sizeof(typename P::T));
+        }
+    }
+}
+
+// q . k for one bf16 query head and one bf16 key row of DC elements: vdpbf16ps multiplies
+// bf16 pairs exactly and accumulates in float32, 32 elements an instruction.
+template <class P, int DC>
+constexpr bool kHardwareDot = BLINK_AVX512_BF16 && std::is_same_v<P, BF16> && DC > 0 && DC % 32 == 0;
+
+template <int DC>
+static inline float dot_bf16(const uint16_t* q, const uint16_t* k) {
+#if BLINK_AVX512_BF16
+    __m512 acc = _mm512_setzero_ps();
+    for (int v = 0; v < DC / 32; ++v)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * v),
+                               (__m512bh)_mm512_loadu_si512(k + 32 * v));
+    const __m256 h = _mm512_castps512_ps256(_mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4e)));
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    x = _mm_hadd_ps(x, x);
+    return _mm_cvtss_f32(_mm_hadd_ps(x, x));
+#else
+    (void)q, (void)k;
+    return 0.f;                  // never called: kHardwareDot is false without the instruction
+#endif
+}
+
+// Four consecutive key rows (DC apart) against one query head: four dot products in one
+// register, the horizontal sums shared (one reduction tree for four instead of four).
+template <int DC>
+static inline void dot4_bf16(const uint16_t* q, const uint16_t* k, float scale, float* out) {
+#if BLINK_AVX512_BF16
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int v = 0; v < DC / 32; ++v) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + 32 * v);
+        a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k + 32 * v));
+        a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k + DC + 32 * v));
+        a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k + 2 * DC + 32 * v));
+        a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k + 3 * DC + 32 * v));
+    }
+    auto half = [](__m512 a) {        // upper 256 bits added onto the lower
+        return _mm512_castps512_ps256(_mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0x4e)));
+    };
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+#else
+    (void)q, (void)k, (void)scale, (void)out;
+#endif
+}
+
+// One query token per sequence: o[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over the
+// context_lens[b] cached positions of sequence b, found through its block table.
+// q rows are strided (q_stride elements between tokens: the fused qkv rows); o is [B, H, D].
+template <class P, int DC>
+void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
+                           const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
+                           const int64_t* context_lens, typename P::T* o, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t d_rt, int64_t num_blocks, int64_t bs, float scale,
+                           int threads) {
+    const int64_t d = DC ? DC : d_rt;
+    const int64_t group = heads / kv_heads;
+    const int64_t pool_slots = num_blocks * bs;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
+    {
+        std::vector<float> qf, scores, acc, row;
+        #pragma omp for schedule(dynamic)
+        for (int64_t w = 0; w < batch * kv_heads; ++w) {
+            const int64_t b = w / kv_heads, g = w % kv_heads;
+            const int64_t len = context_lens[b];
+            qf.assign(group * d, 0.f);
+            scores.resize(group * (len > 0 ? len : 1));
+            acc.assign(group * d, 0.f);
+            row.resize(bs * d);            // one block of K or V rows in float32
+            for (int64_t j = 0; j < group; ++j)
+                for (int64_t i = 0; i < d; ++i)
+                    qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
+            const typename P::T* qh = q + b * q_stride;                 // this token's query heads
+            const int64_t* table = tables + b * max_blocks;
+            const typename P::T* kbase = kc + g * pool_slots * d;
+            const typename P::T* vbase = vc + g * pool_slots * d;
+            // Block by block through the table: no division per position.
+            for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
+                const int64_t n = len - t0 < bs ? len - t0 : bs;
+                const typename P::T* kb = kbase + table[blk] * bs * d;
+                int64_t o = 0;
+                if constexpr (kHardwareDot<P, DC>) {
+                    for (; o + 4 <= n; o += 4)
+                        for (int64_t j = 0; j < group; ++j)
+                            dot4_bf16<DC>(qh + (g * group + j) * d, kb + o * d, scale, &scores[j * len + t0 + o]);
+                }
+                for (; o < n; ++o) {
+                    const typename P::T* __restrict k = kb + o * d;
+                    if constexpr (kHardwareDot<P, DC>) {
+                        for (int64_t j = 0; j < group; ++j)
+                            scores[j * len + t0 + o] = dot_bf16<DC>(qh + (g * group + j) * d, k) * scale;
+                        continue;
+                    }
+                    float* __restrict r = row.data();
+                    for (int64_t i = 0; i < d; ++i) r[i] = P::load(k[i]);
+                    for (int64_t j = 0; j < group; ++j) {
+                        const float* __restrict qj = qf.data() + j * d;
+                        float dot = 0.f;
+                        #pragma omp simd reduction(+ : dot)
+                        for (int64_t i = 0; i < d; ++i) dot += qj[i] * r[i];
+                        scores[j * len + t0 + o] = dot;
+                    }
+                }
+            }
+            for (int64_t j = 0; j < group; ++j) {        // softmax over the context
+                float* sj = scores.data() + j * len;
+                float mx = -INFINITY;
+                #pragma omp simd reduction(max : mx)
+                for (int64_t t = 0; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
+                float sum = 0.f;
+                #pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < len; ++t) {
+                    sj[t] = vexp(sj[t] - mx);
+                    sum += sj[t];
+                }
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+            }
+            // o = p . v, a block at a time: its rows converted once, then per query head an
+            // accumulator that stays in registers across the block (a memory accumulator
+            // chains every position through store-to-load forwarding: 3x slower).
+            for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
+                const int64_t n = len - t0 < bs ? len - t0 : bs;
+                const typename P::T* __restrict vb = vbase + table[blk] * bs * d;
+                float* __restrict vf = row.data();
+                for (int64_t i = 0; i < n * d; ++i) vf[i] = P::load(vb[i]);
+                for (int64_t j = 0; j < group; ++j) {
+                    const float* __restrict pj = scores.data() + j * len + t0;
+                    float* __restrict aj = acc.data() + j * d;
+                    if constexpr (DC > 0) {
+                        float a[DC];
+                        for (int64_t i = 0; i < DC; ++i) a[i] = aj[i];
+                        for (int64_t o = 0; o < n; ++o)
+                            for (int64_t i = 0; i < DC; ++i) a[i] += pj[o] * vf[o * DC + i];
+                        for (int64_t i = 0; i < DC; ++i) aj[i] = a[i];
+                    } else {
+                        for (int64_t o = 0; o < n; ++o)
+                            for (int64_t i = 0; i < d; ++i) aj[i] += pj[o] * vf[o * d + i];
+                    }
+                }
+            }
+            for (int64_t j = 0; j < group; ++j)
+                for (int64_t i = 0; i < d; ++i)
+                    o[(b * heads + g * group + j) * d + i] = P::store(acc[j * d + i]);
+        }
+    }
+}
+
+template <class P>
+void decode_attention(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
+                      const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
+                      const int64_t* context_lens, typename P::T* o, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale, int threads) {
+    // The common head sizes get a compile-time D, so the inner loops unroll into whole vectors.
+    auto run = [&](auto impl) {
+        impl(q, q_stride, kc, vc, tables, max_blocks, context_lens, o, batch, heads, kv_heads, d,
+             num_blocks, bs, scale, threads);
+    };
+    if (d == 64) run(decode_attention_impl<P, 64>);
+    else if (d == 128) run(decode_attention_impl<P, 128>);
+    else run(decode_attention_impl<P, 0>);
+}
+
+// gate_up [rows, 2n] (gate, then up) -> out [rows, n] = dtype(silu(gate)) * up, rounded.
+template <class P>
+void silu_mul(const typename P::T* gate_up, typename P::T* out, int64_t rows, int64_t n, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const typename P::T* gate = gate_up + r * 2 * n;
+        const typename P::T* up = gate + n;
+        typename P::T* y = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = P::load(gate[i]);
+            y[i] = P::store(P::round(x / (1.f + vexp(-x))) * P::load(up[i]));
+        }
+    }
+}
+
+}  // namespace
+
+// C ABI for ctypes: one entry per kernel and dtype (suffix _bf16 / _f32); pointers are raw
+// tensor data pointers, sizes int64. Returns nothing: the Python side validates shapes.
+#define BLINK_EXPORT(SUF, P)                                                                             \
+    extern "C" void blink_add_rms_norm_##SUF(void* x, const void* delta, const void* w, void* out,       \
+                                             int64_t rows, int64_t n, float eps, int threads) {          \
+        add_rms_norm<P>((P::T*)x, (const P::T*)delta, (const P::T*)w, (P::T*)out, rows, n, eps, threads); \
+    }                                                                                                    \
+    extern "C" void blink_rope_cache_##SUF(void* qkv, const void* cos, const void* sin,                  \
+                                           const int64_t* slots, void* kc, void* vc, int64_t tokens,     \
+                                           int64_t heads_total, int64_t rope_heads, int64_t k_head,      \
+                                           int64_t kv_heads, int64_t d, int64_t pool_slots, int threads) { \
+        rope_cache<P>((P::T*)qkv, (const P::T*)cos, (const P::T*)sin, slots, (P::T*)kc, (P::T*)vc,       \
+                      tokens, heads_total, rope_heads, k_head, kv_heads, d, pool_slots, threads);        \
+    }                                                                                                    \
+    extern "C" void blink_decode_attention_##SUF(const void* q, int64_t q_stride, const void* kc,        \
+                                                 const void* vc, const int64_t* tables,                  \
+                                                 int64_t max_blocks, const int64_t* context_lens,        \
+                                                 void* o, int64_t batch, int64_t heads,                  \
+                                                 int64_t kv_heads, int64_t d, int64_t num_blocks,        \
+                                                 int64_t bs, float scale, int threads) {                 \
+        decode_attention<P>((const P::T*)q, q_stride, (const P::T*)kc, (const P::T*)vc, tables,          \
+                            max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, d, num_blocks,   \
+                            bs, scale, threads);                                                         \
+    }                                                                                                    \
+    extern "C" void blink_silu_mul_##SUF(const void* gate_up, void* out, int64_t rows, int64_t n,        \
+                                         int threads) {                                                  \
+        silu_mul<P>((const P::T*)gate_up, (P::T*)out, rows, n, threads);                                 \
+    }
+
+BLINK_EXPORT(bf16, BF16)
+BLINK_EXPORT(f32, F32)

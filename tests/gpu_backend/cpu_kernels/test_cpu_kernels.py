@@ -1,0 +1,169 @@
+"""The fused C++ CPU kernels against the PyTorch ops they replace (LlamaModel's RMSNorm,
+apply_rope, SwiGLU; PagedAttention's KV write and decode attention), in bfloat16 and
+float32, over the shapes the hardware paths specialise (head_dim 64 and 128 take the
+vdpbf16ps path where the CPU has it) and the generic ones."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_backend import cpu_kernels
+from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.model.llama import RMSNorm, apply_rope
+from gpu_backend.paged_attention import PagedAttention, PagedBatch
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels cannot be built here (no g++)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, bf16_tol: float = 0.0) -> None:
+    tol = 1e-5 if dtype == torch.float32 else bf16_tol
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_and_normalises_like_rmsnorm(dtype):
+    g = gen(0)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    delta = torch.randn(7, 576, generator=g).to(dtype)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    want_resid = x + delta
+    want = norm(want_resid)
+    resid = x.clone()
+    got = KERNELS.add_rms_norm(resid, delta, norm.weight.data, norm.eps)
+    assert torch.equal(resid, want_resid)                       # one rounding, as `x + delta`
+    close(got, want, dtype, bf16_tol=1e-2)
+    if dtype == torch.bfloat16:                                 # the same value almost everywhere
+        assert (got != want).float().mean() < 0.01
+    only = x.clone()
+    close(KERNELS.add_rms_norm(only, None, norm.weight.data, norm.eps), norm(x), dtype, bf16_tol=1e-2)
+    assert torch.equal(only, x)                                 # no delta: the residual is left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_swiglu_of_the_fused_gate_up_rows(dtype):
+    gate_up = (3 * torch.randn(5, 2 * 320, generator=gen(1))).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)     # exp clamps at both ends
+    want = F.silu(gate_up[:, :320]) * gate_up[:, 320:]
+    got = KERNELS.silu_mul(gate_up)
+    close(got, want, dtype, bf16_tol=1e-2)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01
+
+
+def rope_tables(positions: torch.Tensor, d: int, dtype: torch.dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([positions.float()[:, None] * inv[None]] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def paged_case(dtype, heads, kv_heads, d, block_size, contexts, seed):
+    """A pool with random cached K/V and one decode token per sequence at position contexts[i] - 1,
+    the tables scattered over the pool (not in order), some blocks only partly used."""
+    g = gen(seed)
+    blocks_each = [-(-c // block_size) for c in contexts]
+    perm = torch.randperm(sum(blocks_each) + 5, generator=g).tolist()
+    tables, at = [], 0
+    for n in blocks_each:
+        tables.append(perm[at:at + n])
+        at += n
+    pool = KVPool(KVCacheConfig(len(perm), block_size, 1, kv_heads, d), dtype=dtype)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    chunks = [(c - 1, 1, t) for c, t in zip(contexts, tables)]
+    qkv = (torch.randn(len(contexts), heads + 2 * kv_heads, d, generator=g) * 0.3).to(dtype)
+    return pool, PagedBatch.build(chunks, block_size), qkv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 48, 8),
+                                                         (6, 1, 32, 4)])
+def test_rope_cache_and_decode_attention_match_paged_attention(dtype, heads, kv_heads, d, block_size):
+    contexts = [1, 37, block_size, 3 * block_size + 5, 130]
+    pool, batch, qkv = paged_case(dtype, heads, kv_heads, d, block_size, contexts, seed=heads * d)
+    positions = torch.tensor([c - 1 for c in contexts])
+    cos, sin = rope_tables(positions, d, dtype)
+    # PyTorch: RoPE on q|k, then PagedAttention writes k/v and attends (on a copy of the pool).
+    ref_pool = KVPool(pool.config, dtype=dtype)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+    attn = PagedAttention(ref_pool)
+    attn.batch = batch
+    want = attn(0, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:])
+    # Kernels: RoPE in place + KV write, then attention straight from the pool.
+    got_qkv = qkv.clone()
+    KERNELS.rope_cache(got_qkv, cos, sin, batch.slot_mapping, pool.k[0], pool.v[0], heads, kv_heads)
+    close(got_qkv[:, :heads + kv_heads], qk, dtype)               # RoPE rounds exactly as apply_rope
+    assert torch.equal(got_qkv[:, heads + kv_heads:], qkv[:, heads + kv_heads:])
+    close(pool.k, ref_pool.k, dtype)
+    close(pool.v, ref_pool.v, dtype)
+    got = KERNELS.decode_attention(got_qkv, heads, pool.k[0], pool.v[0], batch.decode_block_tables,
+                                   batch.decode_context_lens)
+    # float32 accumulation throughout vs PyTorch's bf16 scores/probabilities: within bf16 noise.
+    close(got, want, dtype, bf16_tol=3e-2)
+
+
+def test_decode_attention_of_a_single_position_returns_its_value():
+    pool, batch, qkv = paged_case(torch.bfloat16, 9, 3, 64, 16, [1, 1], seed=4)
+    KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(2), 64, torch.bfloat16), batch.slot_mapping,
+                       pool.k[0], pool.v[0], 9, 3)
+    o = KERNELS.decode_attention(qkv, 9, pool.k[0], pool.v[0], batch.decode_block_tables,
+                                 batch.decode_context_lens)
+    v = qkv[:, 12:].repeat_interleave(3, dim=1)                  # each q head's kv head
+    assert torch.equal(o, v)
+
+
+def test_bad_arguments_are_refused_before_reaching_c():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="weight"):
+        KERNELS.add_rms_norm(x, None, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        KERNELS.add_rms_norm(x, None, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNELS.silu_mul(torch.zeros(4, 8).t())
+    with pytest.raises(TypeError, match="float16"):
+        KERNELS.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+    pool, batch, qkv = paged_case(torch.float32, 4, 2, 16, 4, [5], seed=0)
+    with pytest.raises(ValueError, match="slots"):
+        KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(1), 16, torch.float32), batch.slot_mapping.int(),
+                           pool.k[0], pool.v[0], 4, 2)
+    with pytest.raises(ValueError, match="heads"):
+        KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(1), 16, torch.float32), batch.slot_mapping,
+                           pool.k[0], pool.v[0], 2, 2)
+    with pytest.raises(ValueError, match="outside"):
+        PagedBatch.build([(40, 1, [0, 1])], 4)                   # position 40 needs 11 blocks, not 2
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLINK_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels.build()
+    assert first.is_file() and first.parent.parent == tmp_path / "cpu_kernels"
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp     # no rebuild
+    lib = ctypes.CDLL(str(first))
+    assert hasattr(lib, "blink_decode_attention_bf16") and hasattr(lib, "blink_silu_mul_f32")
+
+
+def test_disabled_or_unbuildable_kernels_fall_back_with_a_log_line(tmp_path):
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from gpu_backend import cpu_kernels; print('loaded', cpu_kernels.load() is not None)")
+    env = dict(os.environ, BLINK_CACHE_DIR=str(tmp_path))
+    off = subprocess.run([sys.executable, "-c", code], env=dict(env, BLINK_CPU_KERNELS="0"),
+                         capture_output=True, text=True, timeout=120)
+    assert "loaded False" in off.stdout and "BLINK_CPU_KERNELS=0" in off.stdout
+    broken = subprocess.run([sys.executable, "-c", code], env=dict(env, BLINK_CXX="/bin/false"),
+                            capture_output=True, text=True, timeout=120)
+    assert "loaded False" in broken.stdout and "running the PyTorch layer" in broken.stdout

@@ -1,0 +1,149 @@
+"""KernelForward (the fused C++ kernel layer) computes what LlamaModel.forward with
+PagedAttention computes: mixed batches of decodes, fresh prefills and continuing prefill
+chunks, on the Llama variants it applies to, and the real SmolLM2 in bfloat16."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gpu_backend import cpu_kernels
+from gpu_backend.executors.cpu_forward import KernelForward
+from gpu_backend.executors.cpu_linear import prepare_model
+from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.model.config import tiny_config
+from gpu_backend.model.llama import LlamaModel
+from gpu_backend.paged_attention import PagedAttention, PagedBatch
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels cannot be built here (no g++)")
+
+VARIANTS = {
+    "gqa-untied": dict(),
+    "mha-tied": dict(num_kv_heads=4, tie_word_embeddings=True),
+    "qwen2-bias": dict(arch="qwen2", attention_bias=True),
+    "head64": dict(head_dim=64, hidden_size=128),
+}
+BLOCK = 4
+
+
+BLOCKS = {"a": [9, 2, 14, 5], "b": [0, 7, 11, 3], "c": [4, 12, 1, 8]}   # block tables, out of order
+# A prefills 7 then decodes; B prefills in two chunks (5 + 6, the second over cached blocks)
+# while A decodes; C arrives fresh beside both; then all three decode together.
+STEPS = [
+    [("a", 0, 7)],
+    [("a", 7, 1), ("b", 0, 5)],
+    [("a", 8, 1), ("b", 5, 6), ("c", 0, 3)],
+    [("a", 9, 1), ("b", 11, 1), ("c", 3, 1)],
+    [("a", 10, 1), ("b", 12, 1), ("c", 4, 1)],
+]
+
+
+def run_both(model: LlamaModel, steps=STEPS):
+    """Each step through both paths, each over its own pool -> [(PyTorch hidden, kernel hidden)]."""
+    cfg = model.config
+    pools = [KVPool(KVCacheConfig(16, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), dtype=model.dtype)
+             for _ in range(2)]
+    attn, fast = PagedAttention(pools[0]), KernelForward(model, pools[1], KERNELS)
+    tokens = {seq: torch.randint(0, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(i))
+              for i, seq in enumerate(BLOCKS)}
+    out = []
+    for step in steps:
+        ids = torch.cat([tokens[seq][start:start + n] for seq, start, n in step])
+        pos = torch.cat([torch.arange(start, start + n) for _, start, n in step])
+        batch = PagedBatch.build([(start, n, BLOCKS[seq]) for seq, start, n in step], BLOCK)
+        with torch.inference_mode():
+            attn.batch = batch
+            want = model(ids, pos, attn)
+            got = fast(ids, pos, batch)
+        out.append((want, got))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_layer_equals_the_pytorch_layer_on_mixed_batches(variant, dtype):
+    model = prepare_model(LlamaModel.random(tiny_config(**VARIANTS[variant]), seed=7).to(dtype))
+    assert KernelForward.applicable(model, KERNELS)
+    for want, got in run_both(model):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:        # bf16: PyTorch rounds attention scores and probabilities to bf16, the kernel does not
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+            logits_want, logits_got = model.compute_logits(want), model.compute_logits(got)
+            assert (logits_want.argmax(-1) == logits_got.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_tokens_agree_between_the_two_layers():
+    """The real model, prompt then 24 greedy tokens a sequence, three sequences batched. The
+    two bf16 layers round differently only inside attention (PyTorch rounds scores and
+    probabilities to bf16, the kernel keeps them in float32), so they agree on the next
+    token wherever SmolLM2's top two logits are not a near-tie."""
+    from tokenizers import Tokenizer
+
+    from gpu_backend.executors.cpu import CpuRunner
+    from gpu_backend.model.loader import load_model, prepare_default_model
+    tok = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))
+    chats = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
+    model = prepare_model(load_model("default", dtype=torch.bfloat16).model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = model.config
+
+    def new_pool():
+        return KVPool(KVCacheConfig(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), dtype=torch.bfloat16)
+    try:
+        outs = []
+        for kernels in (None, KERNELS):
+            runner = CpuRunner(model, new_pool(), kernels)
+            assert (runner.kernel_forward is not None) == (kernels is not None)
+            outs.append(greedy_batch(runner, prompts, 24))
+        # Teacher-forced on the PyTorch layer's tokens, the kernel layer picks the same next token
+        # (nearly) everywhere; free-running, bf16 near-ties may flip a late token and the texts part.
+        forced = greedy_batch(CpuRunner(model, new_pool(), KERNELS), prompts, 24, forced=outs[0])
+    finally:
+        torch.set_num_threads(threads)
+    picks = [t for seq in forced for t in seq]
+    want = [t for seq in outs[0] for t in seq]
+    agree = sum(a == b for a, b in zip(picks, want)) / len(want)
+    assert agree >= 0.95, agree
+    assert outs[1][0] == outs[0][0]                    # the short factual answer is the same
+    assert "Paris" in tok.decode(outs[1][0])
+
+
+def greedy_batch(runner, prompts: list[list[int]], n: int, forced=None) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode all of them together n - 1 times; each
+    step's argmax is returned, and fed back unless `forced` gives the tokens to feed."""
+    from gpu_backend.engine import ScheduledChunk, StepBatch
+    from gpu_backend.policy import StepKind
+    from gpu_backend.sequence import SamplingParams, Sequence
+    seqs, start = [], 0
+    for i, p in enumerate(prompts):
+        blocks = -(-(len(p) + n) // 16)
+        seqs.append(Sequence(slot=i, seq=i, epoch=1, prompt=p, max_tokens=n, params=SamplingParams(),
+                             stop_ids=frozenset(), max_len=2048, blocks=list(range(start, start + blocks))))
+        start += blocks
+    out = [[] for _ in prompts]
+    for step in range(n):
+        chunks = tuple(ScheduledChunk(s, 0 if step == 0 else len(s.prompt) + step - 1,
+                                      len(s.prompt) if step == 0 else 1, True) for s in seqs)
+        kind = StepKind.PREFILL if step == 0 else StepKind.DECODE
+        for i, t in enumerate(runner.run(StepBatch(kind, chunks))):
+            out[i].append(t)
+            seqs[i].output.append(t if forced is None else forced[i][step])
+    return out
+
+
+def test_not_applicable_where_the_kernels_do_not_cover_the_model():
+    qk_norm = prepare_model(LlamaModel.random(tiny_config(arch="qwen3", qk_norm=True, head_dim=32), seed=1))
+    assert not KernelForward.applicable(qk_norm, KERNELS)        # q/k norms sit between the matmul and RoPE
+    unfused = LlamaModel.random(tiny_config(), seed=1)
+    assert not KernelForward.applicable(unfused, KERNELS)
+    assert not KernelForward.applicable(prepare_model(copy.deepcopy(unfused)), None)
+    assert not KernelForward.applicable(prepare_model(unfused.to(torch.float16)), KERNELS)
+    with pytest.raises(ValueError, match="fused model"):
+        KernelForward(qk_norm, None, KERNELS)
