@@ -2,8 +2,9 @@
 
     kernels.cc --g++ -O3 -march=native -fopenmp--> ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
       <hash of source, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
-    -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul on torch
-       tensors (shapes and dtypes checked here, data pointers handed to C)
+    -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul, and
+       (on CPUs with AVX512-BF16) linear for decode-sized batches, on torch tensors (shapes
+       and dtypes checked here, data pointers handed to C)
 
 -march=native is why the CPU's flags are part of the cache key: a cache shared between
 machines never hands one CPU another's build. No compiler, or a failed build, makes
@@ -30,6 +31,8 @@ GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno"
 LIB_NAME = "libblink_cpu_kernels.so"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_HEAD_DIM = 1024          # kernels.cc keeps a row's two halves on the stack
+LINEAR_MAX_ROWS = 8          # kernels.cc's small-batch matmul: rows of x in one pass (kMaxRowsX)
+LINEAR_K_MULTIPLE = 32       # ... and its inner dimension comes in whole 32-element vectors
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -39,6 +42,7 @@ _SIGNATURES = {
                          _i64, _f32, _int],
     "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
 }
+_LINEAR_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
 
 
 def cache_root() -> pathlib.Path:
@@ -80,6 +84,9 @@ class CpuKernels:
                 fn = getattr(lib, f"blink_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, suffix] = fn
+        self.has_bf16_linear = bool(lib.blink_has_bf16_linear())
+        self._linear = lib.blink_linear_bf16
+        self._linear.argtypes, self._linear.restype = _LINEAR_ARGS, None
 
     def _fn(self, name: str, dtype: torch.dtype):
         try:
@@ -144,6 +151,29 @@ class CpuKernels:
             qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(), max_blocks,
             context_lens.data_ptr(), o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
         return o
+
+    def linear_fits(self, weight: torch.Tensor) -> bool:
+        """Whether linear() can take this [N, K] weight (bf16, K in whole vectors, this CPU)."""
+        return (self.has_bf16_linear and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] % LINEAR_K_MULTIPLE == 0 and weight.is_contiguous()
+                and weight.device.type == "cpu")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] bf16, for 1 <= M <= LINEAR_MAX_ROWS:
+        each weight row is streamed once for all M rows (decode batches)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        _check(x, weight, bias)
+        if not self.linear_fits(weight) or weight.shape[1] != k or not 1 <= m <= LINEAR_MAX_ROWS:
+            raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                             f"{weight.dtype}: needs bf16, K % {LINEAR_K_MULTIPLE} == 0, 1..{LINEAR_MAX_ROWS} "
+                             f"rows and AVX512-BF16 (here: {self.has_bf16_linear})")
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} for {n} outputs")
+        y = torch.empty((m, n), dtype=torch.bfloat16)
+        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     m, n, k, _threads())
+        return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2n] (gate, then up) -> silu(gate) * up [rows, n]."""

@@ -156,8 +156,8 @@ class CpuExecutor:
         if model is None:
             from ..model.loader import load_model
             model = load_model(options.model, dtype=resolve_dtype(options.dtype)).model
-        self.model = prepare_model(model)    # in place: fused projections, prepacked bf16 matmuls
         self.kernels = cpu_kernels.load()     # None when they cannot be built, or BLINK_CPU_KERNELS=0
+        self.model = prepare_model(model, self.kernels)    # in place: fused projections, packed bf16 matmuls
         self.options = options
         cfg = model.config
         bs = options.block_size

@@ -167,3 +167,35 @@ def test_disabled_or_unbuildable_kernels_fall_back_with_a_log_line(tmp_path):
     broken = subprocess.run([sys.executable, "-c", code], env=dict(env, BLINK_CXX="/bin/false"),
                             capture_output=True, text=True, timeout=120)
     assert "loaded False" in broken.stdout and "running the PyTorch layer" in broken.stdout
+
+
+needs_bf16_linear = pytest.mark.skipif(KERNELS is None or not KERNELS.has_bf16_linear,
+                                       reason="the small-batch matmul needs AVX512-BF16")
+
+
+@needs_bf16_linear
+@pytest.mark.parametrize("rows", range(1, cpu_kernels.LINEAR_MAX_ROWS + 1))
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (77, 1536, True), (1, 64, True), (5, 32, False)])
+def test_small_batch_linear_matches_f_linear(rows, n, k, bias):
+    g = gen(rows * n + k)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())     # exact products, f32 sums
+    got = KERNELS.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)        # one bf16 rounding
+
+
+@needs_bf16_linear
+def test_small_batch_linear_refuses_what_it_cannot_compute():
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        KERNELS.linear(torch.zeros(cpu_kernels.LINEAR_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="K % 32"):
+        KERNELS.linear(torch.zeros(2, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one dtype"):
+        KERNELS.linear(torch.zeros(2, 64), w)
+    with pytest.raises(ValueError, match="bias"):
+        KERNELS.linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, torch.zeros(3, dtype=torch.bfloat16))
+    assert not KERNELS.linear_fits(torch.zeros(8, 64))                      # float32 weights stay on oneDNN

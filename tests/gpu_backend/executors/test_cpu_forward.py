@@ -89,7 +89,10 @@ def test_smollm2_bf16_greedy_tokens_agree_between_the_two_layers():
     tok = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))
     chats = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
     prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
-    model = prepare_model(load_model("default", dtype=torch.bfloat16).model)
+    # One model as the executor prepares it without kernels (oneDNN matmuls, PyTorch layer), one
+    # with them (small-batch matmuls for these 3-row decode steps, kernel layer).
+    plain = prepare_model(load_model("default", dtype=torch.bfloat16).model)
+    model = prepare_model(load_model("default", dtype=torch.bfloat16).model, KERNELS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = model.config
@@ -99,7 +102,7 @@ def test_smollm2_bf16_greedy_tokens_agree_between_the_two_layers():
     try:
         outs = []
         for kernels in (None, KERNELS):
-            runner = CpuRunner(model, new_pool(), kernels)
+            runner = CpuRunner(model if kernels else plain, new_pool(), kernels)
             assert (runner.kernel_forward is not None) == (kernels is not None)
             outs.append(greedy_batch(runner, prompts, 24))
         # Teacher-forced on the PyTorch layer's tokens, the kernel layer picks the same next token

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_backend.executors.cpu_linear import PackedLinear, pack_linears, packing_available, prepare_model
+from gpu_backend import cpu_kernels
+from gpu_backend.executors.cpu_linear import (SMALL_BATCH_ROWS, PackedLinear, pack_linears, packing_available,
+                                              prepare_model)
 from gpu_backend.model.attention import DenseCausalAttention
 from gpu_backend.model.config import tiny_config
 from gpu_backend.model.llama import LlamaModel
@@ -56,14 +58,36 @@ def test_packed_linear_equals_linear_in_bf16(shape, rows):
         assert packed(x.view(1, rows, -1)).shape == (1, rows, shape[0])   # leading dims kept
 
 
+KERNELS = cpu_kernels.load()
+needs_small = pytest.mark.skipif(KERNELS is None or not KERNELS.has_bf16_linear or not packing_available(),
+                                 reason="the small-batch matmul needs the CPU kernels on AVX512-BF16")
+
+
+@needs_small
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 64])
+def test_packed_linear_sends_decode_batches_to_the_small_batch_kernel(rows, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    packed = PackedLinear(lin.weight, lin.bias, KERNELS)
+    calls = []
+    real = KERNELS.linear
+    monkeypatch.setattr(KERNELS, "linear", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=1e-2, atol=1e-2)
+    assert bool(calls) == (rows in SMALL_BATCH_ROWS)             # 1 row and > 8 rows: oneDNN
+    assert PackedLinear(lin.weight, lin.bias).weight is None     # no kernels: no second copy of the weight
+
+
 @needs_packing
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kernels", [False, True])
 @torch.inference_mode()
-def test_prepared_bf16_model_generates_what_the_plain_one_does(variant):
+def test_prepared_bf16_model_generates_what_the_plain_one_does(variant, kernels):
     model = LlamaModel.random(tiny_config(**VARIANTS[variant]), seed=7).to(torch.bfloat16)
     prompt = list(range(3, 20))
     want = greedy_generate(model, prompt, 12)
-    prepared = prepare_model(copy.deepcopy(model))
+    prepared = prepare_model(copy.deepcopy(model), KERNELS if kernels else None)
     packed = [m for m in prepared.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * model.config.num_layers + 1          # qkv, o, gate_up, down a layer + head
     assert prepared.logits_head is not None
