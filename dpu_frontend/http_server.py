@@ -1,5 +1,8 @@
-"""The listening socket and its connections: aiohttp's server plus a header deadline.
+"""The listening socket and its connections: aiohttp's server plus a header deadline,
+on the event loop `--loop` picks.
 
+    run(serve(...), loop="auto") -> asyncio.Runner on uvloop when it imports (auto,
+        uvloop) or asyncio's own loop (asyncio, or auto without uvloop)
     serve(app, config) -> web.AppRunner(app).setup()
         -> loop.create_server(each connection: HeaderDeadline -> aiohttp's RequestHandler)
         SIGINT / SIGTERM -> stop listening -> runner.cleanup() (in-flight requests get
@@ -26,14 +29,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 from aiohttp import web
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+LOOP_CHOICES = ("auto", "asyncio", "uvloop")
 KEEPALIVE_TIMEOUT_S = 75.0   # aiohttp's run_app default: idle keep-alive connections
 SHUTDOWN_TIMEOUT_S = 60.0    # on stop, in-flight handlers get this long (run_app's default)
+
+
+def loop_factory(kind: str = "auto") -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """(the loop that will run, a factory for it) for `--loop`: auto = uvloop when it imports,
+    else asyncio's. ValueError for an unknown kind, or uvloop asked for and not installed."""
+    if kind not in LOOP_CHOICES:
+        raise ValueError(f"--loop must be one of {', '.join(LOOP_CHOICES)}, not {kind!r}")
+    if kind != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise ValueError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            return "uvloop", uvloop.new_event_loop
+    return "asyncio", asyncio.new_event_loop
+
+
+def run(coro: Coroutine[Any, Any, T], loop: str = "auto") -> T:
+    """asyncio.run(coro) on the loop `loop_factory(loop)` makes."""
+    _, factory = loop_factory(loop)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
 
 
 class HeaderDeadline(asyncio.Protocol):

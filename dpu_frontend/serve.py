@@ -55,6 +55,7 @@ FRONTEND_FLAGS = (
     ("--stall-timeout-s", float, "a streaming client that takes no bytes this long loses its request"),
     ("--header-timeout-s", float, "a request's headers must arrive within this, else the connection is dropped"),
     ("--body-timeout-s", float, "a request's body must arrive within this after its headers, else 408"),
+    ("--loop", str, "frontend event loop: auto (uvloop when installed) | asyncio | uvloop"),
 )
 FRONTEND_SWITCHES = (
     ("--auth-all-routes", "also require the API key on /health, /metrics and /openapi.json"),

@@ -1,7 +1,8 @@
 """`blink frontend`: the OpenAI-compatible HTTP/SSE server over a ring.
 
     flags -> FrontendConfig -> create_app (tokenizer loaded, ring attached or
-    awaited) -> http_server.serve (aiohttp behind a per-request header deadline;
+    awaited) -> http_server.run(serve(...), --loop: uvloop when installed, else asyncio's)
+    -> http_server.serve (aiohttp behind a per-request header deadline;
     SIGINT/SIGTERM: stop listening, cancel what is in flight, detach)
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="benchmarks: add blink_timing {t_last_ns, n_tokens} (daemon clock) to each streamed chunk")
     from .transport import verbs
     verbs.add_arguments(p)   # --transport shm|verbs, --daemon HOST:PORT, RDMA device options
+    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="event loop: uvloop (faster per event), asyncio's own, or auto: uvloop when installed")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -81,14 +84,14 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import asyncio
-
     from shared_layout.shm import shm_path
 
     from .app import create_app
-    from .http_server import serve
+    from .http_server import loop_factory, run as run_loop, serve
     from .tokenizer import TokenizerError
     try:
+        loop_name, _ = loop_factory(args.loop)
+        logging.getLogger(__name__).debug("event loop: %s (--loop %s)", loop_name, args.loop)
         shm_path(args.ring)
         config = config_from_args(args)
         from .transport import verbs
@@ -100,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
 
     def ready() -> None:
         logging.getLogger(__name__).info(
-            "serving %s on http://%s:%d (ring %s, API key %s)", config.served_name(), config.host,
-            config.port, config.ring_name, "required" if config.api_key else "off")
+            "serving %s on http://%s:%d (ring %s, API key %s, %s loop)", config.served_name(), config.host,
+            config.port, config.ring_name, "required" if config.api_key else "off", loop_name)
 
     try:
-        asyncio.run(serve(app, config.host, config.port, header_timeout_s=config.header_timeout_s,
-                          access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
-                          on_ready=ready))
+        run_loop(serve(app, config.host, config.port, header_timeout_s=config.header_timeout_s,
+                       access_log=logging.getLogger("aiohttp.access") if args.access_log else None,
+                       on_ready=ready), args.loop)
     except KeyboardInterrupt:
         pass
     except OSError as e:

@@ -157,3 +157,41 @@ def test_timeouts_are_validated():
         with pytest.raises(ValueError):
             FrontendConfig(**{name: -1.0})
     assert FrontendConfig().header_timeout_s == 10.0 and FrontendConfig().body_timeout_s == 30.0
+
+
+def test_loop_choice_auto_prefers_uvloop_and_falls_back(monkeypatch):
+    import asyncio
+    import sys
+
+    from dpu_frontend import http_server
+    assert http_server.loop_factory("asyncio")[0] == "asyncio"
+    pytest.importorskip("uvloop")
+    assert http_server.loop_factory("auto")[0] == "uvloop"
+    assert http_server.loop_factory("uvloop")[0] == "uvloop"
+
+    async def running_loop_type():
+        return type(asyncio.get_running_loop()).__module__
+
+    assert http_server.run(running_loop_type(), "uvloop").startswith("uvloop")
+    assert not http_server.run(running_loop_type(), "asyncio").startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)   # as if not installed
+    assert http_server.loop_factory("auto")[0] == "asyncio"
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        http_server.loop_factory("uvloop")
+    with pytest.raises(ValueError):
+        http_server.loop_factory("trio")
+
+
+def test_frontend_and_serve_take_the_loop_flag():
+    import argparse
+
+    from dpu_frontend import serve, server_cli
+    p = argparse.ArgumentParser()
+    server_cli.add_arguments(p)
+    assert p.parse_args([]).loop == "auto"
+    assert p.parse_args(["--loop", "asyncio"]).loop == "asyncio"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--loop", "trio"])
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert "--loop" in serve.frontend_argv(p.parse_args(["--loop", "asyncio"]))
