@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "natively (avx512_bf16 / amx), else float32")
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=2.0,
                    help="on SIGTERM, in-flight requests get this long to finish before they are aborted")
+    p.add_argument("--step-ms", type=_non_negative_float, default=0.0,
+                   help="--model null only: each engine step takes at least this long, like a model's decode "
+                        "step (e.g. 20 = 50 tokens/s per stream); 0: as fast as possible")
     p.add_argument("--policy-trace", default=None, metavar="PATH",
                    help="record every batching decision to PATH as a policy Scenario (JSON) on exit")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -74,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from . import rdma_server
     from .daemon import DaemonConfig, run_daemon
     logging.basicConfig(level=args.log_level.upper(), format="blink gpu-daemon: %(message)s")
+    if args.step_ms and args.model != "null":
+        print("blink gpu-daemon: --step-ms paces the null model only (--model null)", file=sys.stderr)
+        return 2
     sizes = (args.slots, args.prompt_arena_tokens, args.output_arena_tokens)
     geometry = None
     if any(v is not None for v in sizes):
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                               max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
                               threads=args.threads, dtype=args.dtype, shutdown_grace_s=args.shutdown_grace_s,
-                              policy_trace=args.policy_trace)
+                              policy_trace=args.policy_trace, step_ms=args.step_ms)
     try:
         rdma = rdma_server.config_from_args(args)      # before the model loads: no RDMA, one line
     except SystemExit as e:

@@ -50,6 +50,7 @@ class ExecutorOptions:
     dtype: str = "auto"                 # cpu executor: auto | float32 | bfloat16
     shutdown_grace_s: float = 2.0
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
+    step_ms: float = 0.0                # null executor: each engine step takes at least this long (0: no pacing)
 
     def scenario(self, policy: PolicyConfig) -> Scenario | None:
         """A recorder for the policy decisions when --policy-trace was given."""
