@@ -42,6 +42,15 @@ STREAM_STARTED = (web.RequestKey("stream_started", web.StreamResponse) if hasatt
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+# A stream's headers wait this long for its first chunk, to leave with it in one send; a longer
+# prefill gets them alone at this point, so clients still see the reply start promptly.
+SSE_HEADERS_WAIT_S = 0.05
+
+
+class SseResponse(web.StreamResponse):
+    """A streamed reply whose headers are buffered until the first write (aiohttp's buffered-
+    headers path, as web.Response uses): headers and first chunk in one send, not two."""
+    _send_headers_immediately = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +227,7 @@ class GenerationService:
 
     async def _stream(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
         ep, opts = gen.endpoint, gen.request.stream
-        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        resp = SseResponse(status=200, headers=SSE_HEADERS)
         detok = self._detokenizer(gen)
         t_first = None
         n_prompt = len(gen.prompt_ids)
@@ -227,12 +236,14 @@ class GenerationService:
         outcome = "client_disconnect"
         finish = None
         watch = None
+        loop = asyncio.get_running_loop()
         if self.request_limits.stall_timeout_s > 0:
-            watch = StallWatch(asyncio.get_running_loop(), self.request_limits.stall_timeout_s,
-                               lambda: self._stalled(request, gen, handle))
+            watch = StallWatch(loop, self.request_limits.stall_timeout_s, lambda: self._stalled(request, gen, handle))
+        headers_due = None
         try:
             limit_send_buffer(request.transport)
-            await resp.prepare(request)
+            await resp.prepare(request)   # headers buffered: they go out with the first chunk
+            headers_due = loop.call_later(SSE_HEADERS_WAIT_S, _send_headers, request)
             request[STREAM_STARTED] = resp
             async for batch in handle:
                 t_batch_ns = now_ns() if self.expose_backend_timing else 0
@@ -303,6 +314,8 @@ class GenerationService:
             except ConnectionError:
                 pass
         finally:
+            if headers_due is not None:
+                headers_due.cancel()
             if watch is not None:
                 watch.close()
         self._observe(gen, outcome, t_first, detok.tokens_seen, handle)
@@ -369,6 +382,13 @@ def generation_error(handle: RequestHandle) -> ApiError:
     if code in _RETRY_ERROR_CODES or message.startswith("backend lost"):
         return ApiError(503, f"generation interrupted: {message}", retry_after_s=1.0)
     return ApiError(500, f"generation failed: {message}")
+
+
+def _send_headers(request: web.Request) -> None:
+    """The first chunk is late (a long prefill): send the buffered headers alone (a no-op once sent)."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        request.writer.send_headers()
 
 
 def code_trace(e: BaseException) -> str:
