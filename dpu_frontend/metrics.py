@@ -179,6 +179,10 @@ class FrontendMetrics:
                 ("kv_blocks_free", "blink_kv_blocks_free", "KV cache blocks free after the daemon's latest step.")):
             if key in stats:
                 lines += _gauge(name, help_text, [({}, float(stats[key]))])
+        if "polls_total" in stats:
+            lines += ["# HELP blink_ring_polls_total Token reader polls of the ring (each one bulk read).",
+                      "# TYPE blink_ring_polls_total counter",
+                      f"blink_ring_polls_total {_num(float(stats['polls_total']))}"]
         if health is not None:
             up = 1.0 if health.healthy else 0.0
             lines += _gauge("blink_backend_up", "1 when the backend is READY with a fresh heartbeat.", [({}, up)])

@@ -61,6 +61,11 @@ class InvalidRequest(RingClientError, ValueError):
     """Prompt or sampling parameters the ring cannot carry."""
 
 
+# A yield (asyncio.sleep(0)) that comes back within this ran nothing else: the loop was idle
+# (uvloop takes ~1 us, asyncio's own loop ~2 us; one other callback takes far longer).
+IDLE_YIELD_S = 10e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class RingClientConfig:
     health_window_s: float = 2.0         # heartbeat must advance within this to be healthy
@@ -90,6 +95,8 @@ class _Waiter:
 
 
 class RingClient:
+    _block = staticmethod(time.sleep)   # the fine wait's blocking pause (a test hook)
+
     def __init__(self, transport_factory: TransportFactory, config: RingClientConfig = RingClientConfig()):
         self.factory = transport_factory
         self.config = config
@@ -102,6 +109,7 @@ class RingClient:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sleep_fut: asyncio.Future | None = None
+        self._loop_idle = False   # the last yield came straight back: nothing else was ready to run
         self._flush_handle: asyncio.Handle | None = None
         self._closed = False
         self._next_attach_s = 0.0
@@ -398,7 +406,7 @@ class RingClient:
             except Exception as e:   # a bug must not leave every request hanging
                 log.exception("ring client poll failed")
                 self._drop_session(f"ring client error: {e!r}")
-            await self._sleep(interval)
+            await self._sleep(interval, self._reader is not None and self._reader.fine)
 
     def _try_attach(self) -> None:
         self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
@@ -484,9 +492,18 @@ class RingClient:
             s.close()
         self._fail_waiters(BackendUnavailable(message))
 
-    async def _sleep(self, interval_s: float) -> None:
+    async def _sleep(self, interval_s: float, fine: bool = False) -> None:
+        """Wait before the next poll: a timer (event-loop timers are ~1 ms coarse), or for 0 a yield.
+        A fine wait (`fine`) whose previous yield found the loop idle blocks for the reader's
+        fine_sleep_s first: nothing else wanted the loop, and a blocked thread gives the core
+        away where a spinning one would keep it from the client and the daemon."""
         if interval_s <= 0:
+            pause = self.config.reader.fine_sleep_s
+            if fine and pause > 0 and self._loop_idle:
+                self._block(pause)
+            t0 = time.perf_counter()
             await asyncio.sleep(0)
+            self._loop_idle = time.perf_counter() - t0 < IDLE_YIELD_S
             return
         loop = asyncio.get_running_loop()
         fut = self._sleep_fut = loop.create_future()

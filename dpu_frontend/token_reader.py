@@ -7,8 +7,20 @@
              while few are in flight, numpy over the snapshot when many are)
           -> read tokens [received, generated) per slot -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
-    pace: spin while tokens flow, then `busy_interval_s` while requests are in flight,
-          `idle_interval_s` when none are.
+    pace (next_interval_s): spin while tokens flow; with requests in flight and a steady daemon
+          step (its publish stamps `step_merge_s` apart or more, period >= predict_min_step_s),
+          sleep until `predict_lead_s` before the next step is due, then poll finely until
+          `predict_window_s` after it; otherwise `busy_interval_s` while requests are in flight,
+          `idle_interval_s` when none are. (0 = poll again soon: the ring client then yields, or
+          blocks for `fine_sleep_s` when nothing else wants the loop; see RingClient._sleep.)
+
+Step prediction: a model's decode steps come at a steady cadence (20 ms for SmolLM2 on a small
+CPU), and every running stream gets its token in the same step. Polling every millisecond
+costs a wake-up each time and still adds up to a millisecond (plus timer slack) per token;
+polling just around the predicted step costs a few fine polls per step and finds the tokens
+within a fine poll of their publication. The period is the shortest of the last few gaps
+between steps (the daemon's own stamps), so a step that comes early shows at once; a late one
+(a long prefill) falls back to busy polling at the end of the window.
 
 Newly submitted slots are "urgent": they are looked at first, so under a per-poll
 cap the first token of a new request is never starved by long-running ones. A
@@ -16,6 +28,7 @@ slot's tokens are handed over only when its seq and epoch are the ones we wrote.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import NamedTuple
@@ -81,6 +94,15 @@ class ReaderConfig:
     full_scan_interval_s: float = 0.1   # read every slot this often; otherwise only the watched arc
     scalar_max_flights: int = 128   # up to this many requests in flight, check slots one by one (struct),
                                     # above it with numpy over the snapshot
+    # step prediction (see the module docstring); predict_min_step_s = 0 turns it off
+    step_merge_s: float = 0.002         # publishes closer than this to a step's first one belong to that step
+    predict_min_step_s: float = 0.004   # shorter steps: busy polling is close enough
+    predict_lead_s: float = 0.0015      # wake this long before the step is due (event-loop timers are ~1 ms coarse)
+    predict_window_s: float = 0.003     # poll finely until this long after it was due, then busy polling
+    predict_history: int = 8            # step gaps remembered
+    fine_sleep_s: float = 10e-6         # fine polls with an idle event loop block this long in between
+                                        # (~0.08 ms with the wake-up on a VM) instead of spinning; 0: spin
+    fine_sleep_when_flowing: bool = False  # also right after progress (saturated streams; costs events/s)
 
 
 @dataclasses.dataclass
@@ -103,9 +125,20 @@ class TokenReader:
         self._header: bytes | None = None   # header bytes last given to the health monitor
         self._frontend_epoch = 0
         self.polls = 0
+        # step prediction: the newest step's first publish stamp (daemon clock, ns), when that was on
+        # our monotonic clock (s), and the gaps between recent steps (ns)
+        self._shares_clock = bool(getattr(session.transport, "shares_clock", False))
+        self._step_ns = 0
+        self._prev_step_ns = 0
+        self._step_local_s = 0.0
+        self._slot_last_ns: dict[int, int] = {}   # slot -> stamp of the newest token handed over
+        self._step_gaps: collections.deque[int] = collections.deque(maxlen=max(1, config.predict_history))
+        self._newest_ns = 0    # the newest t_last_ns handed over in this poll
+        self.fine = False      # the last next_interval_s() == 0 allows a fine (blocking) sleep
 
     def track(self, flight: Flight) -> None:
         self.urgent.add(flight.slot)
+        self._slot_last_ns.pop(flight.slot, None)
         self._last_progress_s = time.monotonic()   # spin for the first token
 
     def poll(self) -> PollResult:
@@ -150,6 +183,7 @@ class TokenReader:
 
         resets: list[int] = foreign
         flights = s.flights
+        self._newest_ns = 0
         for slot, words in moved:
             flight = flights.get(slot)
             if flight is None:   # held but unknown: cannot happen; never touch it
@@ -160,13 +194,47 @@ class TokenReader:
             s.write_resets(resets)
             for slot in resets:
                 s.retire(slot)
+                self._slot_last_ns.pop(slot, None)
                 self.urgent.discard(slot)
             snap.mark_empty(resets)
             res.freed = len(resets)
             res.progress = True
         if res.progress:
             self._last_progress_s = now_s
+        if self._newest_ns:
+            self._observe_step(self._newest_ns, now_s)
         return res
+
+    def _observe_step(self, t_ns: int, now_s: float) -> None:
+        """A token stamped t_ns (daemon clock) was handed over: a new step if it is step_merge_s
+        past the current step's first stamp."""
+        if t_ns - self._step_ns < self.config.step_merge_s * 1e9:
+            return
+        if self._step_ns:
+            self._step_gaps.append(t_ns - self._step_ns)
+        self._prev_step_ns, self._step_ns = self._step_ns, t_ns
+        # Our clock: the stamp itself when we share the daemon's, else when we saw it.
+        self._step_local_s = t_ns / 1e9 if self._shares_clock else now_s
+
+    def step_period_s(self) -> float | None:
+        """The daemon's step period as seen lately, or None (too few steps, or too short to predict)."""
+        cfg = self.config
+        if cfg.predict_min_step_s <= 0 or len(self._step_gaps) < 2:
+            return None
+        period = min(self._step_gaps) / 1e9
+        return period if period >= cfg.predict_min_step_s else None
+
+    def _step_complete(self) -> bool:
+        """Every request that got a token in the previous step has got one in the newest step too
+        (a step's tokens are published slot after slot: a preempted daemon can leave a tail)."""
+        merge = int(self.config.step_merge_s * 1e9)   # a step's stamps: up to this before its anchor too
+        prev, cur = self._prev_step_ns - merge, self._step_ns - merge
+        last = self._slot_last_ns
+        for slot in self.session.flights:
+            t = last.get(slot, 0)
+            if prev <= t < cur:
+                return False
+        return True
 
     def _moved_scalar(self) -> list[tuple[int, tuple]]:
         """(slot, progress words) of our slots that moved, one struct unpack per flight: cheaper
@@ -220,6 +288,9 @@ class TokenReader:
             s.received[flight.slot] = gen
             self.urgent.discard(flight.slot)
             moved = True
+            self._slot_last_ns[flight.slot] = p.t_last_ns
+            if p.t_last_ns > self._newest_ns:
+                self._newest_ns = p.t_last_ns
             if h is not None:   # nobody listens to an abandoned slot: its tokens are skipped
                 h.t_picked_ns, h.t_first_ns, h.t_last_ns = p.t_picked_ns, p.t_first_ns, p.t_last_ns
                 if flight.extra_stops:
@@ -242,14 +313,34 @@ class TokenReader:
         return moved
 
     def next_interval_s(self, res: PollResult | None) -> float:
-        """How long to sleep before the next poll (0: just yield to the event loop)."""
+        """How long to sleep before the next poll (0: poll again soon; `fine` says whether the
+        ring client may block for fine_sleep_s first instead of only yielding)."""
+        cfg = self.config
+        self.fine = False
         if res is not None and res.backlog:
+            return 0.0   # capped: more to read right away
+        now = time.monotonic()
+        if now - self._last_progress_s < cfg.spin_s:
+            self.fine = cfg.fine_sleep_when_flowing and res is not None and not res.progress
             return 0.0
-        if time.monotonic() - self._last_progress_s < self.config.spin_s:
-            return 0.0
-        if self.session.flights:
-            return self.config.busy_interval_s
-        return self.config.idle_interval_s
+        if not self.session.flights:
+            return cfg.idle_interval_s
+        period = self.step_period_s()
+        if period is not None:
+            start = self._step_local_s
+            if not self._step_complete():
+                # Part of the newest step is still to come: poll finely for a while, then busily.
+                if now <= start + cfg.predict_window_s:
+                    self.fine = True
+                    return 0.0
+                return cfg.busy_interval_s
+            due = start + period
+            if now < due - cfg.predict_lead_s:
+                return min(due - cfg.predict_lead_s - now, cfg.idle_interval_s)
+            if now <= due + cfg.predict_window_s:
+                self.fine = True
+                return 0.0
+        return cfg.busy_interval_s
 
 
 def _cut_at_stop(tokens: list[int], stops: frozenset[int]) -> tuple[list[int], bool]:

@@ -408,3 +408,27 @@ async def test_a_burst_of_submissions_goes_out_as_one_batch_of_writes(players):
     for i, h in enumerate(hs):
         assert await h.result() == players.expected(h, [i + 1, 2], 3)
     await client.close()
+
+
+async def test_fine_wait_blocks_only_after_an_idle_yield(monkeypatch):
+    """A fine wait (the reader expects tokens any moment) pauses the thread only when the previous
+    yield ran nothing else; with other work on the loop it just yields, like a plain spin."""
+    client = RingClient(lambda: None, RingClientConfig())
+    pauses = []
+    monkeypatch.setattr(client, "_block", pauses.append)
+    await client._sleep(0.0, fine=True)             # first yield: nothing known about the loop yet
+    assert pauses == []
+    await client._sleep(0.0, fine=True)             # the previous yield came straight back
+    assert pauses == [client.config.reader.fine_sleep_s]
+
+    async def busy():
+        time.sleep(0.002)                           # another task holds the loop during our yield
+    task = asyncio.ensure_future(busy())
+    await client._sleep(0.0, fine=True)
+    await task
+    pauses.clear()
+    await client._sleep(0.0, fine=True)
+    assert pauses == []
+    await client._sleep(0.0, fine=False)            # not fine: never blocks
+    await client._sleep(0.0, fine=False)
+    assert pauses == []

@@ -278,3 +278,61 @@ def test_an_unchanged_header_is_not_decoded_again(rig):
     rig.be.beat()
     rig.reader.poll()
     assert len(seen) == 2 and seen[1] > seen[0] and rig.health.health().healthy
+
+
+def test_step_prediction_sleeps_until_just_before_the_next_step(ring_name):
+    """Two requests decoding in 20 ms steps: after a complete step the reader sleeps until
+    predict_lead_s before the next one is due, polls finely around it, and falls back to busy
+    polling when it is late; a step with part of its tokens still missing is polled finely."""
+    import time
+
+    from shared_layout import now_ns
+    rig = Rig(ring_name)
+    r, cfg = rig.reader, rig.reader.config
+    (f1, h1), (f2, h2) = rig.submit([1], 100), rig.submit([2], 100)
+    rig.claim(f1.slot)
+    rig.claim(f2.slot)
+    step = 20_000_000
+    t_last = now_ns()
+    for k in (3, 2, 1, 0):                    # four steps, the newest one just now
+        t = t_last - k * step
+        rig.be.publish(f1.slot, [1], now=t)
+        rig.be.publish(f2.slot, [2], now=t + 100_000)   # a step's publishes are spread a little
+        r.poll()
+    assert r.step_period_s() == pytest.approx(0.02)
+    r._last_progress_s = 0.0                  # past the spin after progress
+    wait = r.next_interval_s(None)
+    assert 0.02 - cfg.predict_lead_s - 0.005 < wait <= 0.02 - cfg.predict_lead_s and not r.fine
+    # Around the due time: fine polls; well past it (a late step): busy polling.
+    r._step_local_s = time.monotonic() - 0.02 + cfg.predict_lead_s / 2
+    assert r.next_interval_s(None) == 0.0 and r.fine
+    r._step_local_s = time.monotonic() - 0.02 - cfg.predict_window_s - 0.001
+    assert r.next_interval_s(None) == cfg.busy_interval_s and not r.fine
+    # The next step reaches only the first request so far: keep polling finely for the rest.
+    rig.be.publish(f1.slot, [1], now=t_last + step)
+    r.poll()
+    r._last_progress_s = 0.0
+    assert r.next_interval_s(None) == 0.0 and r.fine
+    rig.be.publish(f2.slot, [2], now=t_last + step + 100_000)
+    r.poll()
+    r._last_progress_s = 0.0
+    assert r.next_interval_s(None) > 0.01 and not r.fine   # complete: asleep until the next one
+    assert rig.drained(h1) == [1] * 5 and rig.drained(h2) == [2] * 5
+
+
+def test_no_prediction_for_short_or_irregular_steps(ring_name):
+    from shared_layout import now_ns
+    rig = Rig(ring_name)
+    r, cfg = rig.reader, rig.reader.config
+    f, h = rig.submit([1], 100)
+    rig.claim(f.slot)
+    t0 = now_ns()
+    for k in range(4):                        # 3 ms steps: below predict_min_step_s
+        rig.be.publish(f.slot, [1], now=t0 - (3 - k) * 3_000_000)
+        r.poll()
+    assert r.step_period_s() is None
+    r._last_progress_s = 0.0
+    assert r.next_interval_s(None) == cfg.busy_interval_s
+    off = TokenReader(rig.session, rig.health, ReaderConfig(predict_min_step_s=0))   # prediction off
+    off._step_gaps.extend([20_000_000] * 3)
+    assert off.step_period_s() is None
