@@ -1,24 +1,29 @@
 """Control-plane cost of the frontend: blink (frontend + null daemon over the ring) vs a bare aiohttp
-SSE server that streams the same chunks with no ring behind it, measured in the same run.
+SSE server that streams the same chunks with no ring behind it, measured in the same run, both
+servers on the same event loop (--loop, default auto = uvloop when installed).
 
-    orchestrator: start `blink gpu-daemon --model null` + `blink frontend --expose-backend-timing`
-        and `python -m bench.control_plane --role bare` (aiohttp, one token per event, no ring)
-    for each concurrency (1, 16, 64), servers alternating: a client process streams closed-loop
-        /v1/completions (token-id prompt, max_tokens, ignore_eos) for --duration-s after a warm-up
-        -> events/s, tokens/s, and per event t_recv - t_last_ns (both sides stamp
-           time.monotonic_ns: the daemon when it publishes a token, the bare server when it
-           builds the chunk; the client reads the same clock on this machine)
+    orchestrator: `python -m bench.control_plane --role bare --loop L` (aiohttp, no ring) and
+        saturated phase: `blink gpu-daemon --model null` + `blink frontend --loop L --expose-backend-timing`
+        for each concurrency (1, 16, 64), servers alternating: a client process streams closed-loop
+            /v1/completions (token-id prompt, max_tokens, ignore_eos) for --duration-s after a warm-up
+            -> events/s, tokens/s, server CPU (/proc/PID/stat), and per event t_recv - t_last_ns (both
+               sides stamp time.monotonic_ns: the daemon when it publishes a token, the bare server when
+               it builds the chunk; the client reads the same clock on this machine)
+        paced phase (--paced-step-ms S > 0): a fresh daemon with `--step-ms S` (one token per stream
+            every S ms, a real model's decode cadence) and the bare server ticking every S ms
+            -> added latency per token where nothing runs at saturation
     -> bench/results/<date>-<machine>-control-plane.json and .md
 
 Added latency per token: for blink, `t_last_ns` is the daemon's stamp of the newest token in the
 chunk, so t_recv - t_last_ns is a lower bound for every token of the chunk; the older tokens of a
 chunk were published after the previous chunk's t_last_ns, which gives an upper bound
-(t_recv - previous t_last_ns). Both are reported. Pinned by default (>= 2 cores; --no-pin turns it
-off): the daemon on the last core, the server under test (frontend or bare) on the others, the
-client where --client-cpus says (default: wherever the scheduler puts it), so the daemon's busy
-polling never takes the HTTP side's core.
+(t_recv - previous t_last_ns). Both are reported (paced: one token per event, so exact). Pinned by
+default (>= 2 cores; --no-pin turns it off): the daemon on the last core, the server under test
+(frontend or bare) on the others, the client where --client-cpus says (default: wherever the
+scheduler puts it), so the daemon's busy polling never takes the HTTP side's core.
 
     python -m bench.control_plane [--concurrency 1,16,64] [--duration-s 6] [--repeats 2] [--max-tokens 256]
+        [--paced-step-ms 20] [--loop auto|asyncio|uvloop]
 """
 from __future__ import annotations
 
@@ -44,26 +49,55 @@ RESULTS = REPO / "bench" / "results"
 
 # -- the bare baseline server ------------------------------------------------------
 
-def run_bare_server(port: int) -> None:
-    """aiohttp, /v1/completions streaming one token per event, chunks shaped exactly as blink's."""
+class Ticker:
+    """The bare server's stand-in for a model step: every waiting stream wakes at the same
+    instant, `period_s` after the previous tick (ticks run only while someone waits), as the
+    paced null daemon publishes one token to every running stream per step."""
+
+    def __init__(self, period_s: float):
+        self.period_s = period_s
+        self._event: asyncio.Event | None = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.period_s, self._fire)
+        await self._event.wait()
+
+    def _fire(self) -> None:
+        event, self._event = self._event, None
+        event.set()
+
+
+def run_bare_server(port: int, loop: str = "auto") -> None:
+    """aiohttp on the same event loop as the frontend (`loop`), /v1/completions streaming
+    `bench_tokens_per_event` tokens per event, chunks shaped exactly as blink's; with
+    `bench_step_ms` one event per stream per shared tick of that period (paced), else as fast
+    as the client takes them."""
     from aiohttp import web
 
     from dpu_frontend import openai_api as api
+    from dpu_frontend.http_server import loop_factory
     from dpu_frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer("default")
     texts: dict[tuple[int, ...], str] = {}
+    tickers: dict[float, Ticker] = {}
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt, n = body["prompt"], body["max_tokens"]
         per_event = max(1, int(body.get("bench_tokens_per_event", 1)))
+        step_ms = float(body.get("bench_step_ms", 0))
+        ticker = tickers.setdefault(step_ms, Ticker(step_ms / 1e3)) if step_ms > 0 else None
         rid, created = api.request_id("cmpl"), int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
             for i in range(0, n, per_event):
+                if ticker is not None:
+                    await ticker.wait()
                 ids = [prompt[j % len(prompt)] for j in range(i, min(n, i + per_event))]   # the null daemon's echo
                 key = tuple(ids)
                 text = texts.get(key)
@@ -74,7 +108,8 @@ def run_bare_server(port: int) -> None:
                 t_ns = time.monotonic_ns()
                 chunk["blink_timing"] = {"t_last_ns": t_ns, "t_frontend_ns": t_ns, "n_tokens": len(ids)}
                 await resp.write(api.sse(chunk))
-                await asyncio.sleep(0)   # a streaming server yields between events
+                if ticker is None:
+                    await asyncio.sleep(0)   # a streaming server yields between events
             await resp.write(api.sse(api.usage_chunk("text_completion", rid, created, "null",
                                                      api.usage(len(prompt), n))) + api.SSE_DONE)
         except ConnectionError:
@@ -87,7 +122,9 @@ def run_bare_server(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, handler_cancellation=True)
+    _, factory = loop_factory(loop)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, handler_cancellation=True,
+                loop=factory())
 
 
 # -- the client --------------------------------------------------------------------
@@ -95,7 +132,7 @@ def run_bare_server(port: int) -> None:
 _TIMING = re.compile(rb'"blink_timing":\{"t_last_ns":(\d+),"t_frontend_ns":(\d+),"n_tokens":(\d+)\}')
 
 async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int,
-                prompt_tokens: int, tokens_per_event: int = 1) -> dict:
+                prompt_tokens: int, tokens_per_event: int = 1, step_ms: float = 0.0) -> dict:
     """Closed loop: `concurrency` workers, each streaming one request after another."""
     import aiohttp
 
@@ -119,6 +156,8 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
                     "stream": True, "stream_options": {"include_usage": True}}
             if tokens_per_event > 1:   # understood by the bare server only
                 body["bench_tokens_per_event"] = tokens_per_event
+            if step_ms > 0:            # the bare server's pacing (blink's daemon paces itself)
+                body["bench_step_ms"] = step_ms
             prev_last = None
             try:
                 async with session.post(url, json=body) as r:
@@ -227,76 +266,111 @@ def _machine() -> dict:
             "loadavg_at_start": os.getloadavg()}
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(15)
+        if p.poll() is None:
+            p.kill()
+
+
 def orchestrate(args: argparse.Namespace) -> dict:
+    """Saturated phase (null daemon as fast as it goes: blink, bare with blink's chunk size, bare
+    one token per event), then with --paced-step-ms the paced phase (a fresh daemon that takes
+    step_ms per step, and the bare server ticking at the same period)."""
+    from dpu_frontend.http_server import loop_factory
+    loop_name, _ = loop_factory(args.loop)   # resolved once here: both servers run exactly this loop
+    client_loop, _ = loop_factory(args.client_loop or loop_name)
     cores = sorted(os.sched_getaffinity(0))
     pin = args.pin and len(cores) >= 2
     daemon_cpus = {cores[-1]} if pin else None
     http_cpus = set(cores[:-1]) if pin else None
     client_cpus = {"http": http_cpus, "daemon": daemon_cpus, "any": None}[args.client_cpus] if pin else None
-    ring = f"blink-bench-cp-{os.getpid()}"
-    blink_port, bare_port = _free_port(), _free_port()
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    procs = []
+    runs = []
+    rings = []
+
+    def start_blink(step_ms: float) -> tuple[list[subprocess.Popen], int]:
+        ring = f"blink-bench-cp-{os.getpid()}-{len(rings)}"
+        rings.append(ring)
+        port = _free_port()
+        daemon = subprocess.Popen([*_blink(), "gpu-daemon", "--ring", ring, "--model", "null", "--step-ms",
+                                   str(step_ms), "--log-level", "warning"], preexec_fn=_affinity(daemon_cpus), **quiet)
+        frontend = subprocess.Popen([*_blink(), "frontend", "--ring", ring, "--model", "null", "--port", str(port),
+                                     "--loop", loop_name, "--expose-backend-timing", "--log-level", "warning"],
+                                    preexec_fn=_affinity(http_cpus), **quiet)
+        _wait_healthy(port, frontend)
+        return [daemon, frontend], port
+
+    def client(phase: str, server: str, port: int, pids: dict[str, int], c: int, per_event: int = 1,
+               step_ms: float = 0.0) -> dict:
+        cmd = [sys.executable, "-m", "bench.control_plane", "--role", "client",
+               "--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", str(c),
+               "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
+               "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
+               "--tokens-per-event", str(per_event), "--client-step-ms", str(step_ms if server != "blink" else 0),
+               "--loop", client_loop]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(client_cpus))
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(args.warmup_s)
+        cpu0 = {k: _cpu_s(pid) for k, pid in pids.items()}
+        time.sleep(args.duration_s)
+        cpu1 = {k: _cpu_s(pid) for k, pid in pids.items()}
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"client failed ({proc.returncode})")
+        res = json.loads(out.strip().splitlines()[-1])
+        res["phase"], res["server"], res["step_ms"] = phase, server, step_ms
+        res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in pids}
+        res["server_cpu_us_per_event"] = 1e6 * res["cpu_s"]["server"] / res["events"] if res["events"] else None
+        res["server_cpu_us_per_token"] = 1e6 * res["cpu_s"]["server"] / res["tokens"] if res["tokens"] else None
+        res["bare_tokens_per_event"] = per_event if server != "blink" else None
+        runs.append(res)
+        print(f"{phase:9s} {server:10s} c={c:3d}: {res['events_per_s']:9.0f} events/s {res['tokens_per_s']:9.0f} "
+              f"tok/s ({res['tokens_per_event'] or 0:.1f} tok/event) latency p50 {res['latency_ms']['p50']} ms "
+              f"p99 {res['latency_ms']['p99']} ms; server CPU {res['cpu_s']['server']:.2f} s "
+              f"({res['server_cpu_us_per_event'] or 0:.0f} us/event)", flush=True)
+        return res
+
+    bare_port = _free_port()
+    bare = subprocess.Popen([sys.executable, "-m", "bench.control_plane", "--role", "bare", "--port",
+                             str(bare_port), "--loop", loop_name], preexec_fn=_affinity(http_cpus), **quiet)
+    procs = [bare]
     try:
-        procs.append(subprocess.Popen([*_blink(), "gpu-daemon", "--ring", ring, "--model", "null",
-                                       "--log-level", "warning"], preexec_fn=_affinity(daemon_cpus), **quiet))
-        procs.append(subprocess.Popen([*_blink(), "frontend", "--ring", ring, "--model", "null", "--port",
-                                       str(blink_port), "--expose-backend-timing", "--log-level", "warning"],
-                                      preexec_fn=_affinity(http_cpus), **quiet))
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.control_plane", "--role", "bare", "--port",
-                                       str(bare_port)], preexec_fn=_affinity(http_cpus), **quiet))
-        _wait_healthy(blink_port, procs[1])
-        _wait_healthy(bare_port, procs[2])
-        runs = []
-
-        def client(server: str, port: int, c: int, per_event: int = 1) -> dict:
-            cmd = [sys.executable, "-m", "bench.control_plane", "--role", "client",
-                   "--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", str(c),
-                   "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
-                   "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-                   "--tokens-per-event", str(per_event)]
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(client_cpus))
-            assert proc.stdout.readline().strip() == "started"
-            time.sleep(args.warmup_s)
-            watched = {"server": procs[1].pid if server == "blink" else procs[2].pid, "daemon": procs[0].pid}
-            cpu0 = {k: _cpu_s(pid) for k, pid in watched.items()}
-            time.sleep(args.duration_s)
-            cpu1 = {k: _cpu_s(pid) for k, pid in watched.items()}
-            out, _ = proc.communicate(timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"client failed ({proc.returncode})")
-            res = json.loads(out.strip().splitlines()[-1])
-            res["server"] = server
-            res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in watched}
-            res["server_cpu_us_per_event"] = 1e6 * res["cpu_s"]["server"] / res["events"] if res["events"] else None
-            res["server_cpu_us_per_token"] = 1e6 * res["cpu_s"]["server"] / res["tokens"] if res["tokens"] else None
-            res["bare_tokens_per_event"] = per_event if server != "blink" else None
-            runs.append(res)
-            print(f"{server:10s} c={c:3d}: {res['events_per_s']:9.0f} events/s {res['tokens_per_s']:9.0f} tok/s "
-                  f"({res['tokens_per_event'] or 0:.1f} tok/event) latency p50 {res['latency_ms']['p50']} ms "
-                  f"p99 {res['latency_ms']['p99']} ms; server CPU {res['cpu_s']['server']:.2f} s "
-                  f"({res['server_cpu_us_per_event'] or 0:.0f} us/event)", flush=True)
-            return res
-
+        _wait_healthy(bare_port, bare)
+        blink_procs, blink_port = start_blink(0.0)
+        procs += blink_procs
+        daemon, frontend = blink_procs
+        on_blink = {"server": frontend.pid, "daemon": daemon.pid}
+        on_bare = {"server": bare.pid, "daemon": daemon.pid}
         for rep in range(args.repeats):
             for c in args.concurrency:
                 # blink first: the bare server then streams chunks of the same size ("the same chunks")
-                b = client("blink", blink_port, c)
-                client("bare", bare_port, c, max(1, round(b["tokens_per_event"] or 1)))
-                client("bare-1tok", bare_port, c, 1)
-        return {"runs": runs, "pinned": pin, "daemon_cpus": sorted(daemon_cpus or []),
+                b = client("saturated", "blink", blink_port, on_blink, c)
+                client("saturated", "bare", bare_port, on_bare, c, max(1, round(b["tokens_per_event"] or 1)))
+                client("saturated", "bare-1tok", bare_port, on_bare, c, 1)
+        if args.paced_step_ms > 0:
+            _stop(blink_procs)   # the paced phase gets a fresh daemon; nothing of the first one keeps running
+            procs = [bare]
+            blink_procs, blink_port = start_blink(args.paced_step_ms)
+            procs += blink_procs
+            daemon, frontend = blink_procs
+            on_blink = {"server": frontend.pid, "daemon": daemon.pid}
+            on_bare = {"server": bare.pid, "daemon": daemon.pid}
+            for rep in range(args.repeats):
+                for c in args.concurrency:
+                    client("paced", "blink", blink_port, on_blink, c, step_ms=args.paced_step_ms)
+                    client("paced", "bare", bare_port, on_bare, c, 1, step_ms=args.paced_step_ms)
+        return {"runs": runs, "loop": loop_name, "client_loop": client_loop, "pinned": pin, "daemon_cpus": sorted(daemon_cpus or []),
                 "http_cpus": sorted(http_cpus or []), "client_cpus": sorted(client_cpus or [])}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(15)
-            if p.poll() is None:
-                p.kill()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{ring}")
+        _stop(procs)
+        for ring in rings:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{ring}")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -312,14 +386,14 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def summarize(result: dict, args: argparse.Namespace) -> dict:
-    by = {key: _median_run([r for r in result["runs"] if (r["server"], r["concurrency"]) == key])
-          for key in {(r["server"], r["concurrency"]) for r in result["runs"]}}
-    rows = []
-    for c in args.concurrency:
-        blink, bare, one = by[("blink", c)], by[("bare", c)], by[("bare-1tok", c)]
+    by = {key: _median_run([r for r in result["runs"] if (r["phase"], r["server"], r["concurrency"]) == key])
+          for key in {(r["phase"], r["server"], r["concurrency"]) for r in result["runs"]}}
 
-        def ratio(a, b):
-            return a / b if b else None
+    def ratio(a, b):
+        return a / b if b else None
+    rows, paced = [], []
+    for c in args.concurrency:
+        blink, bare, one = by[("saturated", "blink", c)], by[("saturated", "bare", c)], by[("saturated", "bare-1tok", c)]
         rows.append({
             "concurrency": c,
             "blink_events_per_s": blink["events_per_s"], "blink_tokens_per_s": blink["tokens_per_s"],
@@ -350,11 +424,36 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "bare_1tok_cpu_us_per_event": one["server_cpu_us_per_event"],
             "failures": blink["failures"] + bare["failures"] + one["failures"],
         })
-    return {"rows": rows,
-            "targets": {"events_ratio_min": 0.5, "latency_p99_ms_max": 2.0},
-            "met": {str(r["concurrency"]): {"events_ratio": (r["events_ratio"] or 0) >= 0.5,
-                                            "latency_p99": (r["blink_latency_p99_ms"] or 1e9) <= 2.0}
-                    for r in rows}}
+        if ("paced", "blink", c) in by:
+            blink, bare = by[("paced", "blink", c)], by[("paced", "bare", c)]
+            paced.append({
+                "concurrency": c, "step_ms": args.paced_step_ms,
+                "blink_events_per_s": blink["events_per_s"], "blink_tokens_per_s": blink["tokens_per_s"],
+                "blink_tokens_per_event": blink["tokens_per_event"],
+                "bare_events_per_s": bare["events_per_s"], "bare_tokens_per_s": bare["tokens_per_s"],
+                "blink_latency_p50_ms": blink["latency_ms"]["p50"], "blink_latency_p99_ms": blink["latency_ms"]["p99"],
+                "blink_latency_mean_ms": blink["latency_ms"]["mean"],
+                "blink_ring_to_handler_p50_ms": blink["latency_ring_to_handler_ms"]["p50"],
+                "blink_ring_to_handler_p99_ms": blink["latency_ring_to_handler_ms"]["p99"],
+                "blink_handler_to_client_p50_ms": blink["latency_handler_to_client_ms"]["p50"],
+                "blink_handler_to_client_p99_ms": blink["latency_handler_to_client_ms"]["p99"],
+                "bare_latency_p50_ms": bare["latency_ms"]["p50"], "bare_latency_p99_ms": bare["latency_ms"]["p99"],
+                "blink_frontend_cpu_us_per_event": blink["server_cpu_us_per_event"],
+                "blink_frontend_busy": blink["cpu_s"]["server"] / blink["duration_s"],
+                "blink_daemon_busy": blink["cpu_s"]["daemon"] / blink["duration_s"],
+                "bare_cpu_us_per_event": bare["server_cpu_us_per_event"],
+                "bare_busy": bare["cpu_s"]["server"] / bare["duration_s"],
+                "failures": blink["failures"] + bare["failures"],
+            })
+    met = {}
+    for r in rows:
+        m = met[str(r["concurrency"])] = {"events_ratio": (r["events_ratio"] or 0) >= 0.5,
+                                          "latency_p99_saturated": (r["blink_latency_p99_ms"] or 1e9) <= 2.0}
+        pr = next((x for x in paced if x["concurrency"] == r["concurrency"]), None)
+        if pr is not None:
+            m["latency_p99_paced"] = (pr["blink_latency_p99_ms"] or 1e9) <= 2.0
+    return {"rows": rows, "paced_rows": paced,
+            "targets": {"events_ratio_min": 0.5, "latency_p99_ms_max": 2.0}, "met": met}
 
 
 def write_results(result: dict, summary: dict, args: argparse.Namespace) -> pathlib.Path:
@@ -364,40 +463,67 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
     info = result["machine_info"]
     payload = {"benchmark": "control_plane", "date": args.date, "machine": args.machine, "command": cmd.strip(),
                "params": {"concurrency": args.concurrency, "warmup_s": args.warmup_s, "duration_s": args.duration_s,
-                          "repeats": args.repeats,
-                          "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens},
+                          "repeats": args.repeats, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                          "paced_step_ms": args.paced_step_ms, "loop": result["loop"]},
                **result, "summary": summary}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
 
     def f(x, nd=2):
         return "n/a" if x is None else f"{x:.{nd}f}"
+
+    def load(key):
+        return ", ".join(f"{x:.2f}" for x in info[key]) if key in info else "n/a"
+    step = args.paced_step_ms
     lines = [f"# Control-plane cost: blink frontend + null daemon vs bare aiohttp SSE ({args.date}, {args.machine})",
              "", f"Command: `{cmd.strip()}`", "",
-             f"Machine: {info['cpu']}, {info['cores']} cores; load average at start "
-             f"{', '.join(f'{x:.1f}' for x in info['loadavg_at_start'])} (other work was running).", "",
-             f"Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up, {args.repeats} "
-             f"rounds (medians shown); each request "
-             f"{args.prompt_tokens} prompt token ids, max_tokens {args.max_tokens}, ignore_eos, streamed with usage. "
-             f"Pinned: {result['pinned']} (daemon on CPUs {result['daemon_cpus']}, the HTTP server under test on "
-             f"{result['http_cpus']}, the client on {result['client_cpus'] or 'any'}). The null daemon publishes tokens as fast as it can, so the "
-             "frontend sends each stream's new tokens in one event per ring read; 'bare' streams the same "
-             "chunks (blink's mean tokens per event at that concurrency) without a ring, 'bare 1tok' one token "
-             "per event.", "",
-             "| streams | blink events/s | blink tok/s | tok/event | bare events/s | bare tok/s | events ratio "
-             "| tok ratio | bare 1tok events/s | tok ratio vs 1tok |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"Machine: {info['cpu']}, {info['cores']} cores; load average (1, 5, 15 min) at start {load('loadavg_at_start')}, "
+             f"at the end {load('loadavg_at_end')} (the benchmark's own processes included at the end).", "",
+             f"Event loop: **{result['loop']}** in both servers (blink frontend `--loop {result['loop']}`, and the bare "
+             f"aiohttp server); the load generator (aiohttp client) on {result['client_loop']}. Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up, "
+             f"{args.repeats} rounds (medians shown); each request {args.prompt_tokens} prompt token ids, max_tokens "
+             f"{args.max_tokens}, ignore_eos, streamed with usage. Pinned: {result['pinned']} (daemon on CPUs "
+             f"{result['daemon_cpus']}, the HTTP server under test on {result['http_cpus']}, the client on "
+             f"{result['client_cpus'] or 'any'}).", "",
+             "Two kinds of numbers, measured separately:", "",
+             "- **Saturated** (throughput): the null daemon publishes tokens as fast as it can, so the servers and "
+             "the load generator share the two cores flat out. This is where the events/s target is judged. Its "
+             "latency numbers are queueing at saturation (mostly the client and the server waiting for a CPU), not "
+             "the per-token cost of the frontend.",
+             ]
+    if summary["paced_rows"]:
+        lines.append(f"- **Paced** (latency): the null daemon takes {step:g} ms per engine step (`blink gpu-daemon "
+                     f"--model null --step-ms {step:g}`: one token per stream every {step:g} ms, "
+                     f"{1000 / step:.0f} tokens/s per stream, the cadence of a small model decoding on a CPU), and "
+                     f"the bare server sends one token per stream on a shared {step:g} ms tick. Added latency per token "
+                     "is judged here.")
+    lines += ["", "## Saturated: throughput", "",
+              "The frontend sends each stream's new tokens in one event per ring read; 'bare' streams the same chunks "
+              "(blink's mean tokens per event at that concurrency) without a ring, 'bare 1tok' one token per event.",
+              "",
+              "| streams | blink events/s | blink tok/s | tok/event | bare events/s | bare tok/s | events ratio "
+              "| tok ratio | bare 1tok events/s | tok ratio vs 1tok |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         lines.append(f"| {r['concurrency']} | {r['blink_events_per_s']:.0f} | {r['blink_tokens_per_s']:.0f} | "
                      f"{f(r['blink_tokens_per_event'], 1)} | {r['bare_events_per_s']:.0f} | "
                      f"{r['bare_tokens_per_s']:.0f} | {f(r['events_ratio'])} | {f(r['tokens_ratio'])} | "
                      f"{r['bare_1tok_events_per_s']:.0f} | {f(r['tokens_ratio_vs_1tok'])} |")
-    lines += ["", "Added latency (ms): client receipt minus the stamp of the newest token in the event (the daemon's "
-              "publish time for blink, chunk creation for bare; both time.monotonic_ns). 'upper' is receipt minus "
-              "the previous event's stamp, which bounds the oldest token of a multi-token event. When a server "
-              "outruns the client the bare numbers are socket-buffer queueing, not server cost.", "",
-              "Split of blink's latency: ring -> handler (daemon publish until the request's handler holds the "
-              "batch: reader poll cadence and wake-up) and handler -> client (detokenize, encode, write, client).",
-              "",
+    lines += ["", "Server CPU inside the measured window (/proc/PID/stat): per event, per token, and the share of "
+              "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core). "
+              "Far below 100% means the process waited: for tokens, for the client, or for a CPU.",
+              "", "| streams | blink frontend us/event | us/token | busy | daemon busy | bare us/event | us/token | busy "
+              "| bare 1tok us/event |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
+                     f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {100 * r['blink_frontend_busy']:.0f}% | "
+                     f"{100 * r['blink_daemon_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
+                     f"{f(r['bare_cpu_us_per_token'], 1)} | {100 * r['bare_busy']:.0f}% | "
+                     f"{f(r['bare_1tok_cpu_us_per_event'], 0)} |")
+    lines += ["", "Latency at saturation (ms; queueing, see above): client receipt minus the stamp of the newest "
+              "token in the event (the daemon's publish time for blink, chunk creation for bare; both "
+              "time.monotonic_ns). 'upper' is receipt minus the previous event's stamp, which bounds the oldest token "
+              "of a multi-token event. Split: ring -> handler (daemon publish until the request's handler holds the "
+              "batch) and handler -> client (detokenize, encode, write, client).", "",
               "| streams | blink p50 | blink p99 | blink upper p50 | blink upper p99 | ring->handler p50 / p99 "
               "| handler->client p50 / p99 | bare p50 | bare p99 |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -407,22 +533,40 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
                      f"{f(r['blink_ring_to_handler_p50_ms'], 3)} / {f(r['blink_ring_to_handler_p99_ms'], 3)} | "
                      f"{f(r['blink_handler_to_client_p50_ms'], 3)} / {f(r['blink_handler_to_client_p99_ms'], 3)} | "
                      f"{f(r['bare_latency_p50_ms'], 3)} | {f(r['bare_latency_p99_ms'], 3)} |")
-    lines += ["", "Server CPU inside the measured window (/proc/PID/stat): per event, per token, and the share of "
-              "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core). "
-              "Far below 100% means the process waited: for tokens (the null daemon set the pace), for the client, "
-              "or for a CPU (other work on the machine).",
-              "", "| streams | blink frontend us/event | us/token | busy | daemon busy | bare us/event | us/token | busy "
-              "| bare 1tok us/event |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in summary["rows"]:
-        lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
-                     f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {100 * r['blink_frontend_busy']:.0f}% | "
-                     f"{100 * r['blink_daemon_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
-                     f"{f(r['bare_cpu_us_per_token'], 1)} | {100 * r['bare_busy']:.0f}% | "
-                     f"{f(r['bare_1tok_cpu_us_per_event'], 0)} |")
-    lines += ["", "Targets: events ratio >= 0.5 (vs bare with the same chunks), blink p99 added latency <= 2 ms.", ""]
+    if summary["paced_rows"]:
+        lines += ["", f"## Paced ({step:g} ms per step): added latency per token", "",
+                  "Added latency (ms) = client receipt minus the daemon's publish stamp of the token (blink) or the "
+                  "chunk's creation after the tick (bare). With one token per event this is exact per token. "
+                  "Split as above.", "",
+                  "| streams | blink tok/s | tok/event | blink p50 | blink p99 | blink mean | ring->handler p50 / p99 "
+                  "| handler->client p50 / p99 | bare tok/s | bare p50 | bare p99 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in summary["paced_rows"]:
+            lines.append(f"| {r['concurrency']} | {r['blink_tokens_per_s']:.0f} | {f(r['blink_tokens_per_event'], 2)} | "
+                         f"{f(r['blink_latency_p50_ms'], 3)} | {f(r['blink_latency_p99_ms'], 3)} | "
+                         f"{f(r['blink_latency_mean_ms'], 3)} | "
+                         f"{f(r['blink_ring_to_handler_p50_ms'], 3)} / {f(r['blink_ring_to_handler_p99_ms'], 3)} | "
+                         f"{f(r['blink_handler_to_client_p50_ms'], 3)} / {f(r['blink_handler_to_client_p99_ms'], 3)} | "
+                         f"{r['bare_tokens_per_s']:.0f} | {f(r['bare_latency_p50_ms'], 3)} | "
+                         f"{f(r['bare_latency_p99_ms'], 3)} |")
+        lines += ["", "| streams | blink frontend us/event | busy | daemon busy | bare us/event | busy |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for r in summary["paced_rows"]:
+            lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
+                         f"{100 * r['blink_frontend_busy']:.0f}% | {100 * r['blink_daemon_busy']:.0f}% | "
+                         f"{f(r['bare_cpu_us_per_event'], 0)} | {100 * r['bare_busy']:.0f}% |")
+    lines += ["", "## Targets", "",
+              "Throughput: blink events/s >= 0.5x the bare server's with the same chunks, judged on the saturated rows. "
+              "Latency: blink p99 added latency per token <= 2 ms, reported for both phases; the paced rows are the "
+              "measurement of per-token latency, the saturated ones show queueing at full load.", ""]
+
+    def verdict(ok):
+        return "met" if ok else "NOT met"
     for c, met in summary["met"].items():
-        lines.append(f"- {c} streams: events ratio {'met' if met['events_ratio'] else 'NOT met'}, "
-                     f"p99 latency {'met' if met['latency_p99'] else 'NOT met'}")
+        line = (f"- {c} streams: events ratio (saturated) {verdict(met['events_ratio'])}; "
+                f"p99 latency paced {verdict(met['latency_p99_paced']) if 'latency_p99_paced' in met else 'not run'}, "
+                f"saturated {verdict(met['latency_p99_saturated'])}")
+        lines.append(line)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return stem
 
@@ -442,21 +586,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cpus", choices=("http", "daemon", "any"), default="any",
                     help="where the load generator runs when pinned: with the server under test, "
                          "with the daemon, or anywhere (default: the scheduler decides)")
+    ap.add_argument("--client-loop", choices=("asyncio", "uvloop"), default=None,
+                    help="event loop of the load generator (default: the servers' loop)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--machine", default=socket.gethostname())
     ap.add_argument("--tokens-per-event", type=int, default=1, help="client role: ask the bare server for this")
+    ap.add_argument("--client-step-ms", type=float, default=0.0, help="client role: ask the bare server to pace")
+    ap.add_argument("--paced-step-ms", type=float, default=0.0,
+                    help="also run the paced phase: the null daemon takes this long per step (20: 50 tokens/s "
+                         "per stream, a CPU model's decode) and the bare server ticks at the same period; "
+                         "added latency per token is measured there (0: saturated phase only)")
+    ap.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                    help="event loop of BOTH servers (blink frontend --loop, and the bare aiohttp server); "
+                         "auto: uvloop when installed")
     args = ap.parse_args(argv)
     if args.role == "bare":
-        run_bare_server(args.port)
+        run_bare_server(args.port, args.loop)
         return 0
     if args.role == "client":
-        res = asyncio.run(drive(args.url, int(args.concurrency), args.warmup_s, args.duration_s, args.max_tokens,
-                                args.prompt_tokens, args.tokens_per_event))
+        from dpu_frontend.http_server import run as run_on_loop
+        res = run_on_loop(drive(args.url, int(args.concurrency), args.warmup_s, args.duration_s, args.max_tokens,
+                                args.prompt_tokens, args.tokens_per_event, args.client_step_ms), args.loop)
         print(json.dumps(res))
         return 0
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
     info = _machine()   # load average before this benchmark adds its own
     result = orchestrate(args)
+    info["loadavg_at_end"] = os.getloadavg()
     result["machine_info"] = info
     summary = summarize(result, args)
     stem = write_results(result, summary, args)
