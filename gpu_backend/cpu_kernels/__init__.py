@@ -94,6 +94,15 @@ class CpuKernels:
         except KeyError:
             raise TypeError(f"cpu kernel {name}: dtype {dtype} not supported (bfloat16, float32)") from None
 
+    def raw(self, name: str, dtype: torch.dtype = torch.bfloat16):
+        """The ctypes function itself (argument order as in kernels.cc's C ABI), for a caller
+        that checked its shapes once and calls per layer: no checks, ~1 us a call."""
+        if name == "linear":
+            if dtype != torch.bfloat16 or not self.has_bf16_linear:
+                raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
+            return self._linear
+        return self._fn(name, dtype)
+
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in SUFFIX and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM

@@ -3,27 +3,72 @@ fused kernels of gpu_backend/cpu_kernels between the (prepacked) matmuls.
 
     input_ids [T], positions [T], PagedBatch
       -> embed -> RMSNorm (kernel)
-      -> per layer:  qkv_proj -> rope_cache (RoPE on q|k in place, k/v into the pool)
+      -> per layer:  qkv matmul -> rope_cache (RoPE on q|k in place, k/v into the pool)
                      -> decode rows: decode_attention straight from the pool's blocks;
                         prefill spans: SDPA (paged_attention.prefill_attention)
-                     -> o_proj -> add_rms_norm (residual += o; norm)
-                     -> gate_up_proj -> silu_mul -> down_proj
+                     -> o matmul -> add_rms_norm (residual += o; norm)
+                     -> gate_up matmul -> silu_mul -> down matmul
                      -> add_rms_norm (residual += mlp; the next layer's norm, or the final one)
       -> hidden [T, hidden] after the final norm, as LlamaModel.forward returns
 
 Same math as LlamaModel.forward + PagedAttention, in ~9 calls a layer instead of ~60 ops:
-on a CPU the small ops, not the matmuls, were half of a batch-8 decode step. Applies to
-fused models without q/k norm (Llama, SmolLM2, Mistral, Qwen2) in bfloat16 or float32;
-`KernelForward.applicable` says when, and the executor keeps the PyTorch path otherwise.
+on a CPU the small ops, not the matmuls, were half of a batch-8 decode step. The calls
+go straight to ctypes with data pointers taken once at setup (weights) or once a step
+(activations): shapes are fixed by the model and checked here, once, so the per-layer
+Python cost is a few microseconds. Applies to fused models without q/k norm (Llama,
+SmolLM2, Mistral, Qwen2) in bfloat16 or float32; `KernelForward.applicable` says when,
+and the executor keeps the PyTorch path otherwise.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..cpu_kernels import CpuKernels
 from ..kv_cache import KVPool
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedBatch, prefill_attention
+from .cpu_linear import SMALL_BATCH_ROWS, PackedLinear
+
+
+class _Matmul:
+    """One projection: the small-batch kernel for decode-sized batches where the layer has
+    it, else oneDNN's prepacked matmul, else (float32 models) F.linear."""
+
+    def __init__(self, layer: nn.Module, kernels: CpuKernels):
+        self.bias = layer.bias
+        self.bias_ptr = None if layer.bias is None else layer.bias.data_ptr()
+        self.n, self.k = layer.out_features, layer.in_features
+        self.packed = layer.packed if isinstance(layer, PackedLinear) else None
+        self.weight = layer.weight                                   # None: a PackedLinear without kernels
+        self.small = isinstance(layer, PackedLinear) and layer.small is not None
+        self.weight_ptr = self.weight.data_ptr() if self.small else None
+        self.small_fn = kernels.raw("linear") if self.small else None
+
+    def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:    # x: [M, K] contiguous
+        m = x.shape[0]
+        if self.small and m in SMALL_BATCH_ROWS:
+            y = torch.empty((m, self.n), dtype=x.dtype)
+            self.small_fn(x.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), m, self.n, self.k, threads)
+            return y
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class _LayerPlan:
+    """One decoder layer's matmuls and the data pointers of its norm weights and pool tensors."""
+
+    def __init__(self, layer: nn.Module, next_norm: nn.Module, pool: KVPool, index: int, kernels: CpuKernels):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv, self.o = _Matmul(attn.qkv_proj, kernels), _Matmul(attn.o_proj, kernels)
+        self.gate_up, self.down = _Matmul(mlp.gate_up_proj, kernels), _Matmul(mlp.down_proj, kernels)
+        self.kc, self.vc = pool.k[index], pool.v[index]                  # [KV, blocks, bs, D] views
+        self.kc_ptr, self.vc_ptr = self.kc.data_ptr(), self.vc.data_ptr()
+        post = layer.post_attention_layernorm
+        self.post_w, self.post_eps = post.weight.data_ptr(), post.eps
+        self.next_w, self.next_eps = next_norm.weight.data_ptr(), next_norm.eps
 
 
 class KernelForward:
@@ -31,11 +76,25 @@ class KernelForward:
         if not self.applicable(model, kernels):
             raise ValueError("KernelForward needs a fused model without q/k norm in bf16 or f32")
         cfg = model.config
+        pc = pool.config
+        if (pool.k.dtype != model.dtype or pc.num_layers != cfg.num_layers or pc.num_kv_heads != cfg.num_kv_heads
+                or pc.head_dim != cfg.head_dim or not pool.k.is_contiguous() or not pool.v.is_contiguous()):
+            raise ValueError(f"KV pool {tuple(pool.k.shape)} {pool.k.dtype} does not fit the model")
         self.model, self.pool, self.kernels = model, pool, kernels
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden = cfg.hidden_size
+        self.pool_slots = pc.num_blocks * pc.block_size
+        self.num_blocks, self.block_size = pc.num_blocks, pc.block_size
         layers = list(model.layers)
-        # The norm after layer i: the next layer's input norm, and the model's final norm last.
-        self._next_norms = [layers[i + 1].input_layernorm for i in range(len(layers) - 1)] + [model.norm]
+        nexts = [layers[i + 1].input_layernorm for i in range(len(layers) - 1)] + [model.norm]
+        self.plans = [_LayerPlan(layer, nxt, pool, i, kernels) for i, (layer, nxt) in enumerate(zip(layers, nexts))]
+        first = layers[0].input_layernorm
+        self.first_w, self.first_eps = first.weight.data_ptr(), first.eps
+        dt = model.dtype
+        self.add_rms_norm = kernels.raw("add_rms_norm", dt)
+        self.rope_cache = kernels.raw("rope_cache", dt)
+        self.decode_attention = kernels.raw("decode_attention", dt)
+        self.silu_mul = kernels.raw("silu_mul", dt)
 
     @staticmethod
     def applicable(model: LlamaModel, kernels: CpuKernels | None) -> bool:
@@ -47,37 +106,42 @@ class KernelForward:
                    and layer.mlp.gate_up_proj is not None for layer in model.layers)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        m, kern = self.model, self.kernels
+        m = self.model
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
+        if positions.shape != (t,) or batch.slot_mapping.shape != (t,) or t == 0:
+            raise ValueError(f"{t} tokens, {tuple(positions.shape)} positions, "
+                             f"{tuple(batch.slot_mapping.shape)} slots")
+        threads = torch.get_num_threads()
         x = m.embed_tokens(input_ids)                                  # [T, hidden]: the residual stream
-        cos, sin = (c.contiguous() for c in m.rope(positions, x.dtype))  # [T, D] each
-        first = m.layers[0].input_layernorm
-        normed = kern.add_rms_norm(x, None, first.weight, first.eps)
-        for i, layer in enumerate(m.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(normed).view(t, h + 2 * kvh, d)       # [T, H + 2 KV, D]
-            kc, vc = self.pool.k[i], self.pool.v[i]                    # [KV, blocks, bs, D]
-            kern.rope_cache(qkv, cos, sin, batch.slot_mapping, kc, vc, h, kvh)
-            o = self._attention(qkv, kc, vc, batch)                    # [T, H, D]
-            post = layer.post_attention_layernorm
-            normed = kern.add_rms_norm(x, attn.o_proj(o.view(t, h * d)), post.weight, post.eps)
-            down = mlp.down_proj(kern.silu_mul(mlp.gate_up_proj(normed)))
-            nxt = self._next_norms[i]
-            normed = kern.add_rms_norm(x, down, nxt.weight, nxt.eps)
+        x_ptr, dt = x.data_ptr(), x.dtype
+        cos, sin = (c.contiguous() for c in m.rope(positions, dt))     # [T, D] each
+        cos_ptr, sin_ptr, slots_ptr = cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr()
+        nd = batch.num_decode
+        tables, lens = batch.decode_block_tables, batch.decode_context_lens
+        heads_total = h + 2 * kvh
+        normed = torch.empty_like(x)           # each norm's output, reused layer after layer
+        self.add_rms_norm(x_ptr, None, self.first_w, normed.data_ptr(), t, self.hidden, self.first_eps, threads)
+        for p in self.plans:
+            qkv = p.qkv(normed, threads)                               # [T, (H + 2 KV) * D]
+            self.rope_cache(qkv.data_ptr(), cos_ptr, sin_ptr, slots_ptr, p.kc_ptr, p.vc_ptr, t, heads_total,
+                            h + kvh, h, kvh, d, self.pool_slots, threads)
+            o = torch.empty((t, h * d), dtype=dt)                      # [T, H * D]
+            if nd:
+                self.decode_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, tables.data_ptr(),
+                                      tables.shape[1], lens.data_ptr(), o.data_ptr(), nd, h, kvh, d,
+                                      self.num_blocks, self.block_size, d ** -0.5, threads)
+            if batch.prefills:      # RoPE is applied in place, and this chunk's k/v are in the pool
+                q3 = qkv.view(t, heads_total, d)
+                prefill_attention(q3[:, :h], q3[:, h:h + kvh], q3[:, h + kvh:], p.kc, p.vc, batch,
+                                  o.view(t, h, d))
+            attn_out = p.o(o, threads)
+            self.add_rms_norm(x_ptr, attn_out.data_ptr(), p.post_w, normed.data_ptr(), t, self.hidden,
+                              p.post_eps, threads)
+            gate_up = p.gate_up(normed, threads)                       # [T, 2 I]
+            act = torch.empty((t, gate_up.shape[1] // 2), dtype=dt)
+            self.silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1], threads)
+            down = p.down(act, threads)
+            self.add_rms_norm(x_ptr, down.data_ptr(), p.next_w, normed.data_ptr(), t, self.hidden,
+                              p.next_eps, threads)
         return normed
-
-    def _attention(self, qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, b: PagedBatch) -> torch.Tensor:
-        h, kvh = self.num_heads, self.num_kv_heads
-        nd = b.num_decode
-        dec = None
-        if nd:
-            dec = self.kernels.decode_attention(qkv, h, kc, vc, b.decode_block_tables, b.decode_context_lens)
-            if not b.prefills:
-                return dec                                             # [Bd, H, D]
-        out = torch.empty((qkv.shape[0], h, self.head_dim), dtype=qkv.dtype)
-        if nd:
-            out[:nd] = dec
-        # RoPE is already applied in place, and this chunk's k/v are in the pool.
-        prefill_attention(qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:], kc, vc, b, out)
-        return out
