@@ -3,6 +3,7 @@
     body -> parse_* (openai_api) -> prompt ids (chat template, tokenizer; off the loop
     when long) -> max_tokens resolved against the context -> RingClient.submit
     -> RequestHandle batches -> Detokenizer deltas -> SSE chunks | one JSON body
+       (mid-stream chunks of a plain stream: written by the token reader itself, stream_push.py)
 
 A stop string or an EOS / stop-id token seen here ends the reply at once and
 cancels the handle, so the daemon stops generating within a step. A client that
@@ -32,6 +33,7 @@ from .metrics import FrontendMetrics
 from .openai_api import ApiError, ChatRequest, CompletionRequest
 from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
                           RingClient, SamplingParams)
+from .stream_push import DirectSink
 from .tokenizer import ChatTemplateError, ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -240,6 +242,7 @@ class GenerationService:
         if self.request_limits.stall_timeout_s > 0:
             watch = StallWatch(loop, self.request_limits.stall_timeout_s, lambda: self._stalled(request, gen, handle))
         headers_due = None
+        direct = None   # stream_push.DirectSink, installed on the handle once the first chunk is out
         try:
             limit_send_buffer(request.transport)
             await resp.prepare(request)   # headers buffered: they go out with the first chunk
@@ -281,6 +284,8 @@ class GenerationService:
                     watch.end()
                 if last:
                     break
+                if direct is None and DirectSink.usable(request, detok, opts.continuous_usage):
+                    direct = handle.sink = DirectSink(request, handle, detok, fast, self.expose_backend_timing)
             else:
                 # The handle ended after its last batch had been sent: close with the finish reason.
                 text = detok.flush()
@@ -290,6 +295,8 @@ class GenerationService:
                     usage = api.usage(n_prompt, detok.tokens_seen) if opts.continuous_usage else None
                     await resp.write(api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason,
                                                    usage)))
+            if direct is not None and direct.failure is not None:
+                raise direct.failure   # the direct path failed mid-stream: the error event below
             if finish == "error":
                 await resp.write(api.sse(self._error(gen, handle).body()))
             if opts.include_usage:
@@ -314,6 +321,7 @@ class GenerationService:
             except ConnectionError:
                 pass
         finally:
+            handle.sink = None
             if headers_due is not None:
                 headers_due.cancel()
             if watch is not None:

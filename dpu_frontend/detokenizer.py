@@ -107,6 +107,14 @@ class Detokenizer:
         self.stop_reason: int | str | None = None
         self._emitted: list[str] = []
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops.stops)
+
+    def ends_in(self, ids: list[int]) -> bool:
+        """Whether a batch holds an id that ends the request (EOS unless ignored, a stop token id)."""
+        return bool(self._end_ids) and not self._end_ids.isdisjoint(ids)
+
     # -- offsets ------------------------------------------------------------------
     def _advance(self, ids: list[int]) -> str:
         """Append ids; the new text, or "" while the window ends mid-character."""

@@ -2,6 +2,8 @@
 
     TokenReader -> handle._deliver(tokens) / handle._end(reason, error)
                 -> `async for batch in handle` (HTTP layer) -> SSE chunks
+                   or, while the consumer is parked with nothing buffered, handle.sink(tokens)
+                   (stream_push.DirectSink: the chunk written at once, the consumer left asleep)
 
 The buffer between the reader and the consumer is bounded: a consumer that stops
 reading gets its request cancelled (finish_reason "error") instead of a buffer
@@ -57,6 +59,9 @@ class RequestHandle:
         self._pending: list[int] = []
         self._ended = False
         self._wake: asyncio.Future | None = None
+        # Takes a batch instead of the consumer when it returns True; tried only while the consumer
+        # is parked with nothing buffered (order) and never for a request's last batch.
+        self.sink: Callable[[list[int]], bool] | None = None
 
     # -- consumer side --------------------------------------------------------
     @property
@@ -98,13 +103,18 @@ class RequestHandle:
         return out
 
     # -- reader side ----------------------------------------------------------
-    def _deliver(self, tokens: list[int]) -> None:
+    def _deliver(self, tokens: list[int], final: bool = False) -> None:
+        """New tokens; `final`: the request ends right after them (the consumer then sees both)."""
         if self._ended or not tokens:
             return
         if self.t_first_token_ns is None:
             self.t_first_token_ns = now_ns()
-        self._pending += tokens
         self.completion_tokens += len(tokens)
+        sink, wake = self.sink, self._wake
+        if (sink is not None and not final and not self._pending and wake is not None and not wake.done()
+                and sink(tokens)):
+            return
+        self._pending += tokens
         if len(self._pending) > self._max_buffered:
             self._on_cancel(self, "error",
                             f"consumer stopped reading: {len(self._pending)} tokens buffered "

@@ -7,7 +7,7 @@
              while few are in flight, numpy over the snapshot when many are)
           -> read tokens [received, generated) per slot -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
-    pace (next_interval_s): spin while tokens flow; with requests in flight and a steady daemon
+    pace (next_interval_s): poll finely for spin_s after progress; with requests in flight and a steady daemon
           step (its publish stamps `step_merge_s` apart or more, period >= predict_min_step_s),
           sleep until `predict_lead_s` before the next step is due, then poll finely until
           `predict_window_s` after it; otherwise `busy_interval_s` while requests are in flight,
@@ -87,7 +87,7 @@ class _Progress(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ReaderConfig:
-    spin_s: float = 200e-6          # keep polling back to back this long after progress
+    spin_s: float = 200e-6          # keep polling finely this long after progress
     busy_interval_s: float = 0.001  # poll interval while requests are in flight
     idle_interval_s: float = 0.02   # poll interval with nothing in flight (health only)
     max_slots_per_poll: int = 1024  # token reads per poll; the rest next poll
@@ -102,7 +102,9 @@ class ReaderConfig:
     predict_history: int = 8            # step gaps remembered
     fine_sleep_s: float = 10e-6         # fine polls with an idle event loop block this long in between
                                         # (~0.08 ms with the wake-up on a VM) instead of spinning; 0: spin
-    fine_sleep_when_flowing: bool = False  # also right after progress (saturated streams; costs events/s)
+    fine_sleep_when_flowing: bool = True   # also while tokens flow (an empty poll right after progress):
+                                        # a reader spinning on the core its clients share starved them (null
+                                        # daemon, 1 stream: p99 4.4 -> 0.35 ms, tokens/s +18%, fewer events)
 
 
 @dataclasses.dataclass
@@ -200,7 +202,8 @@ class TokenReader:
             res.freed = len(resets)
             res.progress = True
         if res.progress:
-            self._last_progress_s = now_s
+            # After the handover, which may have written chunks (stream_push): spin from here.
+            self._last_progress_s = time.monotonic()
         if self._newest_ns:
             self._observe_step(self._newest_ns, now_s)
         return res
@@ -295,14 +298,14 @@ class TokenReader:
                 h.t_picked_ns, h.t_first_ns, h.t_last_ns = p.t_picked_ns, p.t_first_ns, p.t_last_ns
                 if flight.extra_stops:
                     tokens, stopped = _cut_at_stop(tokens, flight.extra_stops)
-                    h._deliver(tokens)
+                    h._deliver(tokens, final=completed or stopped)
                     if stopped and not h.finished:
                         h._end("stop")
                         flight.handle = None
                         if not completed:
                             s.write_cancels([flight.slot])
                 else:
-                    h._deliver(tokens)
+                    h._deliver(tokens, final=completed)
                 h = flight.handle   # None if the stop cut it or _deliver cancelled it (consumer too slow)
         if completed:
             if h is not None:
