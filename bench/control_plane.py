@@ -249,6 +249,14 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy so far, all cores (/proc/stat: user, nice, system,
+    irq, softirq; not idle, iowait or steal)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
 def _affinity(cpus: set[int] | None):
     if not cpus:
         return None
@@ -305,7 +313,7 @@ def orchestrate(args: argparse.Namespace) -> dict:
         _wait_healthy(port, frontend)
         return [daemon, frontend], port
 
-    def client(phase: str, server: str, port: int, pids: dict[str, int], c: int, per_event: int = 1,
+    def client(phase: str, rnd: int, server: str, port: int, pids: dict[str, int], c: int, per_event: int = 1,
                step_ms: float = 0.0) -> dict:
         cmd = [sys.executable, "-m", "bench.control_plane", "--role", "client",
                "--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", str(c),
@@ -316,15 +324,18 @@ def orchestrate(args: argparse.Namespace) -> dict:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(client_cpus))
         assert proc.stdout.readline().strip() == "started"
         time.sleep(args.warmup_s)
-        cpu0 = {k: _cpu_s(pid) for k, pid in pids.items()}
+        watched = dict(pids, client=proc.pid)
+        cpu0, busy0 = {k: _cpu_s(pid) for k, pid in watched.items()}, _machine_busy_s()
         time.sleep(args.duration_s)
-        cpu1 = {k: _cpu_s(pid) for k, pid in pids.items()}
+        cpu1, busy1 = {k: _cpu_s(pid) for k, pid in watched.items()}, _machine_busy_s()
         out, _ = proc.communicate(timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"client failed ({proc.returncode})")
         res = json.loads(out.strip().splitlines()[-1])
-        res["phase"], res["server"], res["step_ms"] = phase, server, step_ms
-        res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in pids}
+        res["phase"], res["round"], res["server"], res["step_ms"] = phase, rnd, server, step_ms
+        res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in watched}
+        # Everything else on the machine in the window (other work, the kernel's share, this orchestrator).
+        res["cpu_s"]["others"] = max(0.0, busy1 - busy0 - sum(res["cpu_s"].values()))
         res["server_cpu_us_per_event"] = 1e6 * res["cpu_s"]["server"] / res["events"] if res["events"] else None
         res["server_cpu_us_per_token"] = 1e6 * res["cpu_s"]["server"] / res["tokens"] if res["tokens"] else None
         res["bare_tokens_per_event"] = per_event if server != "blink" else None
@@ -349,9 +360,9 @@ def orchestrate(args: argparse.Namespace) -> dict:
         for rep in range(args.repeats):
             for c in args.concurrency:
                 # blink first: the bare server then streams chunks of the same size ("the same chunks")
-                b = client("saturated", "blink", blink_port, on_blink, c)
-                client("saturated", "bare", bare_port, on_bare, c, max(1, round(b["tokens_per_event"] or 1)))
-                client("saturated", "bare-1tok", bare_port, on_bare, c, 1)
+                b = client("saturated", rep, "blink", blink_port, on_blink, c)
+                client("saturated", rep, "bare", bare_port, on_bare, c, max(1, round(b["tokens_per_event"] or 1)))
+                client("saturated", rep, "bare-1tok", bare_port, on_bare, c, 1)
         if args.paced_step_ms > 0:
             _stop(blink_procs)   # the paced phase gets a fresh daemon; nothing of the first one keeps running
             procs = [bare]
@@ -362,8 +373,8 @@ def orchestrate(args: argparse.Namespace) -> dict:
             on_bare = {"server": bare.pid, "daemon": daemon.pid}
             for rep in range(args.repeats):
                 for c in args.concurrency:
-                    client("paced", "blink", blink_port, on_blink, c, step_ms=args.paced_step_ms)
-                    client("paced", "bare", bare_port, on_bare, c, 1, step_ms=args.paced_step_ms)
+                    client("paced", rep, "blink", blink_port, on_blink, c, step_ms=args.paced_step_ms)
+                    client("paced", rep, "bare", bare_port, on_bare, c, 1, step_ms=args.paced_step_ms)
         return {"runs": runs, "loop": loop_name, "client_loop": client_loop, "pinned": pin, "daemon_cpus": sorted(daemon_cpus or []),
                 "http_cpus": sorted(http_cpus or []), "client_cpus": sorted(client_cpus or [])}
     finally:
@@ -383,6 +394,17 @@ def _median_run(runs: list[dict]) -> dict:
             return statistics.median(nums)
         return values[0]
     return med(runs)
+
+
+def _ratio_by_round(runs: list[dict], phase: str, c: int) -> list[float | None]:
+    """blink events/s over bare's (same chunks) in each round: the two ran back to back."""
+    out = []
+    for rnd in sorted({r["round"] for r in runs if r["phase"] == phase}):
+        pick = {r["server"]: r for r in runs if (r["phase"], r["round"], r["concurrency"]) == (phase, rnd, c)}
+        if "blink" in pick and "bare" in pick:
+            bare = pick["bare"]["events_per_s"]
+            out.append(pick["blink"]["events_per_s"] / bare if bare else None)
+    return out
 
 
 def summarize(result: dict, args: argparse.Namespace) -> dict:
@@ -423,6 +445,11 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
             "bare_cpu_us_per_token": bare["server_cpu_us_per_token"],
             "bare_1tok_cpu_us_per_event": one["server_cpu_us_per_event"],
             "failures": blink["failures"] + bare["failures"] + one["failures"],
+            "events_ratio_by_round": _ratio_by_round(result["runs"], "saturated", c),
+            "blink_client_busy": blink["cpu_s"]["client"] / blink["duration_s"],
+            "blink_others_busy": blink["cpu_s"]["others"] / blink["duration_s"],
+            "bare_client_busy": bare["cpu_s"]["client"] / bare["duration_s"],
+            "bare_others_busy": bare["cpu_s"]["others"] / bare["duration_s"],
         })
         if ("paced", "blink", c) in by:
             blink, bare = by[("paced", "blink", c)], by[("paced", "bare", c)]
@@ -444,6 +471,10 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
                 "bare_cpu_us_per_event": bare["server_cpu_us_per_event"],
                 "bare_busy": bare["cpu_s"]["server"] / bare["duration_s"],
                 "failures": blink["failures"] + bare["failures"],
+                "blink_p99_by_round": [r["latency_ms"]["p99"] for r in result["runs"]
+                                       if (r["phase"], r["server"], r["concurrency"]) == ("paced", "blink", c)],
+                "blink_others_busy": blink["cpu_s"]["others"] / blink["duration_s"],
+                "bare_others_busy": bare["cpu_s"]["others"] / bare["duration_s"],
             })
     met = {}
     for r in rows:
@@ -501,23 +532,29 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
               "(blink's mean tokens per event at that concurrency) without a ring, 'bare 1tok' one token per event.",
               "",
               "| streams | blink events/s | blink tok/s | tok/event | bare events/s | bare tok/s | events ratio "
-              "| tok ratio | bare 1tok events/s | tok ratio vs 1tok |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| by round | tok ratio | bare 1tok events/s | tok ratio vs 1tok |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         lines.append(f"| {r['concurrency']} | {r['blink_events_per_s']:.0f} | {r['blink_tokens_per_s']:.0f} | "
                      f"{f(r['blink_tokens_per_event'], 1)} | {r['bare_events_per_s']:.0f} | "
-                     f"{r['bare_tokens_per_s']:.0f} | {f(r['events_ratio'])} | {f(r['tokens_ratio'])} | "
+                     f"{r['bare_tokens_per_s']:.0f} | {f(r['events_ratio'])} | "
+                     f"{' / '.join(f(x) for x in r['events_ratio_by_round'])} | {f(r['tokens_ratio'])} | "
                      f"{r['bare_1tok_events_per_s']:.0f} | {f(r['tokens_ratio_vs_1tok'])} |")
     lines += ["", "Server CPU inside the measured window (/proc/PID/stat): per event, per token, and the share of "
-              "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core). "
-              "Far below 100% means the process waited: for tokens, for the client, or for a CPU.",
-              "", "| streams | blink frontend us/event | us/token | busy | daemon busy | bare us/event | us/token | busy "
-              "| bare 1tok us/event |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "the window each process was on a CPU (the daemon's listed apart: it polls the ring on its own core; "
+              "the load generator and everything else on the machine, /proc/stat minus the processes named, "
+              "as well: 200% is both cores). Far below 100% means the process waited: for tokens, for the client, "
+              "or for a CPU.",
+              "", "| streams | blink frontend us/event | us/token | busy | daemon busy | client busy | others "
+              "| bare us/event | us/token | busy | client busy | others | bare 1tok us/event |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["rows"]:
         lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
                      f"{f(r['blink_frontend_cpu_us_per_token'], 1)} | {100 * r['blink_frontend_busy']:.0f}% | "
-                     f"{100 * r['blink_daemon_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
+                     f"{100 * r['blink_daemon_busy']:.0f}% | {100 * r['blink_client_busy']:.0f}% | "
+                     f"{100 * r['blink_others_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
                      f"{f(r['bare_cpu_us_per_token'], 1)} | {100 * r['bare_busy']:.0f}% | "
+                     f"{100 * r['bare_client_busy']:.0f}% | {100 * r['bare_others_busy']:.0f}% | "
                      f"{f(r['bare_1tok_cpu_us_per_event'], 0)} |")
     lines += ["", "Latency at saturation (ms; queueing, see above): client receipt minus the stamp of the newest "
               "token in the event (the daemon's publish time for blink, chunk creation for bare; both "
@@ -538,23 +575,25 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
                   "Added latency (ms) = client receipt minus the daemon's publish stamp of the token (blink) or the "
                   "chunk's creation after the tick (bare). With one token per event this is exact per token. "
                   "Split as above.", "",
-                  "| streams | blink tok/s | tok/event | blink p50 | blink p99 | blink mean | ring->handler p50 / p99 "
-                  "| handler->client p50 / p99 | bare tok/s | bare p50 | bare p99 |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| streams | blink tok/s | tok/event | blink p50 | blink p99 | p99 by round | blink mean "
+                  "| ring->handler p50 / p99 | handler->client p50 / p99 | bare tok/s | bare p50 | bare p99 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in summary["paced_rows"]:
             lines.append(f"| {r['concurrency']} | {r['blink_tokens_per_s']:.0f} | {f(r['blink_tokens_per_event'], 2)} | "
                          f"{f(r['blink_latency_p50_ms'], 3)} | {f(r['blink_latency_p99_ms'], 3)} | "
+                         f"{' / '.join(f(x, 3) for x in r['blink_p99_by_round'])} | "
                          f"{f(r['blink_latency_mean_ms'], 3)} | "
                          f"{f(r['blink_ring_to_handler_p50_ms'], 3)} / {f(r['blink_ring_to_handler_p99_ms'], 3)} | "
                          f"{f(r['blink_handler_to_client_p50_ms'], 3)} / {f(r['blink_handler_to_client_p99_ms'], 3)} | "
                          f"{r['bare_tokens_per_s']:.0f} | {f(r['bare_latency_p50_ms'], 3)} | "
                          f"{f(r['bare_latency_p99_ms'], 3)} |")
-        lines += ["", "| streams | blink frontend us/event | busy | daemon busy | bare us/event | busy |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| streams | blink frontend us/event | busy | daemon busy | others | bare us/event | busy "
+                  "| others |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in summary["paced_rows"]:
             lines.append(f"| {r['concurrency']} | {f(r['blink_frontend_cpu_us_per_event'], 0)} | "
                          f"{100 * r['blink_frontend_busy']:.0f}% | {100 * r['blink_daemon_busy']:.0f}% | "
-                         f"{f(r['bare_cpu_us_per_event'], 0)} | {100 * r['bare_busy']:.0f}% |")
+                         f"{100 * r['blink_others_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
+                         f"{100 * r['bare_busy']:.0f}% | {100 * r['bare_others_busy']:.0f}% |")
     lines += ["", "## Targets", "",
               "Throughput: blink events/s >= 0.5x the bare server's with the same chunks, judged on the saturated rows. "
               "Latency: blink p99 added latency per token <= 2 ms, reported for both phases; the paced rows are the "
