@@ -413,22 +413,25 @@ async def test_a_burst_of_submissions_goes_out_as_one_batch_of_writes(players):
 async def test_fine_wait_blocks_only_after_an_idle_yield(monkeypatch):
     """A fine wait (the reader expects tokens any moment) pauses the thread only when the previous
     yield ran nothing else; with other work on the loop it just yields, like a plain spin."""
+    from dpu_frontend import ring_client
     client = RingClient(lambda: None, RingClientConfig())
     pauses = []
     monkeypatch.setattr(client, "_block", pauses.append)
     await client._sleep(0.0, fine=True)             # first yield: nothing known about the loop yet
     assert pauses == []
+    monkeypatch.setattr(ring_client, "IDLE_YIELD_S", 1.0)   # any plain yield counts as idle here
+    await client._sleep(0.0, fine=False)
+    assert client._loop_idle and pauses == []       # not fine: never blocks
     await client._sleep(0.0, fine=True)             # the previous yield came straight back
     assert pauses == [client.config.reader.fine_sleep_s]
+    monkeypatch.setattr(ring_client, "IDLE_YIELD_S", 0.001)
 
     async def busy():
         time.sleep(0.002)                           # another task holds the loop during our yield
     task = asyncio.ensure_future(busy())
     await client._sleep(0.0, fine=True)
     await task
+    assert not client._loop_idle
     pauses.clear()
     await client._sleep(0.0, fine=True)
-    assert pauses == []
-    await client._sleep(0.0, fine=False)            # not fine: never blocks
-    await client._sleep(0.0, fine=False)
     assert pauses == []
