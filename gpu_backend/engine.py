@@ -34,6 +34,10 @@ from .sequence import Sequence
 
 log = logging.getLogger("blink.gpu_daemon")
 
+# Up to this many owned requests, a step checks their cancel flags one by one; above it,
+# one vectorised scan of the whole flag array is cheaper (a 4096-slot scan costs ~5 us).
+REAP_SCAN_LIMIT = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
@@ -140,7 +144,12 @@ class Engine:
             for s in [s for s in self.owned.values() if s.epoch != epoch]:
                 self._finish(s, FinishReason.ABORT, ErrorCode.STALE_EPOCH)
             self._epoch_checked = epoch
-        for slot in np.flatnonzero(self.ring.cancel_flags).tolist():
+        flags = self.ring.cancel_flags
+        if len(self.owned) <= REAP_SCAN_LIMIT:     # few requests: look at their flags, not the whole ring
+            cancelled = [slot for slot in self.owned if flags[slot]]
+        else:
+            cancelled = flags.nonzero()[0].tolist()
+        for slot in cancelled:
             s = self.owned.get(slot)
             if s is not None:
                 self._finish(s, FinishReason.ABORT)

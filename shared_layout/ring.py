@@ -30,6 +30,7 @@ from .states import (BackendStatus, ErrorCode, FinishReason, IllegalTransition, 
                      check_transition, check_write)
 
 _FENCE_LOCK = threading.Lock()
+_PREFILL_PENDING = int(SlotState.PREFILL_PENDING)     # compared against the whole state array each step
 
 
 def fence() -> None:
@@ -242,7 +243,7 @@ class BackendPort:
 
     def pending(self) -> np.ndarray:
         """Indices of slots in PREFILL_PENDING, lowest submit sequence first (FCFS)."""
-        idx = np.flatnonzero(self.ring.state == SlotState.PREFILL_PENDING)
+        idx = (self.ring.state == _PREFILL_PENDING).nonzero()[0]
         fence()  # the state words before the request fields read after this scan
         if idx.size > 1:
             order = np.lexsort((idx, self.ring.slots["t_submit_ns"][idx], self.ring.seq[idx]))
