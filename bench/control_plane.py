@@ -352,11 +352,15 @@ def orchestrate(args: argparse.Namespace) -> dict:
     procs = [bare]
     try:
         _wait_healthy(bare_port, bare)
-        blink_procs, blink_port = start_blink(0.0)
+        def launch(step_ms: float):
+            """blink (daemon + frontend) with this step pacing -> procs, port, which pid is what."""
+            blink_procs, blink_port = start_blink(step_ms)
+            daemon, frontend = blink_procs
+            return (blink_procs, blink_port, {"server": frontend.pid, "daemon": daemon.pid},
+                    {"server": bare.pid, "daemon": daemon.pid})
+
+        blink_procs, blink_port, on_blink, on_bare = launch(0.0)
         procs += blink_procs
-        daemon, frontend = blink_procs
-        on_blink = {"server": frontend.pid, "daemon": daemon.pid}
-        on_bare = {"server": bare.pid, "daemon": daemon.pid}
         for rep in range(args.repeats):
             for c in args.concurrency:
                 # blink first: the bare server then streams chunks of the same size ("the same chunks")
@@ -365,12 +369,8 @@ def orchestrate(args: argparse.Namespace) -> dict:
                 client("saturated", rep, "bare-1tok", bare_port, on_bare, c, 1)
         if args.paced_step_ms > 0:
             _stop(blink_procs)   # the paced phase gets a fresh daemon; nothing of the first one keeps running
-            procs = [bare]
-            blink_procs, blink_port = start_blink(args.paced_step_ms)
-            procs += blink_procs
-            daemon, frontend = blink_procs
-            on_blink = {"server": frontend.pid, "daemon": daemon.pid}
-            on_bare = {"server": bare.pid, "daemon": daemon.pid}
+            blink_procs, blink_port, on_blink, on_bare = launch(args.paced_step_ms)
+            procs = [bare] + blink_procs
             for rep in range(args.repeats):
                 for c in args.concurrency:
                     client("paced", rep, "blink", blink_port, on_blink, c, step_ms=args.paced_step_ms)

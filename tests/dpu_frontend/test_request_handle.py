@@ -16,18 +16,23 @@ def make_handle(cancels: list | None = None) -> RequestHandle:
                          on_cancel=on_cancel)
 
 
+def start_consumer(h: RequestHandle) -> tuple[list, asyncio.Future]:
+    """A task iterating the handle as a request's handler does; `got` collects its batches."""
+    got = []
+
+    async def consume():
+        async for batch in h:
+            got.append(batch)
+    return got, asyncio.ensure_future(consume())
+
+
 async def test_sink_takes_batches_only_while_the_consumer_is_parked():
     h = make_handle()
     sunk = []
     h.sink = lambda tokens: sunk.append(list(tokens)) or True
     h._deliver([1])                        # nobody parked yet: buffered
     assert sunk == [] and h._pending == [1]
-    got = []
-
-    async def consume():
-        async for batch in h:
-            got.append(batch)
-    task = asyncio.ensure_future(consume())
+    got, task = start_consumer(h)
     await asyncio.sleep(0)
     assert got == [[1]]                    # the buffered batch first, then the consumer parks
     h._deliver([2, 3])
@@ -43,12 +48,7 @@ async def test_declined_or_woken_batches_stay_in_order():
     accept = [False]
     sunk = []
     h.sink = lambda tokens: accept[0] and (sunk.append(list(tokens)) or True)
-    got = []
-
-    async def consume():
-        async for batch in h:
-            got.append(batch)
-    task = asyncio.ensure_future(consume())
+    got, task = start_consumer(h)
     await asyncio.sleep(0)
     h._deliver([1])                        # declined: buffered, the consumer is woken
     accept[0] = True
