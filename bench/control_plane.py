@@ -488,8 +488,9 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
 
 
 def write_results(result: dict, summary: dict, args: argparse.Namespace) -> pathlib.Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{args.date}-{args.machine}-control-plane"
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{args.date}-{args.machine}-control-plane"
     cmd = "python -m bench.control_plane " + " ".join(sys.argv[1:])
     info = result["machine_info"]
     payload = {"benchmark": "control_plane", "date": args.date, "machine": args.machine, "command": cmd.strip(),
@@ -629,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="event loop of the load generator (default: the servers' loop)")
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--machine", default=socket.gethostname())
+    ap.add_argument("--out", default=str(RESULTS), help="folder for the JSON and markdown (default bench/results)")
     ap.add_argument("--tokens-per-event", type=int, default=1, help="client role: ask the bare server for this")
     ap.add_argument("--client-step-ms", type=float, default=0.0, help="client role: ask the bare server to pace")
     ap.add_argument("--paced-step-ms", type=float, default=0.0,
