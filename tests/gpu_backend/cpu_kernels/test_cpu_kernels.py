@@ -199,3 +199,36 @@ def test_small_batch_linear_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="bias"):
         KERNELS.linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, torch.zeros(3, dtype=torch.bfloat16))
     assert not KERNELS.linear_fits(torch.zeros(8, 64))                      # float32 weights stay on oneDNN
+
+
+def test_kernels_split_work_over_threads_with_the_same_results():
+    """The OpenMP paths (torch's thread count > 1) compute what one thread computes."""
+    pool, batch, qkv = paged_case(torch.bfloat16, 9, 3, 64, 16, [40, 130, 7, 77], seed=11)
+    cos, sin = rope_tables(torch.tensor([39, 129, 6, 76]), 64, torch.bfloat16)
+    x = torch.randn(4, 576, generator=gen(12)).to(torch.bfloat16)
+    w = torch.randn(576, generator=gen(13)).to(torch.bfloat16)
+    gate_up = torch.randn(4, 640, generator=gen(14)).to(torch.bfloat16)
+
+    def run():
+        p = KVPool(pool.config, dtype=torch.bfloat16)
+        p.k.copy_(pool.k)
+        p.v.copy_(pool.v)
+        q = qkv.clone()
+        KERNELS.rope_cache(q, cos, sin, batch.slot_mapping, p.k[0], p.v[0], 9, 3)
+        out = [q, p.k, KERNELS.decode_attention(q, 9, p.k[0], p.v[0], batch.decode_block_tables,
+                                                batch.decode_context_lens),
+               KERNELS.add_rms_norm(x.clone(), x, w, 1e-5), KERNELS.silu_mul(gate_up)]
+        if KERNELS.has_bf16_linear:
+            out.append(KERNELS.linear(x, torch.randn(97, 576, generator=gen(15)).to(torch.bfloat16)))
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(3)
+        many = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many):
+        assert torch.equal(a, b)
