@@ -1,6 +1,8 @@
 """CPU executor benchmark: decode tokens/s at several batch sizes and TTFT for
 several prompt lengths, against the plain unbatched generate loop
-(gpu_backend.model.reference.greedy_generate) on the same model in the same run.
+(gpu_backend.model.reference.greedy_generate) on the same model in the same run,
+and decode of the same executor without its fused C++ kernels (the PyTorch layer and
+oneDNN matmuls, on a second copy of the model), interleaved with it.
 
     load_model(spec) -> baseline: greedy_generate timings
                      -> executor: Engine + CpuRunner over a real Ring (in memory),
@@ -134,21 +136,32 @@ def main(argv=None) -> int:
     ring = Ring.create(bytearray(geom.total_size), geom)
     engine = ex.engine(ring)
     sub = Submitter(ring, max_prompt, args.decode_tokens + 1)
+    # The same executor without the fused kernels, over its own copy of the model and its own ring.
+    ex_plain = CpuExecutor(ExecutorOptions(model=args.model, max_batch_size=max_batch, max_prefill_tokens=2048,
+                                           kv_cache_mb=1024, threads=args.threads),
+                           model=load_model(args.model, dtype=resolve_dtype(args.dtype)).model, kernels=False)
+    ring_plain = Ring.create(bytearray(geom.total_size), geom)
+    engine_plain, sub_plain = ex_plain.engine(ring_plain), Submitter(ring_plain, max_prompt, args.decode_tokens + 1)
+    kernels_used = engine.runner.kernel_forward is not None
     executor_ttft(engine, sub, rng, vocab, 16)                     # warm-up
     # Interleaved repetitions, best of each: the box is shared, so contention bursts hit
     # single measurements, not the best of several taken side by side.
     runs = {"baseline_decode": [], "baseline_ttft": {n: [] for n in prompt_lens},
-            "decode": {b: [] for b in batches}, "ttft": {n: [] for n in prompt_lens}}
+            "decode": {b: [] for b in batches}, "decode_pytorch_layer": {b: [] for b in batches},
+            "ttft": {n: [] for n in prompt_lens}}
     for _ in range(args.reps):
         runs["baseline_decode"].append(baseline_decode(model, rng, vocab, args.decode_tokens))
         for b in batches:
             runs["decode"][b].append(executor_decode(engine, sub, rng, vocab, b, args.decode_tokens))
+            runs["decode_pytorch_layer"][b].append(
+                executor_decode(engine_plain, sub_plain, rng, vocab, b, args.decode_tokens))
         for n in prompt_lens:
             runs["baseline_ttft"][n].append(baseline_ttft(model, rng, vocab, n))
             runs["ttft"][n].append(executor_ttft(engine, sub, rng, vocab, n))
     base = {"decode_tok_s": max(runs["baseline_decode"]),
             "ttft_s": {n: min(v) for n, v in runs["baseline_ttft"].items()}}
     decode = {b: max(v) for b, v in runs["decode"].items()}
+    decode_plain = {b: max(v) for b, v in runs["decode_pytorch_layer"].items()}
     ttft = {n: min(v) for n, v in runs["ttft"].items()}
 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -166,14 +179,17 @@ def main(argv=None) -> int:
         "baseline_unbatched": {"decode_tok_s": base["decode_tok_s"],
                                "ttft_s": {str(k): v for k, v in base["ttft_s"].items()}},
         "executor": {"decode_tok_s": {str(b): v for b, v in decode.items()},
-                     "ttft_s": {str(k): v for k, v in ttft.items()}},
+                     "ttft_s": {str(k): v for k, v in ttft.items()}, "fused_kernels": kernels_used},
+        "executor_pytorch_layer": {"decode_tok_s": {str(b): v for b, v in decode_plain.items()}},
         "all_runs": {"baseline_decode_tok_s": runs["baseline_decode"],
                      "baseline_ttft_s": {str(k): v for k, v in runs["baseline_ttft"].items()},
                      "executor_decode_tok_s": {str(k): v for k, v in runs["decode"].items()},
+                     "pytorch_layer_decode_tok_s": {str(k): v for k, v in runs["decode_pytorch_layer"].items()},
                      "executor_ttft_s": {str(k): v for k, v in runs["ttft"].items()}},
         "ratios": {
             "decode_vs_batch1": {str(b): decode[b] / decode[batches[0]] for b in batches},
             "decode_vs_baseline": {str(b): decode[b] / base["decode_tok_s"] for b in batches},
+            "decode_vs_pytorch_layer": {str(b): decode[b] / decode_plain[b] for b in batches},
             "ttft_baseline_over_executor": {str(n): base["ttft_s"][n] / ttft[n] for n in prompt_lens},
         },
     }
@@ -195,13 +211,18 @@ def markdown(r: dict, batches, prompt_lens) -> str:
              f"{r['host']['loadavg_before'][0]:.1f} (the box is shared: this process got "
              f"{r['host']['cpu_seconds_per_wall_second']:.2f} CPU-seconds per second). Baseline: the unbatched greedy_generate loop on the "
              f"same model in the same run. Decode: {DECODE_PROMPT_TOKENS}-token prompts, {r['decode_tokens_per_request']} "
-             f"tokens each, prefill excluded. Best of {r['reps']} interleaved runs.", "",
-             "| decode batch | tokens/s (aggregate) | vs executor batch 1 | vs unbatched loop |",
-             "|---:|---:|---:|---:|"]
+             f"tokens each, prefill excluded. Best of {r['reps']} interleaved runs. 'PyTorch layer': the same "
+             f"executor without the fused C++ kernels (fused kernels in the executor column: "
+             f"{'yes' if ex['fused_kernels'] else 'NO, not built here'}).", "",
+             "| decode batch | tokens/s (aggregate) | vs executor batch 1 | vs unbatched loop "
+             "| PyTorch layer tokens/s | kernels / PyTorch layer |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for b in batches:
         lines.append(f"| {b} | {ex['decode_tok_s'][str(b)]:.1f} | {r['ratios']['decode_vs_batch1'][str(b)]:.2f}x "
-                     f"| {r['ratios']['decode_vs_baseline'][str(b)]:.2f}x |")
-    lines.append(f"| unbatched loop | {b0['decode_tok_s']:.1f} | | 1.00x |")
+                     f"| {r['ratios']['decode_vs_baseline'][str(b)]:.2f}x "
+                     f"| {r['executor_pytorch_layer']['decode_tok_s'][str(b)]:.1f} "
+                     f"| {r['ratios']['decode_vs_pytorch_layer'][str(b)]:.2f}x |")
+    lines.append(f"| unbatched loop | {b0['decode_tok_s']:.1f} | | 1.00x | | |")
     lines += ["", "| prompt tokens | TTFT executor (s) | TTFT unbatched loop (s) | loop / executor |",
               "|---:|---:|---:|---:|"]
     for n in prompt_lens:

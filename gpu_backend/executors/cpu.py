@@ -148,15 +148,16 @@ def cpu_has_native_bf16() -> bool:
 class CpuExecutor:
     name = "cpu"
 
-    def __init__(self, options: ExecutorOptions, model: LlamaModel | None = None):
-        """Load options.model (or take `model`, for tests) and size the KV pool."""
+    def __init__(self, options: ExecutorOptions, model: LlamaModel | None = None, kernels: bool = True):
+        """Load options.model (or take `model`, for tests and benchmarks) and size the KV pool;
+        kernels=False keeps the PyTorch layer and oneDNN matmuls (the benchmark's comparison)."""
         torch.set_num_threads(options.threads or default_threads())
         tune_malloc()
         bound_kernel_caches()
         if model is None:
             from ..model.loader import load_model
             model = load_model(options.model, dtype=resolve_dtype(options.dtype)).model
-        self.kernels = cpu_kernels.load()     # None when they cannot be built, or BLINK_CPU_KERNELS=0
+        self.kernels = cpu_kernels.load() if kernels else None   # None also without g++ / BLINK_CPU_KERNELS=0
         self.model = prepare_model(model, self.kernels)    # in place: fused projections, packed bf16 matmuls
         self.options = options
         cfg = model.config
