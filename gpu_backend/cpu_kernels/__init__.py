@@ -108,7 +108,7 @@ class CpuKernels:
         return dtype in SUFFIX and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     eps: float) -> torch.Tensor:
         """x [rows, n] (the residual stream; x += delta in place when delta is given) ->
         RMSNorm(x) * weight, as LlamaModel's RMSNorm computes it."""
         rows, n = x.shape
@@ -117,7 +117,7 @@ class CpuKernels:
             raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} != x {tuple(x.shape)}")
         if weight.shape != (n,):
             raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} for rows of {n}")
-        out = torch.empty_like(x) if out is None else out
+        out = torch.empty_like(x)
         self._fn("add_rms_norm", x.dtype)(x.data_ptr(), None if delta is None else delta.data_ptr(),
                                           weight.data_ptr(), out.data_ptr(), rows, n, eps, _threads())
         return out

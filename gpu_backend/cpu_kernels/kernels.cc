@@ -226,13 +226,15 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
         for (int64_t w = 0; w < batch * kv_heads; ++w) {
             const int64_t b = w / kv_heads, g = w % kv_heads;
             const int64_t len = context_lens[b];
-            qf.assign(group * d, 0.f);
             scores.resize(group * (len > 0 ? len : 1));
             acc.assign(group * d, 0.f);
             row.resize(bs * d);            // one block of K or V rows in float32
-            for (int64_t j = 0; j < group; ++j)
-                for (int64_t i = 0; i < d; ++i)
-                    qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
+            if constexpr (!kHardwareDot<P, DC>) {     // the hardware dot reads the bf16 query itself
+                qf.resize(group * d);
+                for (int64_t j = 0; j < group; ++j)
+                    for (int64_t i = 0; i < d; ++i)
+                        qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
+            }
             const typename P::T* qh = q + b * q_stride;                 // this token's query heads
             const int64_t* table = tables + b * max_blocks;
             const typename P::T* kbase = kc + g * pool_slots * d;

@@ -29,7 +29,7 @@ from ..cpu_kernels import CpuKernels
 from ..kv_cache import KVPool
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedBatch, prefill_attention
-from .cpu_linear import SMALL_BATCH_ROWS, PackedLinear
+from .cpu_linear import PackedLinear
 
 
 class _Matmul:
@@ -42,13 +42,14 @@ class _Matmul:
         self.n, self.k = layer.out_features, layer.in_features
         self.packed = layer.packed if isinstance(layer, PackedLinear) else None
         self.weight = layer.weight                                   # None: a PackedLinear without kernels
-        self.small = isinstance(layer, PackedLinear) and layer.small is not None
+        self.layer = layer if isinstance(layer, PackedLinear) else None
+        self.small = self.layer is not None and self.layer.small is not None
         self.weight_ptr = self.weight.data_ptr() if self.small else None
         self.small_fn = kernels.raw("linear") if self.small else None
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:    # x: [M, K] contiguous
         m = x.shape[0]
-        if self.small and m in SMALL_BATCH_ROWS:
+        if self.small and self.layer.takes_small(m):
             y = torch.empty((m, self.n), dtype=x.dtype)
             self.small_fn(x.data_ptr(), self.weight_ptr, self.bias_ptr, y.data_ptr(), m, self.n, self.k, threads)
             return y
@@ -80,10 +81,9 @@ class KernelForward:
         if (pool.k.dtype != model.dtype or pc.num_layers != cfg.num_layers or pc.num_kv_heads != cfg.num_kv_heads
                 or pc.head_dim != cfg.head_dim or not pool.k.is_contiguous() or not pool.v.is_contiguous()):
             raise ValueError(f"KV pool {tuple(pool.k.shape)} {pool.k.dtype} does not fit the model")
-        self.model, self.pool, self.kernels = model, pool, kernels
+        self.model = model
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden = cfg.hidden_size
-        self.pool_slots = pc.num_blocks * pc.block_size
         self.num_blocks, self.block_size = pc.num_blocks, pc.block_size
         layers = list(model.layers)
         nexts = [layers[i + 1].input_layernorm for i in range(len(layers) - 1)] + [model.norm]
@@ -125,7 +125,7 @@ class KernelForward:
         for p in self.plans:
             qkv = p.qkv(normed, threads)                               # [T, (H + 2 KV) * D]
             self.rope_cache(qkv.data_ptr(), cos_ptr, sin_ptr, slots_ptr, p.kc_ptr, p.vc_ptr, t, heads_total,
-                            h + kvh, h, kvh, d, self.pool_slots, threads)
+                            h + kvh, h, kvh, d, self.num_blocks * self.block_size, threads)
             o = torch.empty((t, h * d), dtype=dt)                      # [T, H * D]
             if nd:
                 self.decode_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, tables.data_ptr(),

@@ -50,10 +50,14 @@ class PackedLinear(nn.Module):
         self.small = kernels if kernels is not None and kernels.linear_fits(weight) else None
         self.register_buffer("weight", weight.detach() if self.small else None, persistent=False)
 
+    def takes_small(self, rows: int) -> bool:
+        """Whether `rows` rows of x go to the small-batch kernel rather than oneDNN."""
+        return self.small is not None and rows in SMALL_BATCH_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.small is not None and x2.shape[0] in SMALL_BATCH_ROWS:
+        if self.takes_small(x2.shape[0]):
             y = self.small.linear(x2, self.weight, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
