@@ -131,11 +131,72 @@ def run_bare_server(port: int, loop: str = "auto") -> None:
 
 _TIMING = re.compile(rb'"blink_timing":\{"t_last_ns":(\d+),"t_frontend_ns":(\d+),"n_tokens":(\d+)\}')
 
+class _SseStream(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the load generator, as cheap per event as Python
+    allows so that the client takes as little CPU from the servers as it can: each read is
+    stamped on arrival and scanned for the chunks' timing fields with one regex, without
+    de-chunking or JSON parsing; a response ends at the chunked body's terminating zero-size
+    chunk. Both servers under test send chunked text/event-stream bodies only."""
+
+    TAIL = 256   # bytes kept between reads: more than one timing field, so a split one is found whole
+
+    def __init__(self, on_event):
+        self.on_event = on_event   # (t_recv_ns, t_last_ns, t_frontend_ns, n_tokens)
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future | None = None
+        self.buf = b""
+        self.status = 0
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def request(self, raw: bytes) -> asyncio.Future:
+        self.done = asyncio.get_running_loop().create_future()
+        self.buf, self.status = b"", 0
+        self.transport.write(raw)
+        return self.done
+
+    def data_received(self, data: bytes):
+        t_recv = time.monotonic_ns()
+        buf = self.buf + data
+        if not self.status:
+            head_end = buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                self.buf = buf
+                return
+            self.status = int(buf[9:12])
+            if self.status != 200:   # an error body: not an SSE stream; the caller counts it and reconnects
+                self._finish(False)
+                return
+            buf = buf[head_end + 4:]
+        end = 0
+        for m in _TIMING.finditer(buf):
+            self.on_event(t_recv, int(m[1]), int(m[2]), int(m[3]))
+            end = m.end()
+        if buf.endswith(b"\r\n0\r\n\r\n") or buf == b"0\r\n\r\n":
+            self._finish(True)
+            return
+        self.buf = buf[max(end, len(buf) - self.TAIL):]
+
+    def _finish(self, ok: bool):
+        if self.done is not None and not self.done.done():
+            self.done.set_result(ok)
+        self.buf = b""
+
+    def connection_lost(self, exc):
+        if self.done is not None and not self.done.done():
+            self.done.set_result(False)
+
+
 async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, max_tokens: int,
                 prompt_tokens: int, tokens_per_event: int = 1, step_ms: float = 0.0) -> dict:
-    """Closed loop: `concurrency` workers, each streaming one request after another."""
-    import aiohttp
+    """Closed loop: `concurrency` workers, each streaming one request after another over its own
+    keep-alive connection (_SseStream)."""
+    from urllib.parse import urlsplit
 
+    u = urlsplit(url)
+    host, port, path = u.hostname, u.port or 80, u.path or "/"
+    loop = asyncio.get_running_loop()
     t0 = time.monotonic_ns()
     print("started", flush=True)   # the orchestrator times its CPU samples from this line
     start_ns = t0 + int(warmup_s * 1e9)
@@ -146,56 +207,63 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
     lat_ring: list[int] = []   # daemon publish -> frontend handler has the batch
     lat_http: list[int] = []   # frontend handler -> client receipt
 
-    async def worker(w: int, session: aiohttp.ClientSession):
-        nonlocal events, tokens, requests, failures
+    async def worker(w: int):
+        nonlocal requests, failures
+        prev_last = [None]
+
+        def on_event(t_recv: int, t_last: int, t_front: int, n_tok: int):
+            nonlocal events, tokens
+            if start_ns <= t_recv < end_ns:
+                events += 1
+                tokens += n_tok
+                lat_lo.append(t_recv - t_last)
+                lat_hi.append(t_recv - (prev_last[0] if prev_last[0] is not None else t_last))
+                lat_ring.append(t_front - t_last)
+                lat_http.append(t_recv - t_front)
+            prev_last[0] = t_last
+
+        conn: _SseStream | None = None
         k = 0
-        while time.monotonic_ns() < end_ns:
-            prompt = [1000 + (w * 7919 + k * 104729 + i * 31) % 40000 for i in range(prompt_tokens)]
-            k += 1
-            body = {"model": "null", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            if tokens_per_event > 1:   # understood by the bare server only
-                body["bench_tokens_per_event"] = tokens_per_event
-            if step_ms > 0:            # the bare server's pacing (blink's daemon paces itself)
-                body["bench_step_ms"] = step_ms
-            prev_last = None
-            try:
-                async with session.post(url, json=body) as r:
-                    if r.status != 200:
+        try:
+            while time.monotonic_ns() < end_ns:
+                if conn is None or conn.transport.is_closing():
+                    try:
+                        _, conn = await loop.create_connection(lambda: _SseStream(on_event), host, port)
+                    except OSError:
                         failures += 1
+                        conn = None
                         await asyncio.sleep(0.01)
                         continue
-                    buf = b""
-                    async for data in r.content.iter_any():
-                        t_recv = time.monotonic_ns()
-                        buf += data
-                        while b"\n\n" in buf:
-                            ev, buf = buf.split(b"\n\n", 1)
-                            # Token events only (the usage chunk and [DONE] carry no timing); a regex,
-                            # not json.loads, so the client takes as little CPU from the servers as it can.
-                            m = _TIMING.search(ev)
-                            if m is None:
-                                continue
-                            t_last, t_front, n_tok = int(m[1]), int(m[2]), int(m[3])
-                            if start_ns <= t_recv < end_ns:
-                                events += 1
-                                tokens += n_tok
-                                lat_lo.append(t_recv - t_last)
-                                lat_hi.append(t_recv - (prev_last if prev_last is not None else t_last))
-                                lat_ring.append(t_front - t_last)
-                                lat_http.append(t_recv - t_front)
-                            prev_last = t_last
-                        if t_recv >= end_ns:
-                            break
-                    else:
-                        if time.monotonic_ns() < end_ns:
-                            requests += 1
-            except aiohttp.ClientError:
-                failures += 1
+                prompt = [1000 + (w * 7919 + k * 104729 + i * 31) % 40000 for i in range(prompt_tokens)]
+                k += 1
+                body = {"model": "null", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                if tokens_per_event > 1:   # understood by the bare server only
+                    body["bench_tokens_per_event"] = tokens_per_event
+                if step_ms > 0:            # the bare server's pacing (blink's daemon paces itself)
+                    body["bench_step_ms"] = step_ms
+                data = json.dumps(body).encode()
+                raw = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                       f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+                prev_last[0] = None
+                remaining = (end_ns - time.monotonic_ns()) / 1e9
+                try:
+                    ok = await asyncio.wait_for(asyncio.shield(conn.request(raw)), max(0.0, remaining))
+                except asyncio.TimeoutError:
+                    break   # the window is over mid-stream
+                if ok:
+                    if time.monotonic_ns() < end_ns:
+                        requests += 1
+                else:
+                    failures += 1
+                    conn.transport.close()
+                    conn = None
+                    await asyncio.sleep(0.01)
+        finally:
+            if conn is not None:
+                conn.transport.close()
 
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await asyncio.gather(*(worker(w, session) for w in range(concurrency)))
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
 
     def pct(xs: list[int], q: float) -> float | None:
         if not xs:
@@ -511,7 +579,7 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
              f"Machine: {info['cpu']}, {info['cores']} cores; load average (1, 5, 15 min) at start {load('loadavg_at_start')}, "
              f"at the end {load('loadavg_at_end')} (the benchmark's own processes included at the end).", "",
              f"Event loop: **{result['loop']}** in both servers (blink frontend `--loop {result['loop']}`, and the bare "
-             f"aiohttp server); the load generator (aiohttp client) on {result['client_loop']}. Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up, "
+             f"aiohttp server); the load generator (raw asyncio protocol client, bench.control_plane._SseStream) on {result['client_loop']}. Closed loop, {args.duration_s:g} s per point after {args.warmup_s:g} s warm-up, "
              f"{args.repeats} rounds (medians shown); each request {args.prompt_tokens} prompt token ids, max_tokens "
              f"{args.max_tokens}, ignore_eos, streamed with usage. Pinned: {result['pinned']} (daemon on CPUs "
              f"{result['daemon_cpus']}, the HTTP server under test on {result['http_cpus']}, the client on "

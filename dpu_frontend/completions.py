@@ -243,6 +243,7 @@ class GenerationService:
             watch = StallWatch(loop, self.request_limits.stall_timeout_s, lambda: self._stalled(request, gen, handle))
         headers_due = None
         direct = None   # stream_push.DirectSink, installed on the handle once the first chunk is out
+        tail = b""      # the stream's closing bytes, sent with the end of the body (write_eof) in one write
         try:
             limit_send_buffer(request.transport)
             await resp.prepare(request)   # headers buffered: they go out with the first chunk
@@ -277,13 +278,14 @@ class GenerationService:
                     if self.expose_backend_timing:
                         body["blink_timing"] = self._timing(handle, batch, t_batch_ns)
                     out += api.sse(body)
+                if last:
+                    tail = out
+                    break
                 if watch is not None:
                     watch.begin()
                 await resp.write(out)
                 if watch is not None:
                     watch.end()
-                if last:
-                    break
                 if direct is None and DirectSink.usable(request, detok, opts.continuous_usage):
                     direct = handle.sink = DirectSink(request, handle, detok, fast, self.expose_backend_timing)
             else:
@@ -293,18 +295,21 @@ class GenerationService:
                 if finish != "error":
                     payload = ({"content": text} if text else {}) if ep.chat else text
                     usage = api.usage(n_prompt, detok.tokens_seen) if opts.continuous_usage else None
-                    await resp.write(api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason,
-                                                   usage)))
+                    tail = api.sse(chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage))
             if direct is not None and direct.failure is not None:
                 raise direct.failure   # the direct path failed mid-stream: the error event below
             if finish == "error":
-                await resp.write(api.sse(self._error(gen, handle).body()))
+                tail += api.sse(self._error(gen, handle).body())
             if opts.include_usage:
-                await resp.write(api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
-                                                         api.usage(n_prompt, detok.tokens_seen))))
-            await resp.write(api.SSE_DONE)
+                tail += api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
+                                                api.usage(n_prompt, detok.tokens_seen)))
+            tail += api.SSE_DONE
+            if watch is not None:
+                watch.begin()
+            await resp.write_eof(tail)   # one write: the last chunk, usage, [DONE] and the end of the body
+            if watch is not None:
+                watch.end()
             outcome = self._error_outcome(gen) if finish == "error" else finish
-            await resp.write_eof()
         except ConnectionError:
             if gen.stalled:
                 outcome = "stalled"

@@ -1,5 +1,6 @@
 """What a stream puts on the socket, in-process over a real null daemon: the SSE headers leave
 with the first chunk in one write, or alone once SSE_HEADERS_WAIT_S passed without a token; the
+last chunk, the usage chunk, [DONE] and the end of the chunked body leave in one write; the
 direct path (stream_push.py) writes the same chunks the handler would, stays off where the handler
 must decide, turns its own failure into an error event, and leaves a stalled client to the stall watch."""
 from __future__ import annotations
@@ -42,10 +43,18 @@ def record_writes(monkeypatch):
         real_limit(transport)
         inner = transport.write
 
+        inner_lines = transport.writelines
+
         def write(data):
             writes.append((time.monotonic(), bytes(data)))
             return inner(data)
+
+        def writelines(parts):
+            parts = [bytes(p) for p in parts]
+            writes.append((time.monotonic(), b"".join(parts)))
+            return inner_lines(parts)
         transport.write = write
+        transport.writelines = writelines
 
     monkeypatch.setattr(completions, "limit_send_buffer", wrap)
     return writes
@@ -62,6 +71,27 @@ async def test_headers_leave_with_the_first_chunk(ring_name, aiohttp_client, rec
         first = record_writes[0][1]
         assert first.startswith(b"HTTP/1.1 200") and b"text/event-stream" in first and b"data: {" in first
         assert not any(w.startswith(b"HTTP/1.1") for _, w in record_writes[1:])
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6])
+async def test_the_end_of_a_stream_leaves_in_one_write(ring_name, aiohttp_client, record_writes, max_tokens):
+    daemon = start_daemon(ring_name, 0.0)
+    try:
+        c = await client_for(ring_name, aiohttp_client)
+        r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": max_tokens, "stream": True,
+                                                  "ignore_eos": True, "stream_options": {"include_usage": True}})
+        text = (await r.read()).decode()
+        assert r.status == 200 and text.endswith("data: [DONE]\n\n")
+        last = record_writes[-1][1]
+        # the chunk with finish_reason, the usage-only chunk, [DONE], then the terminating zero-size chunk
+        assert b'"finish_reason":"length"' in last and b'"usage":{"prompt_tokens":3' in last
+        assert last.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert not any(b"[DONE]" in w or b'"finish_reason":"length"' in w for _, w in record_writes[:-1])
+        if max_tokens == 1:   # the only token is also the last: headers, chunk and end in one write
+            assert len(record_writes) == 1 and last.startswith(b"HTTP/1.1 200")
     finally:
         daemon.terminate()
         daemon.wait(15)
