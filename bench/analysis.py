@@ -122,3 +122,26 @@ def ratio(colocated: float, isolated: float) -> float:
     if not (math.isfinite(colocated) and math.isfinite(isolated)) or isolated == 0:
         return math.nan
     return colocated / isolated
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median, min and max of the finite values (one per repeat), and the values themselves."""
+    v = sorted(x for x in values if x is not None and math.isfinite(x))
+    if not v:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "values": []}
+    mid = len(v) // 2
+    median = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return {"median": median, "min": v[0], "max": v[-1], "values": v}
+
+
+def least_degraded(geo_by_system: dict[str, dict]) -> dict | None:
+    """The system whose median colocated/isolated throughput ratio is highest, and whether that is
+    clear of the repeat-to-repeat spread: its worst repeat above every other system's best."""
+    ranked = sorted(((s, d) for s, d in geo_by_system.items() if math.isfinite(d["median"])),
+                    key=lambda sd: sd[1]["median"], reverse=True)
+    if not ranked:
+        return None
+    best, d = ranked[0]
+    others = [o["max"] for _, o in ranked[1:]]
+    return {"system": best, "median": d["median"], "clear": bool(others) and d["min"] > max(others),
+            "runner_up": ranked[1][0] if len(ranked) > 1 else None}

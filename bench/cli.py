@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=None, help="unmeasured requests before each sweep")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of Poisson gaps (1 = Poisson)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the conditions per system, alternating isolated and colocated on the same "
+                        "server; the summary gives each round's colocated/isolated ratio and their spread")
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default=None, help="sharegpt | sharegpt-small | cpu2 | smoke")
     g.add_argument("--input-len", default=None, help="N, uniform:LO:HI, normal:MEAN:STD or lognormal:MEAN:STD")
@@ -179,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         threads = args.server_threads or ncpu
         if threads < 1:
             return _fail("--server-threads must be >= 1")
+        if args.repeats < 1:
+            return _fail("--repeats must be >= 1")
     except (ValueError, InterferenceError, WorkloadError) as e:
         return _fail(str(e))
     url_model = args.url_model
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                      ready_timeout_s=args.ready_timeout_s, url=args.url, url_model=url_model,
                      blink_args=tuple(args.blink_arg), max_model_len=args.max_model_len,
                      workdir=pathlib.Path(args.work_dir), quiet_busy=args.quiet_busy,
-                     quiet_wait_s=args.quiet_wait_s)
+                     quiet_wait_s=args.quiet_wait_s, repeats=args.repeats)
     try:
         tok = load_tokenizer("default")
     except WorkloadError as e:

@@ -28,6 +28,8 @@ def _series(run: dict, path: tuple[str, ...]) -> tuple[list[float], list[float]]
 def _draw(ax, results: dict, path: tuple[str, ...], title: str, ylabel: str, log: bool) -> None:
     conditions = sorted({r["condition"] for r in results["runs"] if r["colocated"]})
     for run in results["runs"]:
+        if run.get("repeat", 0):
+            continue   # one curve per system and condition: the first repeat (the markdown has them all)
         xs, ys = _series(run, path)
         if not xs:
             continue

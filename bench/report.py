@@ -3,7 +3,8 @@
     results dict (sweep.Runner.run) -> write_all(results, out_dir, name)
         NAME.json  everything, NaN as null
         NAME.csv   system, condition, offered load, throughput, latency percentiles, stages
-        NAME.md    setup, Table 6/7-style summary with colocated/isolated ratios, per-level tables
+        NAME.md    setup, Table 6/7-style summary with colocated/isolated ratios, their spread
+                   over repeats (--repeats), per-level tables
         NAME-latency.png, NAME-throughput.png  (plots.py)
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pathlib
 from .stages import STAGES, missing_stages
 from .sweep import nan_to_none
 
-CSV_FIELDS = ("system", "condition", "offered", "requests", "completed", "failed", "timeouts", "duration_s",
+CSV_FIELDS = ("system", "condition", "repeat", "offered", "requests", "completed", "failed", "timeouts", "duration_s",
               "request_throughput", "output_throughput", "total_token_throughput", "goodput",
               "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p95_ms", "ttft_p99_ms", "ttft_p99.9_ms",
               "tpot_mean_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p95_ms", "tpot_p99_ms", "tpot_p99.9_ms",
@@ -30,8 +31,9 @@ def csv_rows(results: dict) -> list[dict]:
     for run in results["runs"]:
         for lv in run["levels"]:
             s = lv["summary"]
-            row = {"system": run["system"], "condition": run["condition"], "offered": lv["offered"]}
-            for k in CSV_FIELDS[3:12]:
+            row = {"system": run["system"], "condition": run["condition"], "repeat": run.get("repeat", 0),
+                   "offered": lv["offered"]}
+            for k in CSV_FIELDS[4:13]:
                 row[k] = s.get(k)
             for metric in ("ttft", "tpot", "itl", "e2e"):
                 for stat in ("mean", "p50", "p90", "p95", "p99", "p99.9"):
@@ -113,6 +115,7 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
             what = s.get("system") or s.get("condition")
             lines.append(f"- {what}: {s['reason'].splitlines()[0]}")
         lines.append("")
+    repeated = any(r.get("repeat", 0) for r in results["runs"])
     ref = an.get("reference")
     if ref:
         fit = ref.get("fit") or {}
@@ -128,11 +131,13 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
         for row in an["table"]:
             r = row.get("ratio") or {}
             br = (lambda k: f" [{_x(r.get(k))}]" if r else "")
-            lines.append(f"| {row['system']} | {row['condition']} | {_f(row['geo_p99_ttft_ms'])}{br('geo_p99_ttft_ms')} "
+            lines.append(f"| {row['system']} | {row['condition']}{_rep(row, repeated)} | {_f(row['geo_p99_ttft_ms'])}{br('geo_p99_ttft_ms')} "
                          f"| {_f(row['geo_p99_tpot_ms'])}{br('geo_p99_tpot_ms')} "
                          f"| {_f(row['tput_at_sat_rps'], 3)}{br('tput_at_sat_rps')} "
                          f"| {_f(row['tok_tput_at_sat'])}{br('tok_tput_at_sat')} |")
         lines.append("")
+    if repeated and an.get("degradation"):
+        lines += degradation_lines(an, unit)
     if an.get("fits"):
         lines += ["### Saturation fits (every curve)", "", "| run | knee | plateau req/s | saturated |", "|---|---|---|---|"]
         for key, fit in an["fits"].items():
@@ -140,7 +145,7 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
         lines.append("")
     lines += ["## Per level", ""]
     for run in results["runs"]:
-        lines += [f"### {run['system']} / {run['condition']}", ""]
+        lines += [f"### {run['system']} / {run['condition']}{_rep(run, repeated)}", ""]
         q = run.get("quiet_before_system")
         if q:
             lines += [f"Before this system started: waited {q['waited_s']:g} s for quiet, CPU busy then "
@@ -195,6 +200,53 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
     for note in an.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _rep(row: dict, repeated: bool) -> str:
+    return f" #{row.get('repeat', 0) + 1}" if repeated else ""
+
+
+def _spread(d: dict | None) -> str:
+    if not d or not d.get("values"):
+        return "-"
+    if len(d["values"]) == 1:
+        return f"{d['median']:.2f}x"
+    return f"{d['median']:.2f}x ({d['min']:.2f}-{d['max']:.2f})"
+
+
+def degradation_lines(an: dict, unit: str) -> list[str]:
+    """Colocated / isolated over the repeats: median (min-max) per system, level and condition."""
+    deg = an["degradation"]
+    levels = sorted({float(k) for d in deg for k in d["tok_ratio_by_level"]})
+    lines = ["## Colocated / isolated over repeats", "",
+             "Each repeat runs the isolated sweep, then the colocated one, on the same server; a ratio compares "
+             "the two sweeps of one repeat. Median (min-max) over the repeats. Output-token throughput: below "
+             "1.00x the interference slowed the system. TPOT p50: above 1.00x it did.", "",
+             "| system | condition | repeats | tok/s, geo. mean over levels | "
+             + " | ".join(f"tok/s at {lv:g}" for lv in levels) + " | "
+             + " | ".join(f"TPOT p50 at {lv:g}" for lv in levels) + " |",
+             "|---|---|---:|---|" + "---|" * (2 * len(levels))]
+    for d in deg:
+        tok = {float(k): v for k, v in d["tok_ratio_by_level"].items()}
+        tpot = {float(k): v for k, v in d["tpot_p50_ratio_by_level"].items()}
+        lines.append(f"| {d['system']} | {d['condition']} | {d['repeats']} | {_spread(d['tok_ratio_geo'])} | "
+                     + " | ".join(_spread(tok.get(lv)) for lv in levels) + " | "
+                     + " | ".join(_spread(tpot.get(lv)) for lv in levels) + " |")
+    lines.append("")
+    for cond, best in (an.get("least_degraded") or {}).items():
+        if not best:
+            continue
+        if best["runner_up"] is None:
+            lines.append(f"- {cond}: only {best['system']} was measured.")
+        elif best["clear"]:
+            lines.append(f"- {cond}: **{best['system']}** degrades least (median {best['median']:.2f}x), clear of "
+                         f"the spread: its worst repeat is above every other system's best.")
+        else:
+            lines.append(f"- {cond}: {best['system']} has the highest median ({best['median']:.2f}x), but not clear "
+                         f"of the spread: {best['runner_up']}'s best repeat reaches its worst, so the order "
+                         f"between them is within run-to-run noise.")
+    lines.append("")
+    return lines
 
 
 def write_all(results: dict, out_dir: pathlib.Path, name: str, notes: str = "", plots: bool = True) -> list[pathlib.Path]:

@@ -2,12 +2,19 @@
 
     BenchPlan (systems, conditions, load, workload, placement)
       for each system: start its server pinned to the server CPUs -> ready
-        for each condition: start the interferer(s) pinned to their CPUs
+        for each repeat (--repeats): for each condition (isolated first): start the
+          interferer(s) pinned to their CPUs
           warm-up -> for each offered level: scrape /metrics, sample per-core
           busy time, run_level(), scrape again -> level dict
           stop the interferer(s)
         stop the server
       -> results dict (JSON-ready: every request's timings) -> analyze()
+
+Repeats alternate the conditions on the same running server (isolated, colocated,
+isolated, colocated, ...), so each colocated sweep is compared with the isolated sweep
+just before it; analyze() reports the colocated/isolated ratios of every repeat and
+their spread, which says whether two systems' degradations differ by more than the
+run-to-run noise.
 
 A system that is not installed, or fails to start, is recorded with its reason
 and skipped; so is an interferer whose tool is missing. Nothing is silently dropped.
@@ -73,6 +80,11 @@ class BenchPlan:
     quiet_wait_s: float = 0.0              # ... for at most this long in the whole run
     foreign_busy: float = 0.25             # an idle core busier than this in an isolated level is flagged
     workdir: pathlib.Path = pathlib.Path(tempfile.gettempdir()) / "blink-bench"   # interferer inputs, server logs
+    repeats: int = 1                       # rounds over the conditions per system (on the same server)
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1 (got {self.repeats})")
 
 
 def record_dict(r: RequestRecord) -> dict:
@@ -191,12 +203,17 @@ class Runner:
                 server.ready_s = wait_ready(server, spec.base_url, spec.model_name, self.plan.ready_timeout_s,
                                             spec.health_path)
                 self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
-            for cond in conditions:
-                # An isolated sweep also waits for the cores it leaves idle to be idle.
-                before = self._wait_quiet(self._idle_cores()) if not cond.colocated and self._idle_cores() else None
-                runs.append(self._run_condition(spec, server, cond))
-                runs[-1]["quiet_before_system"] = quiet
-                runs[-1]["quiet_before_sweep"] = before
+            for rep in range(self.plan.repeats):
+                for cond in conditions:
+                    # An isolated sweep also waits for the cores it leaves idle to be idle.
+                    before = (self._wait_quiet(self._idle_cores()) if not cond.colocated and self._idle_cores()
+                              else None)
+                    if self.plan.repeats > 1:
+                        self.log(f"{spec.system}: repeat {rep + 1}/{self.plan.repeats}, {cond.label}")
+                    runs.append(self._run_condition(spec, server, cond))
+                    runs[-1]["repeat"] = rep
+                    runs[-1]["quiet_before_system"] = quiet
+                    runs[-1]["quiet_before_sweep"] = before
         except ServerError as e:
             self.log(f"SKIPPED system {spec.system}: {e}")
             skipped.append({"system": spec.system, "reason": str(e)})
@@ -303,12 +320,17 @@ def _points(run: dict) -> list[analysis.LevelPoint]:
 def analyze(results: dict) -> dict:
     """Saturation fits, the reference operating range, Table 6/7 rows and colocated/isolated ratios."""
     runs = [r for r in results["runs"] if r["levels"]]
-    out: dict = {"fits": {}, "reference": None, "table": [], "notes": []}
+    out: dict = {"fits": {}, "reference": None, "table": [], "notes": [], "degradation": [], "least_degraded": {}}
+    repeated = any(r.get("repeat", 0) for r in runs)
     for r in runs:
         pts = _points(r)
         if len(pts) >= 3:
             fit = analysis.fit_saturation([p.offered for p in pts], [p.request_throughput for p in pts])
-            out["fits"][f"{r['system']}/{r['condition']}"] = fit.as_dict()
+            out["fits"][_run_key(r, repeated)] = fit.as_dict()
+    out["degradation"] = degradation(runs)
+    for cond in sorted({d["condition"] for d in out["degradation"]}):
+        out["least_degraded"][cond] = analysis.least_degraded(
+            {d["system"]: d["tok_ratio_geo"] for d in out["degradation"] if d["condition"] == cond})
     iso = [r for r in runs if not r["colocated"]]
     if not iso:
         out["notes"].append("no isolated run: no operating range")
@@ -329,17 +351,57 @@ def analyze(results: dict) -> dict:
                         "operating_levels": operating, "saturation_level": sat_level}
     iso_rows = {}
     for r in runs:
-        row = {"system": r["system"], "condition": r["condition"],
+        row = {"system": r["system"], "condition": r["condition"], "repeat": r.get("repeat", 0),
                **analysis.summary_row(_points(r), operating, sat_level)}
         if not r["colocated"]:
-            iso_rows[r["system"]] = row
+            iso_rows[(r["system"], row["repeat"])] = row
         out["table"].append(row)
     for row in out["table"]:
-        base = iso_rows.get(row["system"])
+        base = iso_rows.get((row["system"], row["repeat"]))
         if row["condition"] != "isolated" and base is not None:
             row["ratio"] = {k: analysis.ratio(row[k], base[k])
                             for k in ("geo_p99_ttft_ms", "geo_p99_tpot_ms", "tput_at_sat_rps", "tok_tput_at_sat")}
     return out
+
+
+def _run_key(run: dict, repeated: bool) -> str:
+    key = f"{run['system']}/{run['condition']}"
+    return f"{key} #{run.get('repeat', 0) + 1}" if repeated else key
+
+
+def degradation(runs: list[dict]) -> list[dict]:
+    """Per system and colocated condition: colocated/isolated output-token throughput and TPOT p50
+    at each level, one ratio per repeat (each colocated sweep against the isolated sweep of the same
+    repeat), with median, min and max; and per repeat the geometric mean of the throughput ratios
+    over the levels (`tok_ratio_geo`), the one number the systems are ranked by."""
+    iso = {(r["system"], r.get("repeat", 0)): r for r in runs if not r["colocated"]}
+    groups: dict[tuple[str, str], dict] = {}
+    for r in runs:
+        base = iso.get((r["system"], r.get("repeat", 0))) if r["colocated"] else None
+        if base is None:
+            continue
+        before = {lv["offered"]: lv["summary"] for lv in base["levels"]}
+        g = groups.setdefault((r["system"], r["condition"]), {"tok": {}, "tpot": {}, "geo": []})
+        ratios = []
+        for lv in r["levels"]:
+            s0, s1 = before.get(lv["offered"]), lv["summary"]
+            if s0 is None:
+                continue
+            t = analysis.ratio(s1["output_throughput"], s0["output_throughput"])
+            g["tok"].setdefault(lv["offered"], []).append(t)
+            g["tpot"].setdefault(lv["offered"], []).append(
+                analysis.ratio(_num(s1["tpot"].get("p50_ms")), _num(s0["tpot"].get("p50_ms"))))
+            ratios.append(t)
+        g["geo"].append(analysis.geomean(ratios))
+    return [{"system": system, "condition": cond, "repeats": len(g["geo"]),
+             "tok_ratio_geo": analysis.spread(g["geo"]),
+             "tok_ratio_by_level": {lvl: analysis.spread(v) for lvl, v in sorted(g["tok"].items())},
+             "tpot_p50_ratio_by_level": {lvl: analysis.spread(v) for lvl, v in sorted(g["tpot"].items())}}
+            for (system, cond), g in groups.items()]
+
+
+def _num(x) -> float:
+    return x if isinstance(x, (int, float)) else math.nan
 
 
 def nan_to_none(x):

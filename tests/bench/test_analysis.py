@@ -105,3 +105,63 @@ def test_analyze_builds_table_7_ratios_against_the_reference_range():
     assert peer_col_row["ratio"]["geo_p99_tpot_ms"] == pytest.approx(10.0)
     assert peer_col_row["ratio"]["tput_at_sat_rps"] == pytest.approx(0.5)
     assert "ratio" not in rows[("peer", "isolated")]
+
+
+def test_spread_and_least_degraded_say_whether_the_order_is_clear_of_the_noise():
+    from bench.analysis import least_degraded, spread
+    s = spread([0.9, float("nan"), 1.1, 1.0, 0.95])
+    assert s["median"] == pytest.approx(0.975) and s["min"] == 0.9 and s["max"] == 1.1 and len(s["values"]) == 4
+    assert math.isnan(spread([])["median"])
+    clear = least_degraded({"a": spread([0.98, 0.99, 1.0]), "b": spread([0.90, 0.93, 0.95])})
+    assert clear["system"] == "a" and clear["clear"] and clear["runner_up"] == "b"
+    noisy = least_degraded({"a": spread([0.94, 0.99, 1.02]), "b": spread([0.90, 0.95, 0.97])})
+    assert noisy["system"] == "a" and not noisy["clear"]
+    alone = least_degraded({"a": spread([0.9])})
+    assert alone["runner_up"] is None and not alone["clear"]
+
+
+def test_repeats_pair_each_colocated_sweep_with_the_isolated_one_of_its_repeat():
+    from bench.report import markdown
+
+    def run(system, colocated, repeat, tok):   # tok: output tokens/s at levels 1 and 8; TPOT p50 = 1000/tok
+        r = _run(system, colocated, {1: (tok[0] / 100, 100, 10), 8: (tok[1] / 100, 200, 20)})
+        for lv, t in zip(r["levels"], tok):
+            sm = lv["summary"]
+            sm["tpot"]["p50_ms"] = 1000.0 / t
+            sm["ttft"]["p50_ms"] = 50.0
+            sm.update(completed=10, requests=10, failed=0, timeouts=0, goodput=None,
+                      itl={"p50_ms": 1.0, "p99_ms": 2.0}, e2e={"p50_ms": 1.0, "p99_ms": 2.0})
+        r["repeat"] = repeat
+        return r
+
+    runs = [run("blink", False, 0, (100, 400)), run("blink", True, 0, (90, 400)),
+            run("blink", False, 1, (50, 200)), run("blink", True, 1, (50, 180)),   # a slow repeat: ratios still pair
+            run("peer", False, 0, (100, 300)), run("peer", True, 0, (80, 240)),
+            run("peer", False, 1, (100, 300)), run("peer", True, 1, (85, 250))]
+    an = analyze({"runs": runs})
+    deg = {d["system"]: d for d in an["degradation"]}
+    b = deg["blink"]
+    assert b["repeats"] == 2 and b["condition"] == "colocated:x"
+    assert b["tok_ratio_by_level"][1]["values"] == pytest.approx([0.9, 1.0])
+    assert b["tok_ratio_by_level"][8]["values"] == pytest.approx([0.9, 1.0])
+    assert b["tpot_p50_ratio_by_level"][1]["values"] == pytest.approx([1.0, 1 / 0.9])
+    assert b["tok_ratio_geo"]["values"] == pytest.approx([0.9 ** 0.5] * 2)   # geo mean over the levels
+    p = deg["peer"]["tok_ratio_geo"]
+    assert p["max"] == pytest.approx((0.85 * 250 / 300) ** 0.5)
+    best = an["least_degraded"]["colocated:x"]
+    assert best["system"] == "blink" and best["clear"]   # blink's worst 0.95 > peer's best 0.84
+    # the Table 6/7 rows compare within a repeat too
+    rows = {(r["system"], r["condition"], r["repeat"]): r for r in an["table"]}
+    assert rows[("blink", "colocated:x", 1)]["ratio"]["tput_at_sat_rps"] == pytest.approx(0.9)
+    results = {"runs": runs, "analysis": an, "skipped": [], "meta": {
+        "started": "s", "finished": "f", "model": "default", "argv": ["blink", "bench"],
+        "machine": {"cpu_model": "x", "logical_cpus": 2, "mem_total_gib": 1, "os": "linux", "python": "3"},
+        "load": {"mode": "concurrency", "levels": [1, 8], "duration_s": 1, "warmup_requests": 0, "timeout_s": 1},
+        "workload": {"name": "w", "input_len": "1", "output_len": "1", "seed": 0},
+        "placement": {"server_cpus": "0", "client_cpus": "0", "server_threads": 1}}}
+    for r in runs:
+        r["server"] = {"version": "v", "command": "c"}
+    md = markdown(results, "t")
+    assert "## Colocated / isolated over repeats" in md and "### blink / colocated:x #2" in md
+    assert "| blink | colocated:x | 2 | 0.95x (0.95-0.95) | 0.95x (0.90-1.00) | 0.95x (0.90-1.00) |" in md
+    assert "**blink** degrades least" in md

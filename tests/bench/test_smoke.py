@@ -64,10 +64,29 @@ def test_smoke_run_against_blink_serve_null(tmp_path):
     assert (out / "smoke-latency.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_repeats_alternate_the_conditions_on_one_server_and_report_the_spread(tmp_path):
+    out = tmp_path / "out"
+    p = _blink("--preset", "smoke", "--model", "null", "--levels", "1,2", "--duration-s", "1",
+               "--interferer", "pyhog:1", "--repeats", "2", "--out", str(out), "--name", "rep")
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "rep.json").read_text())
+    order = [(r["repeat"], r["condition"]) for r in res["runs"]]
+    assert order == [(0, "isolated"), (0, "colocated:pyhogx1@cpuall"), (1, "isolated"), (1, "colocated:pyhogx1@cpuall")]
+    assert len({r["server"]["ready_s"] for r in res["runs"]}) == 1   # one server for every sweep
+    (deg,) = res["analysis"]["degradation"]
+    assert deg["system"] == "blink" and deg["repeats"] == 2 and len(deg["tok_ratio_geo"]["values"]) == 2
+    assert set(deg["tok_ratio_by_level"]) == {"1.0", "2.0"}   # JSON keys: the offered loads
+    md = (out / "rep.md").read_text()
+    assert "## Colocated / isolated over repeats" in md and "### blink / isolated #2" in md
+    rows = list(csv.DictReader(open(out / "rep.csv")))
+    assert [r["repeat"] for r in rows] == ["0"] * 4 + ["1"] * 4
+
+
 def test_bad_flags_are_clear_errors_not_tracebacks(tmp_path):
     for args, needle in ((["--levels", "1,x"], "--levels"), (["--interferer", "ffmpeg:2"], "unknown interferer"),
                          (["--server-cpus", "77"], "CPU"), (["--input-len", "uniform:9:1"], "length spec"),
-                         (["--systems", "blink,vllm", "--model", "null"], "peers need --model default")):
+                         (["--systems", "blink,vllm", "--model", "null"], "peers need --model default"),
+                         (["--repeats", "0"], "--repeats must be >= 1")):
         p = _blink("--preset", "smoke", *args, "--out", str(tmp_path), timeout_s=60)
         assert p.returncode == 2, (args, p.stderr)
         assert needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
