@@ -3,7 +3,7 @@ on the event loop `--loop` picks.
 
     run(serve(...), loop="auto") -> asyncio.Runner on uvloop when it imports (auto,
         uvloop) or asyncio's own loop (asyncio, or auto without uvloop); the loop
-        thread's timer slack set to TIMER_SLACK_NS first (fine_timer_slack)
+        thread's sleeps made fine first (shared_layout.timers.fine_timer_slack)
     serve(app, config) -> web.AppRunner(app).setup()
         -> loop.create_server(each connection: HeaderDeadline -> aiohttp's RequestHandler)
         SIGINT / SIGTERM -> stop listening -> runner.cleanup() (in-flight requests get
@@ -28,20 +28,18 @@ protocol: it forwards every transport event unchanged and adds one timer per req
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import signal
-import sys
 from typing import Any, Callable, Coroutine, TypeVar
 
 from aiohttp import web
+
+from shared_layout.timers import fine_timer_slack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOOP_CHOICES = ("auto", "asyncio", "uvloop")
-TIMER_SLACK_NS = 1000   # Linux's default is 50 us: a 10 us fine sleep of the token reader took ~90 us
-_PR_SET_TIMERSLACK = 29
 KEEPALIVE_TIMEOUT_S = 75.0   # aiohttp's run_app default: idle keep-alive connections
 SHUTDOWN_TIMEOUT_S = 60.0    # on stop, in-flight handlers get this long (run_app's default)
 
@@ -60,19 +58,6 @@ def loop_factory(kind: str = "auto") -> tuple[str, Callable[[], asyncio.Abstract
         else:
             return "uvloop", uvloop.new_event_loop
     return "asyncio", asyncio.new_event_loop
-
-
-def fine_timer_slack(slack_ns: int = TIMER_SLACK_NS) -> bool:
-    """Let this thread's sleeps end within slack_ns of their due time (prctl PR_SET_TIMERSLACK).
-    The token reader's fine waits (RingClient._sleep, ~10 us) are otherwise stretched to the
-    kernel's default 50 us slack, and each poll then finds more tokens to coalesce into one
-    event. Linux only; elsewhere, or if the call fails, nothing changes (False)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, slack_ns, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def run(coro: Coroutine[Any, Any, T], loop: str = "auto") -> T:

@@ -7,7 +7,9 @@
              while few are in flight, numpy over the snapshot when many are)
           -> read tokens [received, generated) per slot -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
-    pace (next_interval_s): poll finely for spin_s after progress; with requests in flight and a steady daemon
+    pace (next_interval_s): poll finely for spin_s after progress, and for first_token_spin_s after a
+          submission while a request waits for its first token and no step cadence is known; with
+          requests in flight and a steady daemon
           step (its publish stamps `step_merge_s` apart or more, period >= predict_min_step_s),
           sleep until `predict_lead_s` before the next step is due, then poll finely until
           `predict_window_s` after it; otherwise `busy_interval_s` while requests are in flight,
@@ -88,6 +90,9 @@ class _Progress(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ReaderConfig:
     spin_s: float = 200e-6          # keep polling finely this long after progress
+    first_token_spin_s: float = 0.002   # without a step cadence to predict: poll finely this long after a
+                                    # submission while a request waits for its first token (the daemon's
+                                    # pick-up and a short prefill; busy polling would add up to 1 ms to TTFT)
     busy_interval_s: float = 0.001  # poll interval while requests are in flight
     idle_interval_s: float = 0.02   # poll interval with nothing in flight (health only)
     max_slots_per_poll: int = 1024  # token reads per poll; the rest next poll
@@ -123,6 +128,7 @@ class TokenReader:
         self.config = config
         self.urgent: set[int] = set()     # slots submitted whose first token we have not seen
         self._last_progress_s = 0.0
+        self._last_submit_s = 0.0
         self._last_full_s = 0.0
         self._header: bytes | None = None   # header bytes last given to the health monitor
         self._frontend_epoch = 0
@@ -141,7 +147,7 @@ class TokenReader:
     def track(self, flight: Flight) -> None:
         self.urgent.add(flight.slot)
         self._slot_last_ns.pop(flight.slot, None)
-        self._last_progress_s = time.monotonic()   # spin for the first token
+        self._last_progress_s = self._last_submit_s = time.monotonic()   # spin for the first token
 
     def poll(self) -> PollResult:
         s = self.session
@@ -329,6 +335,9 @@ class TokenReader:
         if not self.session.flights:
             return cfg.idle_interval_s
         period = self.step_period_s()
+        if period is None and self.urgent and now - self._last_submit_s < cfg.first_token_spin_s:
+            self.fine = True
+            return 0.0
         if period is not None:
             start = self._step_local_s
             if not self._step_complete():

@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
+from shared_layout.timers import fine_timer_slack
 
 from .intake import Intake, IntakeConfig
 from .kv_cache import BlockAllocator
@@ -65,6 +66,7 @@ class EngineConfig:
     policy: PolicyConfig
     num_blocks: int                  # KV pool size in blocks
     idle_sleep_max_s: float = 0.002  # polling back-off ceiling when the ring is quiet
+    idle_fine_polls: int = 20        # 50 us apart after the last work before backing off (~1-2 ms)
     shutdown_grace_s: float = 2.0    # in-flight requests get this long to finish on stop
 
 
@@ -236,14 +238,17 @@ class Engine:
     def serve(self, stop: threading.Event) -> None:
         """Step until `stop` is set; then finish in-flight work within the grace period
         (no new claims) and abort whatever is left with ABORT/BACKEND_SHUTDOWN."""
+        fine_timer_slack()   # the idle back-off's 50 us sleeps, not 100+
         idle = 0
         while not stop.is_set():
             if self._safe_step():
                 idle = 0
             else:
-                # Back off from 50 us to idle_sleep_max_s so a quiet ring costs little CPU.
+                # 50 us sleeps for the first idle_fine_polls (a closed-loop client's next request
+                # comes within a millisecond), then back off to idle_sleep_max_s so a quiet ring
+                # costs little CPU.
                 idle += 1
-                time.sleep(min(self.config.idle_sleep_max_s, 50e-6 * idle))
+                time.sleep(min(self.config.idle_sleep_max_s, 50e-6 * max(1, idle - self.config.idle_fine_polls)))
         self.admitting = False
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.has_work() and time.monotonic() < deadline:

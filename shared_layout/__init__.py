@@ -2,8 +2,8 @@
 
 layout.py (bytes) + states.py (lifecycle) -> ring.py (accessors for both sides),
 shm.py (the ring as a shared-memory file), arena.py (token ranges the frontend
-hands out), cheader.py (the same layout for C/CUDA). Imports nothing from the
-other packages.
+hands out), cheader.py (the same layout for C/CUDA), timers.py (how both polling
+sides sleep). Imports nothing from the other packages.
 """
 from .layout import (HEADER, LAYOUT_VERSION, MAGIC, MAX_STOP_IDS, SLOT, SLOT_DTYPE, LayoutMismatch,
                      RingGeometry)

@@ -196,24 +196,3 @@ def test_frontend_and_serve_take_the_loop_flag():
     serve.add_arguments(p)
     assert "--loop" in serve.frontend_argv(p.parse_args(["--loop", "asyncio"]))
 
-
-def test_fine_timer_slack_applies_to_the_calling_thread():
-    import ctypes
-    import sys
-    import threading
-
-    from dpu_frontend import http_server
-    if not sys.platform.startswith("linux"):
-        assert http_server.fine_timer_slack() is False
-        return
-    libc = ctypes.CDLL(None)
-    got = {}
-
-    def in_thread():   # a thread of its own: the test process keeps its slack
-        before = libc.prctl(30, 0, 0, 0, 0)   # PR_GET_TIMERSLACK
-        got["ok"] = http_server.fine_timer_slack(2000)
-        got["slack"] = (before, libc.prctl(30, 0, 0, 0, 0))
-    t = threading.Thread(target=in_thread)
-    t.start()
-    t.join()
-    assert got["ok"] and got["slack"][1] == 2000 and got["slack"][0] != 2000

@@ -217,6 +217,14 @@ def test_pacing(rig):
     assert rig.reader.next_interval_s(None) == cfg.idle_interval_s
     f, h = rig.submit([1], 4)                  # a submission spins the reader for its first token
     assert rig.reader.next_interval_s(None) == 0.0
+    rig.reader._last_progress_s = 0.0          # past spin_s: still fine polls while the first token is due
+    assert rig.reader.next_interval_s(None) == 0.0 and rig.reader.fine
+    rig.reader._last_submit_s -= cfg.first_token_spin_s   # past first_token_spin_s: busy polling
+    assert rig.reader.next_interval_s(None) == cfg.busy_interval_s and not rig.reader.fine
+    rig.reader._last_submit_s += cfg.first_token_spin_s
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, [7])
+    rig.reader.poll()                          # the first token is in: no first-token spin any more
     rig.reader._last_progress_s = 0.0
     assert rig.reader.next_interval_s(None) == cfg.busy_interval_s
 
