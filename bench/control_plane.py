@@ -9,6 +9,8 @@ servers on the same event loop (--loop, default auto = uvloop when installed).
             -> events/s, tokens/s, server CPU (/proc/PID/stat), and per event t_recv - t_last_ns (both
                sides stamp time.monotonic_ns: the daemon when it publishes a token, the bare server when
                it builds the chunk; the client reads the same clock on this machine)
+        turnaround phase (unless --no-turnaround): the same, max_tokens 1 -> requests/s, server CPU
+            per request: a request's whole round trip through each server
         paced phase (--paced-step-ms S > 0): a fresh daemon with `--step-ms S` (one token per stream
             every S ms, a real model's decode cadence) and the bare server ticking every S ms
             -> added latency per token where nothing runs at saturation
@@ -382,11 +384,11 @@ def orchestrate(args: argparse.Namespace) -> dict:
         return [daemon, frontend], port
 
     def client(phase: str, rnd: int, server: str, port: int, pids: dict[str, int], c: int, per_event: int = 1,
-               step_ms: float = 0.0) -> dict:
+               step_ms: float = 0.0, max_tokens: int | None = None) -> dict:
         cmd = [sys.executable, "-m", "bench.control_plane", "--role", "client",
                "--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", str(c),
                "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
-               "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
+               "--max-tokens", str(max_tokens or args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
                "--tokens-per-event", str(per_event), "--client-step-ms", str(step_ms if server != "blink" else 0),
                "--loop", client_loop]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(client_cpus))
@@ -404,6 +406,9 @@ def orchestrate(args: argparse.Namespace) -> dict:
         res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in watched}
         # Everything else on the machine in the window (other work, the kernel's share, this orchestrator).
         res["cpu_s"]["others"] = max(0.0, busy1 - busy0 - sum(res["cpu_s"].values()))
+        res["requests_per_s"] = res["requests_completed"] / res["duration_s"]
+        res["server_cpu_us_per_request"] = (1e6 * res["cpu_s"]["server"] / res["requests_completed"]
+                                            if res["requests_completed"] else None)
         res["server_cpu_us_per_event"] = 1e6 * res["cpu_s"]["server"] / res["events"] if res["events"] else None
         res["server_cpu_us_per_token"] = 1e6 * res["cpu_s"]["server"] / res["tokens"] if res["tokens"] else None
         res["bare_tokens_per_event"] = per_event if server != "blink" else None
@@ -435,6 +440,11 @@ def orchestrate(args: argparse.Namespace) -> dict:
                 b = client("saturated", rep, "blink", blink_port, on_blink, c)
                 client("saturated", rep, "bare", bare_port, on_bare, c, max(1, round(b["tokens_per_event"] or 1)))
                 client("saturated", rep, "bare-1tok", bare_port, on_bare, c, 1)
+        if args.turnaround:
+            for rep in range(args.repeats):
+                for c in args.concurrency:
+                    client("turnaround", rep, "blink", blink_port, on_blink, c, max_tokens=1)
+                    client("turnaround", rep, "bare", bare_port, on_bare, c, 1, max_tokens=1)
         if args.paced_step_ms > 0:
             _stop(blink_procs)   # the paced phase gets a fresh daemon; nothing of the first one keeps running
             blink_procs, blink_port, on_blink, on_bare = launch(args.paced_step_ms)
@@ -544,6 +554,19 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
                 "blink_others_busy": blink["cpu_s"]["others"] / blink["duration_s"],
                 "bare_others_busy": bare["cpu_s"]["others"] / bare["duration_s"],
             })
+    turnaround = []
+    for c in args.concurrency:
+        if ("turnaround", "blink", c) in by:
+            blink, bare = by[("turnaround", "blink", c)], by[("turnaround", "bare", c)]
+            turnaround.append({
+                "concurrency": c, "blink_requests_per_s": blink["requests_per_s"],
+                "bare_requests_per_s": bare["requests_per_s"],
+                "requests_ratio": ratio(blink["requests_per_s"], bare["requests_per_s"]),
+                "blink_frontend_cpu_us_per_request": blink["server_cpu_us_per_request"],
+                "bare_cpu_us_per_request": bare["server_cpu_us_per_request"],
+                "blink_daemon_busy": blink["cpu_s"]["daemon"] / blink["duration_s"],
+                "failures": blink["failures"] + bare["failures"],
+            })
     met = {}
     for r in rows:
         m = met[str(r["concurrency"])] = {"events_ratio": (r["events_ratio"] or 0) >= 0.5,
@@ -551,7 +574,7 @@ def summarize(result: dict, args: argparse.Namespace) -> dict:
         pr = next((x for x in paced if x["concurrency"] == r["concurrency"]), None)
         if pr is not None:
             m["latency_p99_paced"] = (pr["blink_latency_p99_ms"] or 1e9) <= 2.0
-    return {"rows": rows, "paced_rows": paced,
+    return {"rows": rows, "paced_rows": paced, "turnaround_rows": turnaround,
             "targets": {"events_ratio_min": 0.5, "latency_p99_ms_max": 2.0}, "met": met}
 
 
@@ -663,6 +686,17 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
                          f"{100 * r['blink_frontend_busy']:.0f}% | {100 * r['blink_daemon_busy']:.0f}% | "
                          f"{100 * r['blink_others_busy']:.0f}% | {f(r['bare_cpu_us_per_event'], 0)} | "
                          f"{100 * r['bare_busy']:.0f}% | {100 * r['bare_others_busy']:.0f}% |")
+    if summary.get("turnaround_rows"):
+        lines += ["", "## Turnaround: one-token requests", "",
+                  "Closed loop as above with max_tokens 1 (the saturated daemon): each request's whole round trip, "
+                  "request in, submission to the ring, the daemon's pick-up and step, the token back, the reply, "
+                  "then the client's next request. No target; the per-request cost of the control plane.", "",
+                  "| streams | blink req/s | bare req/s | ratio | blink frontend CPU us/request | bare us/request "
+                  "| daemon busy |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in summary["turnaround_rows"]:
+            lines.append(f"| {r['concurrency']} | {r['blink_requests_per_s']:.0f} | {r['bare_requests_per_s']:.0f} | "
+                         f"{f(r['requests_ratio'])} | {f(r['blink_frontend_cpu_us_per_request'], 0)} | "
+                         f"{f(r['bare_cpu_us_per_request'], 0)} | {100 * r['blink_daemon_busy']:.0f}% |")
     lines += ["", "## Targets", "",
               "Throughput: blink events/s >= 0.5x the bare server's with the same chunks, judged on the saturated rows. "
               "Latency: blink p99 added latency per token <= 2 ms, reported for both phases; the paced rows are the "
@@ -705,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the paced phase: the null daemon takes this long per step (20: 50 tokens/s "
                          "per stream, a CPU model's decode) and the bare server ticks at the same period; "
                          "added latency per token is measured there (0: saturated phase only)")
+    ap.add_argument("--no-turnaround", dest="turnaround", action="store_false",
+                    help="skip the one-token-request phase (request turnaround)")
     ap.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                     help="event loop of BOTH servers (blink frontend --loop, and the bare aiohttp server); "
                          "auto: uvloop when installed")

@@ -18,12 +18,16 @@ def test_control_plane_bench_runs_both_phases_and_writes_its_results(tmp_path):
     seen = {(r["phase"], r["server"], r["concurrency"]) for r in data["runs"]}
     for c in (1, 2):
         for want in (("saturated", "blink", c), ("saturated", "bare", c), ("saturated", "bare-1tok", c),
-                     ("paced", "blink", c), ("paced", "bare", c)):
+                     ("paced", "blink", c), ("paced", "bare", c), ("turnaround", "blink", c),
+                     ("turnaround", "bare", c)):
             assert want in seen, (want, sorted(seen))
     for r in data["runs"]:
         assert r["events"] > 0 and r["tokens"] >= r["events"], r
     md = (tmp_path / "2000-01-01-test-control-plane.md").read_text()
     assert "## Saturated: throughput" in md and "## Paced (5 ms per step)" in md and "## Targets" in md
+    assert "## Turnaround: one-token requests" in md
+    for r in data["summary"]["turnaround_rows"]:
+        assert r["blink_requests_per_s"] > 0 and r["bare_requests_per_s"] > 0
     assert data["loop"] == "asyncio"
 
 
