@@ -8,7 +8,7 @@ servers on the same event loop (--loop, default auto = uvloop when installed).
             /v1/completions (token-id prompt, max_tokens, ignore_eos) for --duration-s after a warm-up
             -> events/s, tokens/s, server CPU (/proc/PID/stat), and per event t_recv - t_last_ns (both
                sides stamp time.monotonic_ns: the daemon when it publishes a token, the bare server when
-               it builds the chunk; the client reads the same clock on this machine)
+               it builds the chunk, or paced, at the tick that made it; the client reads the same clock)
         turnaround phase (unless --no-turnaround): the same, max_tokens 1 -> requests/s, server CPU
             per request: a request's whole round trip through each server
         paced phase (--paced-step-ms S > 0): a fresh daemon with `--step-ms S` (one token per stream
@@ -60,14 +60,19 @@ class Ticker:
         self.period_s = period_s
         self._event: asyncio.Event | None = None
 
-    async def wait(self) -> None:
+    async def wait(self) -> int:
+        """Wait for the next tick; its time (time.monotonic_ns), the moment every waiting stream's
+        token exists, as the daemon's publish stamp is for blink."""
         if self._event is None:
             self._event = asyncio.Event()
             asyncio.get_running_loop().call_later(self.period_s, self._fire)
-        await self._event.wait()
+        event = self._event
+        await event.wait()
+        return event.fired_ns
 
     def _fire(self) -> None:
         event, self._event = self._event, None
+        event.fired_ns = time.monotonic_ns()
         event.set()
 
 
@@ -98,8 +103,7 @@ def run_bare_server(port: int, loop: str = "auto") -> None:
         await resp.prepare(request)
         try:
             for i in range(0, n, per_event):
-                if ticker is not None:
-                    await ticker.wait()
+                t_tick = await ticker.wait() if ticker is not None else 0
                 ids = [prompt[j % len(prompt)] for j in range(i, min(n, i + per_event))]   # the null daemon's echo
                 key = tuple(ids)
                 text = texts.get(key)
@@ -108,7 +112,9 @@ def run_bare_server(port: int, loop: str = "auto") -> None:
                 last = i + per_event >= n
                 chunk = api.completion_chunk(rid, created, "null", text, "length" if last else None)
                 t_ns = time.monotonic_ns()
-                chunk["blink_timing"] = {"t_last_ns": t_ns, "t_frontend_ns": t_ns, "n_tokens": len(ids)}
+                # Paced: the token exists from the tick (the wait behind the other streams' handlers
+                # counts, as the wait behind the other streams' deliveries counts for blink).
+                chunk["blink_timing"] = {"t_last_ns": t_tick or t_ns, "t_frontend_ns": t_ns, "n_tokens": len(ids)}
                 await resp.write(api.sse(chunk))
                 if ticker is None:
                     await asyncio.sleep(0)   # a streaming server yields between events
@@ -665,8 +671,9 @@ def write_results(result: dict, summary: dict, args: argparse.Namespace) -> path
     if summary["paced_rows"]:
         lines += ["", f"## Paced ({step:g} ms per step): added latency per token", "",
                   "Added latency (ms) = client receipt minus the daemon's publish stamp of the token (blink) or the "
-                  "chunk's creation after the tick (bare). With one token per event this is exact per token. "
-                  "Split as above.", "",
+                  "tick that made every stream's token (bare): both include the wait behind the other streams. "
+                  "With one token per event this is exact per token. Split as above (bare: tick -> its handler "
+                  "builds the chunk -> client).", "",
                   "| streams | blink tok/s | tok/event | blink p50 | blink p99 | p99 by round | blink mean "
                   "| ring->handler p50 / p99 | handler->client p50 / p99 | bare tok/s | bare p50 | bare p99 |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
