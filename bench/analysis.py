@@ -118,8 +118,9 @@ def summary_row(points: Sequence[LevelPoint], operating: Sequence[float], satura
 
 
 def ratio(colocated: float, isolated: float) -> float:
-    """colocated / isolated, NaN when either side is missing or isolated is 0."""
-    if not (math.isfinite(colocated) and math.isfinite(isolated)) or isolated == 0:
+    """colocated / isolated, NaN when either side is missing (None, NaN) or isolated is 0."""
+    if colocated is None or isolated is None or not (math.isfinite(colocated) and math.isfinite(isolated)) \
+            or isolated == 0:
         return math.nan
     return colocated / isolated
 

@@ -217,18 +217,18 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
 
     async def worker(w: int):
         nonlocal requests, failures
-        prev_last = [None]
+        prev_last = None   # the previous event's t_last_ns in this request
 
         def on_event(t_recv: int, t_last: int, t_front: int, n_tok: int):
-            nonlocal events, tokens
+            nonlocal events, tokens, prev_last
             if start_ns <= t_recv < end_ns:
                 events += 1
                 tokens += n_tok
                 lat_lo.append(t_recv - t_last)
-                lat_hi.append(t_recv - (prev_last[0] if prev_last[0] is not None else t_last))
+                lat_hi.append(t_recv - (prev_last if prev_last is not None else t_last))
                 lat_ring.append(t_front - t_last)
                 lat_http.append(t_recv - t_front)
-            prev_last[0] = t_last
+            prev_last = t_last
 
         conn: _SseStream | None = None
         k = 0
@@ -253,7 +253,7 @@ async def drive(url: str, concurrency: int, warmup_s: float, duration_s: float, 
                 data = json.dumps(body).encode()
                 raw = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                        f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
-                prev_last[0] = None
+                prev_last = None
                 remaining = (end_ns - time.monotonic_ns()) / 1e9
                 try:
                     ok = await asyncio.wait_for(asyncio.shield(conn.request(raw)), max(0.0, remaining))

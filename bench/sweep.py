@@ -390,7 +390,7 @@ def degradation(runs: list[dict]) -> list[dict]:
             t = analysis.ratio(s1["output_throughput"], s0["output_throughput"])
             g["tok"].setdefault(lv["offered"], []).append(t)
             g["tpot"].setdefault(lv["offered"], []).append(
-                analysis.ratio(_num(s1["tpot"].get("p50_ms")), _num(s0["tpot"].get("p50_ms"))))
+                analysis.ratio(s1["tpot"].get("p50_ms"), s0["tpot"].get("p50_ms")))
             ratios.append(t)
         g["geo"].append(analysis.geomean(ratios))
     return [{"system": system, "condition": cond, "repeats": len(g["geo"]),
@@ -398,10 +398,6 @@ def degradation(runs: list[dict]) -> list[dict]:
              "tok_ratio_by_level": {lvl: analysis.spread(v) for lvl, v in sorted(g["tok"].items())},
              "tpot_p50_ratio_by_level": {lvl: analysis.spread(v) for lvl, v in sorted(g["tpot"].items())}}
             for (system, cond), g in groups.items()]
-
-
-def _num(x) -> float:
-    return x if isinstance(x, (int, float)) else math.nan
 
 
 def nan_to_none(x):

@@ -243,6 +243,14 @@ class GenerationService:
             watch = StallWatch(loop, self.request_limits.stall_timeout_s, lambda: self._stalled(request, gen, handle))
         headers_due = None
         direct = None   # stream_push.DirectSink, installed on the handle once the first chunk is out
+
+        async def write(data: bytes, eof: bool = False) -> None:
+            """One write under the stall watch: a client that stops reading is caught while it blocks."""
+            if watch is not None:
+                watch.begin()
+            await (resp.write_eof(data) if eof else resp.write(data))
+            if watch is not None:
+                watch.end()
         tail = b""      # the stream's closing bytes, sent with the end of the body (write_eof) in one write
         try:
             limit_send_buffer(request.transport)
@@ -281,11 +289,7 @@ class GenerationService:
                 if last:
                     tail = out
                     break
-                if watch is not None:
-                    watch.begin()
-                await resp.write(out)
-                if watch is not None:
-                    watch.end()
+                await write(out)
                 if direct is None and DirectSink.usable(request, detok, opts.continuous_usage):
                     direct = handle.sink = DirectSink(request, handle, detok, fast, self.expose_backend_timing)
             else:
@@ -304,11 +308,7 @@ class GenerationService:
                 tail += api.sse(api.usage_chunk(ep.chunk_object, gen.rid, gen.created, self.model,
                                                 api.usage(n_prompt, detok.tokens_seen)))
             tail += api.SSE_DONE
-            if watch is not None:
-                watch.begin()
-            await resp.write_eof(tail)   # one write: the last chunk, usage, [DONE] and the end of the body
-            if watch is not None:
-                watch.end()
+            await write(tail, eof=True)   # one write: the last chunk, usage, [DONE] and the end of the body
             outcome = self._error_outcome(gen) if finish == "error" else finish
         except ConnectionError:
             if gen.stalled:

@@ -23,8 +23,6 @@ import threading
 import time
 from typing import Protocol
 
-import numpy as np
-
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
 from shared_layout.timers import fine_timer_slack
 
