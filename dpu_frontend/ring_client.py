@@ -30,6 +30,7 @@ from .request_handle import RequestHandle, SamplingParams
 from .ring_session import RingSession
 from .token_reader import PollResult, ReaderConfig, TokenReader
 from .transport.base import TransportError, TransportFactory
+from .wakeup_timer import WakeupTimer
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class RingClient:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sleep_fut: asyncio.Future | None = None
+        self._timer: WakeupTimer | None = None   # precise wake-ups between polls (Linux); else loop timers
         self._loop_idle = False   # the last yield came straight back: nothing else was ready to run
         self._flush_handle: asyncio.Handle | None = None
         self._closed = False
@@ -130,6 +132,9 @@ class RingClient:
         if self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._timer = WakeupTimer.create()
+        if self._timer is not None:
+            self._loop.add_reader(self._timer.fd, self._on_timer)
         self._try_attach()
         self._task = self._loop.create_task(self._run(), name="ring-client")
 
@@ -141,6 +146,10 @@ class RingClient:
         self._wake()
         if self._task is not None:
             await self._task
+        if self._timer is not None:
+            self._loop.remove_reader(self._timer.fd)
+            self._timer.close()
+            self._timer = None
         self._fail_waiters(BackendUnavailable("ring client closed"))
         s = self._session
         if s is not None:
@@ -418,7 +427,7 @@ class RingClient:
         try:
             session = RingSession.attach(transport)
             health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
-            reader = TokenReader(session, health, self.config.reader)
+            reader = TokenReader(session, health, self.config.reader, precise_wake=self._timer is not None)
             res = reader.poll()   # learn the backend's state before the first submit
         except (TransportError, ValueError) as e:
             transport.close()
@@ -493,7 +502,9 @@ class RingClient:
         self._fail_waiters(BackendUnavailable(message))
 
     async def _sleep(self, interval_s: float, fine: bool = False) -> None:
-        """Wait before the next poll: a timer (event-loop timers are ~1 ms coarse), or for 0 a yield.
+        """Wait before the next poll: the wake-up timer (to the microsecond; without one, a loop
+        timer, ~1 ms coarse), or for 0 a yield. Only the poll loop (_run) waits here: the one
+        timerfd and `_sleep_fut` belong to one wait at a time.
         A fine wait (`fine`) whose previous yield found the loop idle blocks for the reader's
         fine_sleep_s first: nothing else wanted the loop, and a blocked thread gives the core
         away where a spinning one would keep it from the client and the daemon."""
@@ -507,12 +518,24 @@ class RingClient:
             return
         loop = asyncio.get_running_loop()
         fut = self._sleep_fut = loop.create_future()
+        if self._timer is not None:
+            self._timer.arm(interval_s)   # an early wake leaves it armed: its expiry then finds no wait
+            try:
+                await fut
+            finally:
+                self._sleep_fut = None
+            return
         timer = loop.call_later(interval_s, _resolve, fut)
         try:
             await fut
         finally:
             timer.cancel()
             self._sleep_fut = None
+
+    def _on_timer(self) -> None:
+        """The wake-up timer's fd is readable: end the wait it was armed for."""
+        if self._timer is not None and self._timer.consume():
+            self._wake()
 
     def _wake(self) -> None:
         """Poll now (a submission landed, or close)."""

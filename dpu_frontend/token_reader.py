@@ -7,13 +7,14 @@
              while few are in flight, numpy over the snapshot when many are)
           -> read tokens [received, generated) per slot -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
-    pace (next_interval_s): poll finely for spin_s after progress, and for first_token_spin_s after a
-          submission while a request waits for its first token and no step cadence is known; with
-          requests in flight and a steady daemon
+    pace (next_interval_s): poll finely for spin_s after progress (not when the step is known
+          complete), and for first_token_spin_s after a submission while a request waits for its
+          first token and no step cadence is known; with requests in flight and a steady daemon
           step (its publish stamps `step_merge_s` apart or more, period >= predict_min_step_s),
-          sleep until `predict_lead_s` before the next step is due, then poll finely until
-          `predict_window_s` after it; otherwise `busy_interval_s` while requests are in flight,
-          `idle_interval_s` when none are. (0 = poll again soon: the ring client then yields, or
+          sleep until `lead_s` before the next step is due (predict_lead_precise_s when the caller's
+          sleeps are precise, RingClient's timerfd; else predict_lead_s), then poll finely (with
+          precise sleeps: every predict_poll_s) until `predict_window_s` after it; otherwise
+          `busy_interval_s` while requests are in flight, `idle_interval_s` when none are. (0 = poll again soon: the ring client then yields, or
           blocks for `fine_sleep_s` when nothing else wants the loop; see RingClient._sleep.)
 
 Step prediction: a model's decode steps come at a steady cadence (20 ms for SmolLM2 on a small
@@ -102,8 +103,15 @@ class ReaderConfig:
     # step prediction (see the module docstring); predict_min_step_s = 0 turns it off
     step_merge_s: float = 0.002         # publishes closer than this to a step's first one belong to that step
     predict_min_step_s: float = 0.004   # shorter steps: busy polling is close enough
-    predict_lead_s: float = 0.0015      # wake this long before the step is due (event-loop timers are ~1 ms coarse)
+    predict_lead_s: float = 0.0015      # wake this long before the step is due with event-loop timers (~1 ms coarse)
+    predict_lead_precise_s: float = 0.0003   # ... with the ring client's wake-up timer (wakeup_timer.py):
+                                        # the wake-up itself (~0.1 ms on a VM) plus the step's jitter
     predict_window_s: float = 0.003     # poll finely until this long after it was due, then busy polling
+    predict_poll_s: float = 0.0002      # with precise wake-ups, "finely" around a due step means this often:
+                                        # steps jitter by ms on a shared core, and 10 us polls through that
+                                        # took the daemon's CPU (SmolLM2, 1 stream, frontend and daemon on
+                                        # one core: ~50 polls and 1.7 ms of frontend CPU a token; TPOT
+                                        # 15.7 -> 13.7 ms with this); 0: fine polls
     predict_history: int = 8            # step gaps remembered
     fine_sleep_s: float = 10e-6         # fine polls with an idle event loop block this long in between
                                         # (~0.08 ms with the wake-up on a VM) instead of spinning; 0: spin
@@ -122,10 +130,14 @@ class PollResult:
 
 
 class TokenReader:
-    def __init__(self, session: RingSession, health: HealthMonitor, config: ReaderConfig = ReaderConfig()):
+    def __init__(self, session: RingSession, health: HealthMonitor, config: ReaderConfig = ReaderConfig(),
+                 precise_wake: bool = False):
         self.session = session
         self.health = health
         self.config = config
+        # The caller's sleeps end within microseconds of their time (a timerfd): wake closer to a step.
+        self.precise_wake = precise_wake
+        self.lead_s = config.predict_lead_precise_s if precise_wake else config.predict_lead_s
         self.urgent: set[int] = set()     # slots submitted whose first token we have not seen
         self._last_progress_s = 0.0
         self._last_submit_s = 0.0
@@ -329,12 +341,14 @@ class TokenReader:
         if res is not None and res.backlog:
             return 0.0   # capped: more to read right away
         now = time.monotonic()
-        if now - self._last_progress_s < cfg.spin_s:
+        period = self.step_period_s() if self.session.flights else None
+        if now - self._last_progress_s < cfg.spin_s and (period is None or self.urgent or not self._step_complete()):
+            # Right after progress, unless the step is known complete and nothing waits for a first
+            # token: then the next tokens come with the next step, and the reader sleeps until then.
             self.fine = cfg.fine_sleep_when_flowing and res is not None and not res.progress
             return 0.0
         if not self.session.flights:
             return cfg.idle_interval_s
-        period = self.step_period_s()
         if period is None and self.urgent and now - self._last_submit_s < cfg.first_token_spin_s:
             self.fine = True
             return 0.0
@@ -347,9 +361,11 @@ class TokenReader:
                     return 0.0
                 return cfg.busy_interval_s
             due = start + period
-            if now < due - cfg.predict_lead_s:
-                return min(due - cfg.predict_lead_s - now, cfg.idle_interval_s)
+            if now < due - self.lead_s:
+                return min(due - self.lead_s - now, cfg.idle_interval_s)
             if now <= due + cfg.predict_window_s:
+                if self.precise_wake and cfg.predict_poll_s > 0:
+                    return cfg.predict_poll_s
                 self.fine = True
                 return 0.0
         return cfg.busy_interval_s

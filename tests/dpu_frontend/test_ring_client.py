@@ -435,3 +435,32 @@ async def test_fine_wait_blocks_only_after_an_idle_yield(monkeypatch):
     pauses.clear()
     await client._sleep(0.0, fine=True)
     assert pauses == []
+
+
+async def test_timed_waits_use_the_wakeup_timer_and_end_early_on_wake():
+    """With the timerfd watched by the loop, a timed wait ends at its time, a submission's wake ends
+    it at once, and the expiry it leaves behind does not cut the next wait short."""
+    from dpu_frontend.transport.base import TransportError
+
+    def no_ring():
+        raise TransportError("no ring here")
+    client = RingClient(no_ring, RingClientConfig(reattach_interval_s=3600))
+    client._run = lambda: asyncio.sleep(0)             # the test does the waiting, not the poll loop
+    await client.start()
+    assert client._timer is not None
+    loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    await asyncio.wait_for(client._sleep(0.003), 5.0)
+    assert time.monotonic() - t0 >= 0.003
+    loop.call_later(0.01, client._wake)                # e.g. a submission landed
+    t0 = time.monotonic()
+    await asyncio.wait_for(client._sleep(60.0), 5.0)
+    assert time.monotonic() - t0 < 30.0
+    client._timer.arm(0.0)                             # an expiry left over from an earlier wait ...
+    await asyncio.sleep(0.01)                          # ... already taken off the fd: ends no wait
+    ended = asyncio.ensure_future(client._sleep(1.0))
+    await asyncio.sleep(0.05)
+    assert not ended.done()
+    await asyncio.wait_for(ended, 5.0)
+    await client.close()
+    assert client._timer is None

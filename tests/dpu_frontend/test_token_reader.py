@@ -344,3 +344,51 @@ def test_no_prediction_for_short_or_irregular_steps(ring_name):
     off = TokenReader(rig.session, rig.health, ReaderConfig(predict_min_step_s=0))   # prediction off
     off._step_gaps.extend([20_000_000] * 3)
     assert off.step_period_s() is None
+
+
+def _steady_steps(rig, step_ns=20_000_000):
+    """Two requests, four 20 ms steps read, the newest one just now."""
+    from shared_layout import now_ns
+    (f1, h1), (f2, h2) = rig.submit([1], 100), rig.submit([2], 100)
+    rig.claim(f1.slot)
+    rig.claim(f2.slot)
+    t_last = now_ns()
+    for k in (3, 2, 1, 0):
+        rig.be.publish(f1.slot, [1], now=t_last - k * step_ns)
+        rig.be.publish(f2.slot, [2], now=t_last - k * step_ns + 100_000)
+        rig.reader.poll()
+    return (f1, h1), (f2, h2)
+
+
+def test_precise_wakeups_wake_closer_to_the_step_and_poll_every_predict_poll_s(ring_name):
+    """A caller whose sleeps are precise (RingClient's timerfd): the reader wakes
+    predict_lead_precise_s before the due step and polls every predict_poll_s around it,
+    not in fine polls; a late step still falls back to busy polling."""
+    import time
+    rig = Rig(ring_name)
+    r = rig.reader = TokenReader(rig.session, rig.health, ReaderConfig(), precise_wake=True)
+    cfg = r.config
+    _steady_steps(rig)
+    assert r.lead_s == cfg.predict_lead_precise_s < cfg.predict_lead_s
+    r._last_progress_s = 0.0
+    wait = r.next_interval_s(None)
+    assert 0.02 - cfg.predict_lead_precise_s - 0.005 < wait <= 0.02 - cfg.predict_lead_precise_s
+    r._step_local_s = time.monotonic() - 0.02 + cfg.predict_lead_precise_s / 2
+    assert r.next_interval_s(None) == cfg.predict_poll_s and not r.fine
+    r._step_local_s = time.monotonic() - 0.02 - cfg.predict_window_s - 0.001
+    assert r.next_interval_s(None) == cfg.busy_interval_s
+    coarse = TokenReader(rig.session, rig.health, ReaderConfig())   # loop timers: the coarse lead
+    assert coarse.lead_s == cfg.predict_lead_s and not coarse.precise_wake
+
+
+def test_no_spin_after_a_complete_step_unless_a_first_token_is_due(ring_name):
+    """Right after a step's tokens were handed over, a known-complete step sends the reader to
+    sleep until the next one; a request waiting for its first token keeps the spin."""
+    rig = Rig(ring_name)
+    r = rig.reader
+    _steady_steps(rig)
+    res = r.poll()                               # nothing new, just after the progress
+    assert r.next_interval_s(res) > 0.01 and not r.fine
+    f3, _ = rig.submit([3], 100)                 # waits for its first token: urgent
+    assert f3.slot in r.urgent
+    assert r.next_interval_s(res) == 0.0
