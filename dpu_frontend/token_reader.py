@@ -13,9 +13,11 @@
           step (its publish stamps `step_merge_s` apart or more, period >= predict_min_step_s),
           sleep until `lead_s` before the next step is due (predict_lead_precise_s when the caller's
           sleeps are precise, RingClient's timerfd; else predict_lead_s), then poll finely (with
-          precise sleeps: every predict_poll_s) until `predict_window_s` after it; otherwise
-          `busy_interval_s` while requests are in flight, `idle_interval_s` when none are. (0 = poll again soon: the ring client then yields, or
-          blocks for `fine_sleep_s` when nothing else wants the loop; see RingClient._sleep.)
+          precise sleeps and jittery steps: a tenth of the jitter apart, predict_poll_s at most)
+          until `predict_window_s` after it; otherwise `busy_interval_s` while requests are in
+          flight, `idle_interval_s` when none are. (0 = poll again soon: the ring client then
+          yields, or blocks for `fine_sleep_s` when nothing else wants the loop; see
+          RingClient._sleep.)
 
 Step prediction: a model's decode steps come at a steady cadence (20 ms for SmolLM2 on a small
 CPU), and every running stream gets its token in the same step. Polling every millisecond
@@ -107,11 +109,13 @@ class ReaderConfig:
     predict_lead_precise_s: float = 0.0003   # ... with the ring client's wake-up timer (wakeup_timer.py):
                                         # the wake-up itself (~0.1 ms on a VM) plus the step's jitter
     predict_window_s: float = 0.003     # poll finely until this long after it was due, then busy polling
-    predict_poll_s: float = 0.0002      # with precise wake-ups, "finely" around a due step means this often:
-                                        # steps jitter by ms on a shared core, and 10 us polls through that
-                                        # took the daemon's CPU (SmolLM2, 1 stream, frontend and daemon on
-                                        # one core: ~50 polls and 1.7 ms of frontend CPU a token; TPOT
-                                        # 15.7 -> 13.7 ms with this); 0: fine polls
+    predict_poll_s: float = 0.0002      # with precise wake-ups, poll around a due step every
+                                        # spread / predict_polls_per_spread (spread: longest minus shortest
+                                        # recent step gap), at most this; below fine_sleep_s: fine polls.
+    predict_polls_per_spread: int = 10  # A steady daemon (null, --step-ms) is met with fine polls; one whose
+                                        # steps jitter by ms (a model on a shared core) with 0.2 ms polls, not
+                                        # ~50 fine polls a step that took the daemon's CPU (SmolLM2, 1 stream,
+                                        # frontend and daemon on one core: 1.7 ms of frontend CPU a token)
     predict_history: int = 8            # step gaps remembered
     fine_sleep_s: float = 10e-6         # fine polls with an idle event loop block this long in between
                                         # (~0.08 ms with the wake-up on a VM) instead of spinning; 0: spin
@@ -245,6 +249,11 @@ class TokenReader:
         period = min(self._step_gaps) / 1e9
         return period if period >= cfg.predict_min_step_s else None
 
+    def step_spread_s(self) -> float:
+        """How much the recent step gaps differ (longest minus shortest): the predicted step's jitter."""
+        gaps = self._step_gaps
+        return (max(gaps) - min(gaps)) / 1e9 if len(gaps) >= 2 else 0.0
+
     def _step_complete(self) -> bool:
         """Every request that got a token in the previous step has got one in the newest step too
         (a step's tokens are published slot after slot: a preempted daemon can leave a tail)."""
@@ -364,8 +373,10 @@ class TokenReader:
             if now < due - self.lead_s:
                 return min(due - self.lead_s - now, cfg.idle_interval_s)
             if now <= due + cfg.predict_window_s:
-                if self.precise_wake and cfg.predict_poll_s > 0:
-                    return cfg.predict_poll_s
+                if self.precise_wake:
+                    every = self.step_spread_s() / max(1, cfg.predict_polls_per_spread)
+                    if every > cfg.fine_sleep_s:
+                        return min(every, cfg.predict_poll_s)
                 self.fine = True
                 return 0.0
         return cfg.busy_interval_s

@@ -360,10 +360,11 @@ def _steady_steps(rig, step_ns=20_000_000):
     return (f1, h1), (f2, h2)
 
 
-def test_precise_wakeups_wake_closer_to_the_step_and_poll_every_predict_poll_s(ring_name):
+def test_precise_wakeups_wake_closer_to_the_step_and_poll_by_its_jitter(ring_name):
     """A caller whose sleeps are precise (RingClient's timerfd): the reader wakes
-    predict_lead_precise_s before the due step and polls every predict_poll_s around it,
-    not in fine polls; a late step still falls back to busy polling."""
+    predict_lead_precise_s before the due step; around it, steady steps get fine polls, steps
+    that jitter get polls a tenth of the jitter apart, predict_poll_s at most; a late step
+    still falls back to busy polling."""
     import time
     rig = Rig(ring_name)
     r = rig.reader = TokenReader(rig.session, rig.health, ReaderConfig(), precise_wake=True)
@@ -373,7 +374,13 @@ def test_precise_wakeups_wake_closer_to_the_step_and_poll_every_predict_poll_s(r
     r._last_progress_s = 0.0
     wait = r.next_interval_s(None)
     assert 0.02 - cfg.predict_lead_precise_s - 0.005 < wait <= 0.02 - cfg.predict_lead_precise_s
+    assert r.step_spread_s() == 0.0
     r._step_local_s = time.monotonic() - 0.02 + cfg.predict_lead_precise_s / 2
+    assert r.next_interval_s(None) == 0.0 and r.fine                  # steady: fine polls
+    r._step_gaps.extend([20_000_000, 21_000_000])                     # 1 ms of jitter: every 0.1 ms
+    assert r.step_spread_s() == pytest.approx(0.001)
+    assert r.next_interval_s(None) == pytest.approx(0.0001) and not r.fine
+    r._step_gaps.append(24_000_000)                                   # 4 ms: capped at predict_poll_s
     assert r.next_interval_s(None) == cfg.predict_poll_s and not r.fine
     r._step_local_s = time.monotonic() - 0.02 - cfg.predict_window_s - 0.001
     assert r.next_interval_s(None) == cfg.busy_interval_s
