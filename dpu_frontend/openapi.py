@@ -113,12 +113,19 @@ def _reply(choice: dict) -> dict:
                            "choices": {"type": "array", "items": choice}}}
 
 
+# One server-sent event (Open API before 3.2 has a text/event-stream `schema` describe each event, as
+# schemathesis reads it): `data` holds one JSON chunk, or `[DONE]` at the end.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
+
 def _generation_responses(reply_ref: str) -> dict:
     return {
         "200": {"description": "the completion (JSON), or server-sent events ending with `data: [DONE]` "
                                "when stream is true",
                 "content": {"application/json": {"schema": {"$ref": reply_ref}},
-                            "text/event-stream": {"schema": {"type": "string"}}}},
+                            "text/event-stream": {"schema": _SSE_EVENT}}},
         "400": _error_response("invalid request: the error names the parameter"),
         "401": _error_response("missing or wrong API key (when one is configured)"),
         "404": _error_response("unknown model name"),

@@ -146,10 +146,7 @@ class RingClient:
         self._wake()
         if self._task is not None:
             await self._task
-        if self._timer is not None:
-            self._loop.remove_reader(self._timer.fd)
-            self._timer.close()
-            self._timer = None
+        self._drop_timer()
         self._fail_waiters(BackendUnavailable("ring client closed"))
         s = self._session
         if s is not None:
@@ -519,18 +516,31 @@ class RingClient:
         loop = asyncio.get_running_loop()
         fut = self._sleep_fut = loop.create_future()
         if self._timer is not None:
-            self._timer.arm(interval_s)   # an early wake leaves it armed: its expiry then finds no wait
             try:
-                await fut
-            finally:
-                self._sleep_fut = None
-            return
+                self._timer.arm(interval_s)   # an early wake leaves it armed: its expiry then finds no wait
+            except OSError as e:              # never seen; keep polling on the loop's own timers
+                log.warning("wake-up timer failed (%s); using event-loop timers", e)
+                self._drop_timer()
+            else:
+                try:
+                    await fut
+                finally:
+                    self._sleep_fut = None
+                return
         timer = loop.call_later(interval_s, _resolve, fut)
         try:
             await fut
         finally:
             timer.cancel()
             self._sleep_fut = None
+
+    def _drop_timer(self) -> None:
+        if self._timer is not None:
+            self._loop.remove_reader(self._timer.fd)
+            self._timer.close()
+            self._timer = None
+        if self._reader is not None:
+            self._reader.set_precise_wake(False)
 
     def _on_timer(self) -> None:
         """The wake-up timer's fd is readable: end the wait it was armed for."""

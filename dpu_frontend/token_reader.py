@@ -139,9 +139,7 @@ class TokenReader:
         self.session = session
         self.health = health
         self.config = config
-        # The caller's sleeps end within microseconds of their time (a timerfd): wake closer to a step.
-        self.precise_wake = precise_wake
-        self.lead_s = config.predict_lead_precise_s if precise_wake else config.predict_lead_s
+        self.set_precise_wake(precise_wake)
         self.urgent: set[int] = set()     # slots submitted whose first token we have not seen
         self._last_progress_s = 0.0
         self._last_submit_s = 0.0
@@ -159,6 +157,12 @@ class TokenReader:
         self._step_gaps: collections.deque[int] = collections.deque(maxlen=max(1, config.predict_history))
         self._newest_ns = 0    # the newest t_last_ns handed over in this poll
         self.fine = False      # the last next_interval_s() == 0 allows a fine (blocking) sleep
+
+    def set_precise_wake(self, precise: bool) -> None:
+        """Whether the caller's sleeps end within microseconds of their time (RingClient's timerfd):
+        then wake closer to a predicted step and poll around it by its jitter."""
+        self.precise_wake = precise
+        self.lead_s = self.config.predict_lead_precise_s if precise else self.config.predict_lead_s
 
     def track(self, flight: Flight) -> None:
         self.urgent.add(flight.slot)

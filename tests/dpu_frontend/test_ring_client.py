@@ -464,3 +464,21 @@ async def test_timed_waits_use_the_wakeup_timer_and_end_early_on_wake():
     await asyncio.wait_for(ended, 5.0)
     await client.close()
     assert client._timer is None
+
+
+async def test_a_failing_wakeup_timer_falls_back_to_loop_timers():
+    from dpu_frontend.transport.base import TransportError
+
+    def no_ring():
+        raise TransportError("no ring here")
+    client = RingClient(no_ring, RingClientConfig(reattach_interval_s=3600))
+    client._run = lambda: asyncio.sleep(0)
+    await client.start()
+
+    def broken(seconds):
+        raise OSError(22, "timerfd_settime: Invalid argument")
+    client._timer.arm = broken
+    await asyncio.wait_for(client._sleep(0.003), 5.0)   # the wait still ends, on a loop timer
+    assert client._timer is None
+    await asyncio.wait_for(client._sleep(0.003), 5.0)
+    await client.close()

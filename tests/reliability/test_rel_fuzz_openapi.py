@@ -86,3 +86,19 @@ def test_still_serving_after_the_fuzz(server):
     m = server.metrics()
     assert not any("internal_error" in k and v for k, v in m.items())
     assert server.proc.poll() is None
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 4,
+                         "stream_options": {"include_usage": True}})])
+def test_a_stream_matches_the_documented_events(api_schema, server, path, body):
+    """Every generated case above that streams is checked event by event against the document's
+    text/event-stream schema; this one always streams, so the check does not depend on what the
+    generator happens to draw."""
+    op = next(r.ok() for r in api_schema.get_all_operations()
+              if r.ok().method.upper() == "POST" and r.ok().path == path)
+    case = op.Case(body=body, media_type="application/json")
+    response = case.call(base_url=server.base, timeout=30)
+    assert response.status_code == 200 and "text/event-stream" in response.headers["content-type"][0]
+    case.validate_response(response, checks=CHECKS)
