@@ -521,17 +521,12 @@ class RingClient:
             except OSError as e:              # never seen; keep polling on the loop's own timers
                 log.warning("wake-up timer failed (%s); using event-loop timers", e)
                 self._drop_timer()
-            else:
-                try:
-                    await fut
-                finally:
-                    self._sleep_fut = None
-                return
-        timer = loop.call_later(interval_s, _resolve, fut)
+        loop_timer = loop.call_later(interval_s, _resolve, fut) if self._timer is None else None
         try:
             await fut
         finally:
-            timer.cancel()
+            if loop_timer is not None:
+                loop_timer.cancel()
             self._sleep_fut = None
 
     def _drop_timer(self) -> None:

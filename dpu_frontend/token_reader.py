@@ -355,7 +355,8 @@ class TokenReader:
             return 0.0   # capped: more to read right away
         now = time.monotonic()
         period = self.step_period_s() if self.session.flights else None
-        if now - self._last_progress_s < cfg.spin_s and (period is None or self.urgent or not self._step_complete()):
+        complete = period is not None and self._step_complete()
+        if now - self._last_progress_s < cfg.spin_s and (not complete or self.urgent):
             # Right after progress, unless the step is known complete and nothing waits for a first
             # token: then the next tokens come with the next step, and the reader sleeps until then.
             self.fine = cfg.fine_sleep_when_flowing and res is not None and not res.progress
@@ -367,7 +368,7 @@ class TokenReader:
             return 0.0
         if period is not None:
             start = self._step_local_s
-            if not self._step_complete():
+            if not complete:
                 # Part of the newest step is still to come: poll finely for a while, then busily.
                 if now <= start + cfg.predict_window_s:
                     self.fine = True

@@ -16,7 +16,6 @@ client keeps the loop's own timers.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import sys
 
@@ -79,10 +78,6 @@ class WakeupTimer:
             return True
         except BlockingIOError:
             return False
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EBADF):
-                return False
-            raise
 
     def close(self) -> None:
         if self.fd >= 0:
