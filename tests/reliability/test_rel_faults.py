@@ -103,6 +103,17 @@ class CompletionWatcher(threading.Thread):
             time.sleep(0.0005)
 
 
+def in_ring(ring: Ring) -> int:
+    """Slots holding a live request (written, decoding or pending, not yet completed)."""
+    states = ring.state
+    return int(np.count_nonzero((states != SlotState.EMPTY) & (states != SlotState.DECODE_COMPLETED)))
+
+
+async def until_in_ring(ring: Ring, n: int):
+    while in_ring(ring) < n:
+        await asyncio.sleep(0.005)
+
+
 async def test_frontend_kill9_stale_epoch_slots_freed_and_new_frontend_starts_clean(ring_name, tmp_path):
     daemon = start_daemon(ring_name, tmp_path, "--max-batch-size", "2")
     fe1 = Frontend(ring_name, tmp_path, name="frontend1")
@@ -110,18 +121,20 @@ async def test_frontend_kill9_stale_epoch_slots_freed_and_new_frontend_starts_cl
     watcher = None
     try:
         await asyncio.to_thread(wait_for, fe1.healthy, 30, "a healthy backend")
+        watcher = CompletionWatcher(ring_name)
         session, tasks, firsts = await open_streams(fe1.base, 6)
         async with session:
             await asyncio.wait_for(firsts[0].wait(), 20)
+            # All six must be in the ring before the freeze: on a loaded machine the first chunk
+            # can come back before the frontend has written the last prompt.
+            await asyncio.wait_for(until_in_ring(watcher.ring, 6), 20)
             # Freeze the daemon so the echo model cannot finish the requests before the new frontend
             # comes: they are still decoding (2) or pending (4) when it attaches.
             os.kill(daemon.pid, signal.SIGSTOP)
-            watcher = CompletionWatcher(ring_name)
             watcher.start()
             fe1.kill9()
             await asyncio.gather(*tasks, return_exceptions=True)
-        states = watcher.ring.state
-        assert int(np.count_nonzero((states != SlotState.EMPTY) & (states != SlotState.DECODE_COMPLETED))) == 6
+        assert in_ring(watcher.ring) == 6
 
         fe2 = Frontend(ring_name, tmp_path, name="frontend2")   # listening: it has attached (epoch 2)
         os.kill(daemon.pid, signal.SIGCONT)
