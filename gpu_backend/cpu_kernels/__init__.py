@@ -38,8 +38,8 @@ _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 _SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "rope_cache": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _int],
-    "decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                         _i64, _f32, _int],
+    "decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                         _i64, _i64, _f32, _int],
     "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
 }
 _LINEAR_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
@@ -141,24 +141,33 @@ class CpuKernels:
             _threads())
 
     def decode_attention(self, qkv: torch.Tensor, num_heads: int, kc: torch.Tensor, vc: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Rows 0..B-1 of qkv [T, H + 2 KV, D] are single-token queries; each attends to its
-        context_lens[b] cached positions through block_tables[b] -> o [B, H, D]. The tables
-        must cover the lengths (PagedBatch.build checks it once per step, not here per layer)."""
-        b, max_blocks = block_tables.shape
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         table_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows 0..B-1 of qkv [T, H + 2 KV, D] are single-query rows; row b attends to the first
+        context_lens[b] cached positions through block_tables[table_index[b]] (block_tables[b]
+        without an index) -> o [B, H, D]. A prefill chunk is rows sharing a table, each with its
+        causal length. The tables must cover the lengths (PagedBatch.build checks it once per
+        step, not here per layer)."""
+        b = context_lens.shape[0] if context_lens.dim() == 1 else -1
+        tables_n, max_blocks = block_tables.shape
         _, heads_total, d = qkv.shape
         kvh, num_blocks, bs, _ = kc.shape
         _check(qkv, kc, vc)
-        for name, idx in (("block_tables", block_tables), ("context_lens", context_lens)):
-            if idx.dtype != torch.int64 or not idx.is_contiguous():
+        named = (("block_tables", block_tables), ("context_lens", context_lens), ("table_index", table_index))
+        for name, idx in named:
+            if idx is not None and (idx.dtype != torch.int64 or not idx.is_contiguous()):
                 raise ValueError(f"decode_attention: {name} must be contiguous int64")
-        if context_lens.shape != (b,) or qkv.shape[0] < b or num_heads % kvh:
-            raise ValueError(f"decode_attention: {b} tables, {tuple(context_lens.shape)} lengths, "
+        rows_ok = table_index is None and tables_n == b or (
+            table_index is not None and table_index.shape == (b,)
+            and (b == 0 or 0 <= int(table_index.min()) and int(table_index.max()) < tables_n))
+        if b < 0 or not rows_ok or qkv.shape[0] < b or num_heads % kvh:
+            raise ValueError(f"decode_attention: {tables_n} tables, {tuple(context_lens.shape)} lengths, "
                              f"{qkv.shape[0]} rows, {num_heads} heads over {kvh} kv heads")
         o = torch.empty((b, num_heads, d), dtype=qkv.dtype)
         self._fn("decode_attention", qkv.dtype)(
-            qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(), max_blocks,
-            context_lens.data_ptr(), o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
+            qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(),
+            None if table_index is None else table_index.data_ptr(), max_blocks, context_lens.data_ptr(),
+            o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
         return o
 
     def linear_fits(self, weight: torch.Tensor) -> bool:

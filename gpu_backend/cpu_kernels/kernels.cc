@@ -5,8 +5,10 @@
 //                             round to the model dtype, then scale by the weight)
 //   rope_cache                RoPE in place over the q and k heads of the fused qkv rows,
 //                             then k and v written into the paged KV pool by slot
-//   decode_attention          single-token queries over their paged context, straight from
-//                             the pool's blocks (no gather copy), GQA groups share each K/V row
+//   decode_attention          single-query rows over their paged context, straight from
+//                             the pool's blocks (no gather copy), GQA groups share each K/V row:
+//                             decodes, and the rows of a prefill chunk, each row with its own
+//                             causal length (table_index maps rows to a shared block table)
 //   silu_mul                  SwiGLU: silu(gate) * up from the fused gate|up rows
 //
 // Layouts (row-major, contiguous unless a stride is given):
@@ -207,15 +209,18 @@ static inline void prefetch_ahead(const void* base, const int64_t* table, int64_
     if (t0 + 2 * bs < len) prefetch_block(b + table[blk + 2] * bs * row_bytes, bs * row_bytes);
 }
 
-// One query token per sequence: o[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over the
-// context_lens[b] cached positions of sequence b, found through its block table.
+// One query row at a time: o[b, h] = softmax(q[b, h] . K^T * scale) V over the first
+// context_lens[b] cached positions of row b's sequence, found through block table
+// tables[table_index[b]] (tables[b] when table_index is null). A decode is one row; a prefill
+// chunk of n tokens ending at position c - 1 is n rows sharing one table, with lengths
+// c - n + 1 .. c: causal attention without a mask, and one work list for the whole step.
 // q rows are strided (q_stride elements between tokens: the fused qkv rows); o is [B, H, D].
 template <class P, int DC>
 void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                           const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
-                           const int64_t* context_lens, typename P::T* o, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t d_rt, int64_t num_blocks, int64_t bs, float scale,
-                           int threads) {
+                           const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
+                           int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t d_rt,
+                           int64_t num_blocks, int64_t bs, float scale, int threads) {
     const int64_t d = DC ? DC : d_rt;
     const int64_t group = heads / kv_heads;
     const int64_t pool_slots = num_blocks * bs;
@@ -236,7 +241,7 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                         qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
             }
             const typename P::T* qh = q + b * q_stride;                 // this token's query heads
-            const int64_t* table = tables + b * max_blocks;
+            const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks;
             const typename P::T* kbase = kc + g * pool_slots * d;
             const typename P::T* vbase = vc + g * pool_slots * d;
             // Block by block through the table: no division per position.
@@ -315,12 +320,13 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
 
 template <class P>
 void decode_attention(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                      const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
-                      const int64_t* context_lens, typename P::T* o, int64_t batch, int64_t heads,
-                      int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale, int threads) {
+                      const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
+                      int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
+                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks,
+                      int64_t bs, float scale, int threads) {
     // The common head sizes get a compile-time D, so the inner loops unroll into whole vectors.
     auto run = [&](auto impl) {
-        impl(q, q_stride, kc, vc, tables, max_blocks, context_lens, o, batch, heads, kv_heads, d,
+        impl(q, q_stride, kc, vc, tables, table_index, max_blocks, context_lens, o, batch, heads, kv_heads, d,
              num_blocks, bs, scale, threads);
     };
     if (d == 64) run(decode_attention_impl<P, 64>);
@@ -460,13 +466,14 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uin
     }                                                                                                    \
     extern "C" void blink_decode_attention_##SUF(const void* q, int64_t q_stride, const void* kc,        \
                                                  const void* vc, const int64_t* tables,                  \
-                                                 int64_t max_blocks, const int64_t* context_lens,        \
-                                                 void* o, int64_t batch, int64_t heads,                  \
-                                                 int64_t kv_heads, int64_t d, int64_t num_blocks,        \
-                                                 int64_t bs, float scale, int threads) {                 \
+                                                 const int64_t* table_index, int64_t max_blocks,         \
+                                                 const int64_t* context_lens, void* o, int64_t batch,    \
+                                                 int64_t heads, int64_t kv_heads, int64_t d,             \
+                                                 int64_t num_blocks, int64_t bs, float scale,            \
+                                                 int threads) {                                          \
         decode_attention<P>((const P::T*)q, q_stride, (const P::T*)kc, (const P::T*)vc, tables,          \
-                            max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, d, num_blocks,   \
-                            bs, scale, threads);                                                         \
+                            table_index, max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, d,  \
+                            num_blocks, bs, scale, threads);                                             \
     }                                                                                                    \
     extern "C" void blink_silu_mul_##SUF(const void* gate_up, void* out, int64_t rows, int64_t n,        \
                                          int threads) {                                                  \

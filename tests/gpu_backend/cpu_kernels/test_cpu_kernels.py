@@ -116,6 +116,33 @@ def test_rope_cache_and_decode_attention_match_paged_attention(dtype, heads, kv_
     close(got, want, dtype, bf16_tol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 37])
+def test_prefill_rows_through_a_shared_table_are_causal_attention(dtype, start):
+    """A chunk of 21 tokens at positions start.. as 21 rows over one table (table_index), row i
+    attending to start + i + 1 positions: what PagedAttention's SDPA prefill computes."""
+    heads, kv_heads, d, bs, n = 9, 3, 64, 16, 21
+    pool, _, _ = paged_case(dtype, heads, kv_heads, d, bs, [start + n], seed=start + 1)
+    table = torch.randperm(pool.config.num_blocks, generator=gen(2))[:-(-(start + n) // bs)].tolist()
+    batch = PagedBatch.build([(start, n, table)], bs)
+    qkv = (torch.randn(n, heads + 2 * kv_heads, d, generator=gen(3)) * 0.3).to(dtype)
+    ref_pool = KVPool(pool.config, dtype=dtype)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    attn = PagedAttention(ref_pool)
+    attn.batch = batch
+    want = attn(0, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:])
+    # The kernels' way: k/v into the pool (RoPE at angle 0 leaves them as they are), then rows.
+    KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(n), d, dtype), batch.slot_mapping, pool.k[0], pool.v[0],
+                       heads, kv_heads)
+    got = KERNELS.decode_attention(qkv, heads, pool.k[0], pool.v[0], torch.tensor([[0] * len(table), table]),
+                                   torch.arange(start + 1, start + n + 1), table_index=torch.ones(n, dtype=torch.long))
+    close(got, want, dtype, bf16_tol=3e-2)
+    with pytest.raises(ValueError, match="tables"):                # an index past the tables
+        KERNELS.decode_attention(qkv, heads, pool.k[0], pool.v[0], torch.tensor([table]),
+                                 torch.arange(1, n + 1), table_index=torch.ones(n, dtype=torch.long))
+
+
 def test_decode_attention_of_a_single_position_returns_its_value():
     pool, batch, qkv = paged_case(torch.bfloat16, 9, 3, 64, 16, [1, 1], seed=4)
     KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(2), 64, torch.bfloat16), batch.slot_mapping,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_backend import cpu_kernels
-from gpu_backend.executors.cpu_forward import KernelForward
+from gpu_backend.executors.cpu_forward import KernelForward, attention_rows
 from gpu_backend.executors.cpu_linear import prepare_model
 from gpu_backend.kv_cache import KVCacheConfig, KVPool
 from gpu_backend.model.config import tiny_config
@@ -66,6 +66,7 @@ def run_both(model: LlamaModel, steps=STEPS):
 def test_kernel_layer_equals_the_pytorch_layer_on_mixed_batches(variant, dtype):
     model = prepare_model(LlamaModel.random(tiny_config(**VARIANTS[variant]), seed=7).to(dtype))
     assert KernelForward.applicable(model, KERNELS)
+    agree = rows = 0
     for want, got in run_both(model):
         assert got.shape == want.shape and got.dtype == want.dtype
         if dtype == torch.float32:
@@ -73,7 +74,24 @@ def test_kernel_layer_equals_the_pytorch_layer_on_mixed_batches(variant, dtype):
         else:        # bf16: PyTorch rounds attention scores and probabilities to bf16, the kernel does not
             torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
             logits_want, logits_got = model.compute_logits(want), model.compute_logits(got)
-            assert (logits_want.argmax(-1) == logits_got.argmax(-1)).float().mean() >= 0.9
+            pick_want, pick_got = logits_want.argmax(-1), logits_got.argmax(-1)
+            agree, rows = agree + int((pick_want == pick_got).sum()), rows + len(pick_want)
+            # A different greedy pick only at a near-tie of the random model: the reference's margin
+            # over the kernel's pick is within the two paths' bf16 noise.
+            margin = logits_want.max(-1).values - logits_want.gather(-1, pick_got[:, None])[:, 0]
+            assert float(margin.max()) <= 2 * float((logits_want - logits_got).abs().max())
+    assert dtype == torch.float32 or agree >= 0.9 * rows
+
+
+def test_attention_rows_give_each_prefill_token_its_causal_length():
+    batch = PagedBatch.build([(8, 1, [9, 2, 14]), (5, 6, [0, 7, 11]), (0, 3, [4])], BLOCK)
+    tables, index, lens = attention_rows(batch, 10)
+    assert tables.tolist() == [[9, 2, 14], [0, 7, 11], [4, 0, 0]]
+    assert index.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2, 2]
+    assert lens.tolist() == [9, 6, 7, 8, 9, 10, 11, 1, 2, 3]
+    decode_only = PagedBatch.build([(3, 1, [1]), (4, 1, [2, 3])], BLOCK)
+    tables, index, lens = attention_rows(decode_only, 2)
+    assert index is None and tables is decode_only.decode_block_tables and lens is decode_only.decode_context_lens
 
 
 @pytest.mark.slow
