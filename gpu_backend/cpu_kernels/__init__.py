@@ -87,6 +87,8 @@ class CpuKernels:
         self.has_bf16_linear = bool(lib.blink_has_bf16_linear())
         self._linear = lib.blink_linear_bf16
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGS, None
+        self._linear_f32out = lib.blink_linear_bf16_f32out
+        self._linear_f32out.argtypes, self._linear_f32out.restype = _LINEAR_ARGS, None
 
     def _fn(self, name: str, dtype: torch.dtype):
         try:
@@ -176,21 +178,27 @@ class CpuKernels:
                 and weight.shape[1] % LINEAR_K_MULTIPLE == 0 and weight.is_contiguous()
                 and weight.device.type == "cpu")
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] bf16, for 1 <= M <= LINEAR_MAX_ROWS:
-        each weight row is streamed once for all M rows (decode batches)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N], each weight row streamed once for
+        all M rows. bf16 out: 1 <= M <= LINEAR_MAX_ROWS (decode batches; oneDNN wins above).
+        float32 out, any M >= 1: the float32 sums unrounded (the logits head)."""
         m, k = x.shape
         n = weight.shape[0]
         _check(x, weight, bias)
-        if not self.linear_fits(weight) or weight.shape[1] != k or not 1 <= m <= LINEAR_MAX_ROWS:
+        max_rows = LINEAR_MAX_ROWS if out_dtype == torch.bfloat16 else m
+        if (not self.linear_fits(weight) or weight.shape[1] != k or not 1 <= m <= max_rows
+                or out_dtype not in (torch.bfloat16, torch.float32)):
             raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                             f"{weight.dtype}: needs bf16, K % {LINEAR_K_MULTIPLE} == 0, 1..{LINEAR_MAX_ROWS} "
-                             f"rows and AVX512-BF16 (here: {self.has_bf16_linear})")
+                             f"{weight.dtype} -> {out_dtype}: needs bf16 in, bf16 or float32 out, "
+                             f"K % {LINEAR_K_MULTIPLE} == 0, 1..{LINEAR_MAX_ROWS} rows for bf16 out "
+                             f"and AVX512-BF16 (here: {self.has_bf16_linear})")
         if bias is not None and bias.shape != (n,):
             raise ValueError(f"linear: bias {tuple(bias.shape)} for {n} outputs")
-        y = torch.empty((m, n), dtype=torch.bfloat16)
-        self._linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     m, n, k, _threads())
+        y = torch.empty((m, n), dtype=out_dtype)
+        fn = self._linear if out_dtype == torch.bfloat16 else self._linear_f32out
+        fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+           _threads())
         return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

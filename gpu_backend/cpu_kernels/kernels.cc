@@ -424,25 +424,37 @@ static GemmFn gemm_fn(int mc, int nr) {
     return nr == 4 ? pick<4>(mc, seq) : (nr == 2 ? pick<2>(mc, seq) : pick<1>(mc, seq));
 }
 
-void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+// y [M, N] = x [M, K] . w [N, K]^T (+ bias), the weight streamed once: each group of w rows
+// (in L1 after the first chunk) meets x in chunks of up to kMaxRowsX rows. OutT uint16_t rounds
+// to bf16 (the projections); float keeps the float32 sums (the logits: rounded to bf16, logits
+// near 25 are 0.125 apart, which turns near-ties into exact ties that argmax breaks by token id).
+template <class OutT>
+void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT* y,
                  int64_t M, int64_t N, int64_t K, int threads) {
-    const int mc = int(M);                       // 1..kMaxRowsX (checked by the caller)
-    const int nr = rows_of_w(mc);
-    const GemmFn main_fn = gemm_fn(mc, nr), tail_fn = gemm_fn(mc, 1);
+    const int nr = rows_of_w(int(M < kMaxRowsX ? M : kMaxRowsX));
+    const int chunk = kMaxRowsX;
     const int64_t groups = (N + nr - 1) / nr;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
     for (int64_t g = 0; g < groups; ++g) {
         float acc[kAccumulators];
         const int64_t n0 = g * nr;
         const int rows = int(N - n0 < nr ? N - n0 : nr);
-        if (rows == nr) {
-            main_fn(x, K, w + n0 * K, n0 + nr < N, acc);
-        } else {
-            for (int r = 0; r < rows; ++r) tail_fn(x, K, w + (n0 + r) * K, false, acc + r * mc);
-        }
-        for (int r = 0; r < rows; ++r) {
-            const float b = bias ? BF16::load(bias[n0 + r]) : 0.f;
-            for (int m = 0; m < mc; ++m) y[m * N + n0 + r] = BF16::store(acc[r * mc + m] + b);
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int mc = int(M - m0 < chunk ? M - m0 : chunk);
+            const uint16_t* xc = x + m0 * K;
+            if (rows == nr) {
+                gemm_fn(mc, nr)(xc, K, w + n0 * K, m0 == 0 && n0 + nr < N, acc);
+            } else {
+                for (int r = 0; r < rows; ++r) gemm_fn(mc, 1)(xc, K, w + (n0 + r) * K, false, acc + r * mc);
+            }
+            for (int r = 0; r < rows; ++r) {
+                const float b = bias ? BF16::load(bias[n0 + r]) : 0.f;
+                for (int m = 0; m < mc; ++m) {
+                    const float v = acc[r * mc + m] + b;
+                    if constexpr (std::is_same_v<OutT, float>) y[(m0 + m) * N + n0 + r] = v;
+                    else y[(m0 + m) * N + n0 + r] = BF16::store(v);
+                }
+            }
         }
     }
 }
@@ -490,6 +502,15 @@ extern "C" void blink_linear_bf16(const void* x, const void* w, const void* bias
                                   int64_t K, int threads) {
 #if BLINK_AVX512_BF16
     linear_bf16((const uint16_t*)x, (const uint16_t*)w, (const uint16_t*)bias, (uint16_t*)y, M, N, K, threads);
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+#endif
+}
+// The same product with float32 outputs (y is float*), for any M: the logits head.
+extern "C" void blink_linear_bf16_f32out(const void* x, const void* w, const void* bias, void* y, int64_t M,
+                                         int64_t N, int64_t K, int threads) {
+#if BLINK_AVX512_BF16
+    linear_bf16((const uint16_t*)x, (const uint16_t*)w, (const uint16_t*)bias, (float*)y, M, N, K, threads);
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
 #endif

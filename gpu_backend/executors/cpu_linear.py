@@ -3,7 +3,9 @@
     LlamaModel (loaded) -> fuse_projections() (q|k|v and gate|up: 4 matmuls a layer,
     not 7) -> pack_linears(): every bfloat16 nn.Linear becomes a PackedLinear whose
     weight oneDNN has reordered once into its blocked layout, and the lm_head gets a
-    packed copy as model.logits_head -> forward calls _linear_pointwise on it
+    packed copy as model.logits_head -> forward calls _linear_pointwise on it (with the
+    CPU kernels, decode-sized batches take their small-batch matmul instead, and the
+    logits head keeps float32 sums up to FLOAT32_LOGITS_MAX_ROWS sampled rows)
 
 Why: decode on a CPU streams every weight once per step, and the plain bf16 matmul
 re-blocks the weight on each call. Packed once, a 576x1536 decode projection runs in
@@ -33,6 +35,12 @@ log = logging.getLogger("blink.gpu_daemon")
 SMALL_BATCH_ROWS = range(2, cpu_kernels.LINEAR_MAX_ROWS + 1)
 
 
+# Sampled rows a step up to which the logits head keeps float32 sums (the kernels' matmul, within
+# ~10% of oneDNN's time up to 32 rows); past that oneDNN's blocked GEMM is 2x faster (64 rows:
+# 9.7 vs 20.8 ms, SmolLM2's 49152 x 576 head, 1 thread) and its bf16 outputs are kept.
+FLOAT32_LOGITS_MAX_ROWS = 32
+
+
 class PackedLinear(nn.Module):
     """y = x @ W^T + b with W prepacked for oneDNN; same shapes and dtype as nn.Linear.
 
@@ -40,8 +48,12 @@ class PackedLinear(nn.Module):
     weight-streaming matmul instead, over the plain weight kept beside the packed one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 kernels: cpu_kernels.CpuKernels | None = None):
+                 kernels: cpu_kernels.CpuKernels | None = None, float32_out: bool = False):
         super().__init__()
+        # The logits head: batches of up to FLOAT32_LOGITS_MAX_ROWS through the kernels' matmul
+        # with float32 outputs, so sampling sees the unrounded sums, not bf16 logits that lie
+        # 0.125 apart near 25 (a near-tie becomes a tie, which argmax breaks by token id).
+        self.float32_out = float32_out
         self.out_features, self.in_features = weight.shape
         # The batch-size hint only tunes the blocking; bf16 timings barely depend on it.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
@@ -57,7 +69,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.takes_small(x2.shape[0]):
+        if self.float32_out and self.small is not None and 0 < x2.shape[0] <= FLOAT32_LOGITS_MAX_ROWS:
+            y = self.small.linear(x2, self.weight, self.bias, out_dtype=torch.float32)
+        elif self.takes_small(x2.shape[0]):
             y = self.small.linear(x2, self.weight, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -94,7 +108,7 @@ def pack_linears(model: nn.Module, kernels: cpu_kernels.CpuKernels | None = None
                 setattr(parent, name, PackedLinear(child.weight, child.bias, kernels))
                 count += 1
     if head is not None and _packable(head):      # an untied lm_head stays as is for state_dict()
-        model.logits_head = PackedLinear(head, None, kernels)
+        model.logits_head = PackedLinear(head, None, kernels, float32_out=True)
         count += 1
     return count
 

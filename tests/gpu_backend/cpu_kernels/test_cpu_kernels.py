@@ -215,6 +215,20 @@ def test_small_batch_linear_matches_f_linear(rows, n, k, bias):
 
 
 @needs_bf16_linear
+@pytest.mark.parametrize("rows", [1, 8, 9, 20])
+def test_float32_out_linear_keeps_the_sums_unrounded_for_any_batch(rows):
+    g = gen(rows)
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(1001, 576, generator=g).to(torch.bfloat16)       # logits of size ~25: bf16 steps 0.125
+    b = torch.randn(1001, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float(), b.float())
+    got = KERNELS.linear(x, w, b, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (rows, 1001)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)        # float32 sums, only the order differs
+    assert (got - want).abs().max() < 0.01 < (F.linear(x, w, b).float() - want).abs().max()
+
+
+@needs_bf16_linear
 def test_small_batch_linear_refuses_what_it_cannot_compute():
     w = torch.zeros(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows"):

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gpu_backend import cpu_kernels
-from gpu_backend.executors.cpu_linear import (SMALL_BATCH_ROWS, PackedLinear, pack_linears, packing_available,
-                                              prepare_model)
+from gpu_backend.executors.cpu_linear import (FLOAT32_LOGITS_MAX_ROWS, SMALL_BATCH_ROWS, PackedLinear, pack_linears,
+                                              packing_available, prepare_model)
 from gpu_backend.model.attention import DenseCausalAttention
 from gpu_backend.model.config import tiny_config
 from gpu_backend.model.llama import LlamaModel
@@ -77,6 +77,23 @@ def test_packed_linear_sends_decode_batches_to_the_small_batch_kernel(rows, monk
         torch.testing.assert_close(packed(x).float(), lin(x).float(), rtol=1e-2, atol=1e-2)
     assert bool(calls) == (rows in SMALL_BATCH_ROWS)             # 1 row and > 8 rows: oneDNN
     assert PackedLinear(lin.weight, lin.bias).weight is None     # no kernels: no second copy of the weight
+
+
+@needs_small
+@pytest.mark.parametrize("rows", [1, 8, 32, 33])
+def test_the_logits_head_keeps_float32_sums_up_to_its_row_limit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(2048, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    head = PackedLinear(w, None, KERNELS, float32_out=True)
+    with torch.inference_mode():
+        got = head(x)
+    want = x.float() @ w.float().t()
+    if rows <= FLOAT32_LOGITS_MAX_ROWS:
+        assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-2
+    else:                                                         # oneDNN's bf16 GEMM past the limit
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=0.2)
 
 
 @needs_packing
