@@ -314,6 +314,11 @@ class TokenReader:
             rec = s.read_slot(flight.slot)
             p = _Progress(*(int(rec[name]) for name in PROGRESS_FIELDS))
         gen = min(p.generated, flight.max_tokens)
+        if gen == flight.max_tokens > flight.received and not completed:
+            # The request's last token, published before the daemon marks the slot complete (the
+            # same step): hold it for the completion, a poll or two later, so the end of the stream
+            # (last chunk, finish reason, usage, [DONE]) leaves in one write, not two.
+            return False
         h = flight.handle
         moved = False
         if gen > flight.received:

@@ -97,6 +97,19 @@ def test_tokens_flow_in_order_then_the_slot_comes_back(rig):
     assert s.prompts.free_tokens == GEOM.prompt_arena_tokens and s.outputs.free_tokens == GEOM.output_arena_tokens
 
 
+def test_the_last_token_waits_for_the_completion(rig):
+    f, h = rig.submit([1], 3)
+    rig.claim(f.slot)
+    rig.be.publish(f.slot, [20])
+    rig.reader.poll()
+    assert rig.drained(h) == [20]
+    rig.be.publish(f.slot, [21, 22])               # max_tokens reached; the slot not yet complete
+    assert not rig.reader.poll().progress and rig.drained(h) == [] and not h.finished
+    rig.be.complete(f.slot, FinishReason.LENGTH)
+    assert rig.reader.poll().freed == 1
+    assert rig.drained(h) == [21, 22] and h.finish_reason == "length" and h.completion_tokens == 3
+
+
 def test_a_request_finished_between_polls_is_read_whole(rig):
     f, h = rig.submit([1], 3, stops=(22,))
     rig.claim(f.slot)
