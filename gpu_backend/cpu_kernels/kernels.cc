@@ -431,21 +431,26 @@ static GemmFn gemm_fn(int mc, int nr) {
 template <class OutT>
 void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, OutT* y,
                  int64_t M, int64_t N, int64_t K, int threads) {
-    const int nr = rows_of_w(int(M < kMaxRowsX ? M : kMaxRowsX));
-    const int chunk = kMaxRowsX;
+    const int full = int(M < kMaxRowsX ? M : kMaxRowsX);          // rows of x in every chunk but the last
+    const int last = int(M - (M - 1) / kMaxRowsX * kMaxRowsX);     // ... and in the last
+    const int nr = rows_of_w(full);
+    // The micro-kernels, picked once: [0] for full chunks, [1] for the last one.
+    const GemmFn main_fn[2] = {gemm_fn(full, nr), gemm_fn(last, nr)};
+    const GemmFn tail_fn[2] = {gemm_fn(full, 1), gemm_fn(last, 1)};
     const int64_t groups = (N + nr - 1) / nr;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
     for (int64_t g = 0; g < groups; ++g) {
         float acc[kAccumulators];
         const int64_t n0 = g * nr;
         const int rows = int(N - n0 < nr ? N - n0 : nr);
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int mc = int(M - m0 < chunk ? M - m0 : chunk);
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsX) {
+            const bool is_last = m0 + kMaxRowsX >= M;
+            const int mc = is_last ? last : full;
             const uint16_t* xc = x + m0 * K;
             if (rows == nr) {
-                gemm_fn(mc, nr)(xc, K, w + n0 * K, m0 == 0 && n0 + nr < N, acc);
+                main_fn[is_last](xc, K, w + n0 * K, m0 == 0 && n0 + nr < N, acc);
             } else {
-                for (int r = 0; r < rows; ++r) gemm_fn(mc, 1)(xc, K, w + (n0 + r) * K, false, acc + r * mc);
+                for (int r = 0; r < rows; ++r) tail_fn[is_last](xc, K, w + (n0 + r) * K, false, acc + r * mc);
             }
             for (int r = 0; r < rows; ++r) {
                 const float b = bias ? BF16::load(bias[n0 + r]) : 0.f;
