@@ -242,4 +242,4 @@ class LlamaModel(nn.Module):
                     p.copy_(noise)
                 else:                                    # Linear [out, in]
                     p.copy_(noise / math.sqrt(p.shape[1]))
-        return model.eval()
+        return model.requires_grad_(False).eval()   # as the loader leaves a model: served, never trained
