@@ -165,7 +165,7 @@ def load_tokenizer(spec: str = "default", encode_in_thread_chars: int = 4096) ->
 
 
 def _from_gguf(path: pathlib.Path) -> ModelTokenizer:
-    from .gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, tokenizer_from_gguf
+    from shared_layout.gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, tokenizer_from_gguf
     try:
         tok = tokenizer_from_gguf(path)
         meta = gguf_tokenizer_meta(path)

@@ -1,7 +1,7 @@
 """GPUDirect RDMA for a ring in GPU memory: may the NIC write it, and must someone flush?
 
     query_caps(device) -> GpuDirectCaps -> plan_placement(caps, consumer) -> RingPlacement
-    export_dmabuf(dptr, nbytes) -> dma-buf fd -> VerbsPort.register_dmabuf (rdma_device)
+    export_dmabuf(dptr, nbytes) -> dma-buf fd -> VerbsPort.register_dmabuf (shared_layout.rdma.device)
     flush_writes(): cuFlushGPUDirectRDMAWrites, where the placement says it is needed
 
 A frontend's RDMA WRITEs reach GPU memory over PCIe. Whether the GPU's own SMs

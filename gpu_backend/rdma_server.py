@@ -25,8 +25,8 @@ import os
 import socket
 import threading
 
-from dpu_frontend.transport.base import TransportError
-from dpu_frontend.transport.rdma_bootstrap import (DEFAULT_PORT, BootstrapError, RingRegion, ServerHello,
+from shared_layout.errors import TransportError
+from shared_layout.rdma.bootstrap import (DEFAULT_PORT, BootstrapError, RingRegion, ServerHello,
                                                     decode_client_hello, encode_error, encode_server_hello,
                                                     keepalive, parse_endpoint, read_line)
 
@@ -77,14 +77,14 @@ class RdmaRingServer:
     @classmethod
     def open(cls, config: RdmaServerConfig) -> "RdmaRingServer":
         """Open the RDMA port; NoRdmaDevice (a TransportError) when this machine has none."""
-        from dpu_frontend.transport.rdma_device import VerbsPort, pick_port, scan_ports
+        from shared_layout.rdma.device import VerbsPort, pick_port, scan_ports
         port = pick_port(scan_ports(), config.device, config.ib_port)
         return cls(config, VerbsPort(port, config.gid_index))
 
     # -- registration ---------------------------------------------------------------
     def register_host_ring(self, buf, nbytes: int | None = None) -> RingRegion:
         """Register a ring in host memory (the shm mmap, or host-mapped CUDA memory)."""
-        from dpu_frontend.transport.rdma_device import buffer_address
+        from shared_layout.rdma.device import buffer_address
         addr, anchor = buffer_address(buf)
         nbytes = len(memoryview(buf).cast("B")) if nbytes is None else nbytes
         self._mr = self.vport.register(addr, nbytes, remote=True)
@@ -206,7 +206,7 @@ class RdmaRingServer:
             conn.close()
 
     def _connect_qp(self, fe: _Frontend, hello) -> ServerHello:
-        from dpu_frontend.transport.rdma_device import RcQueuePair
+        from shared_layout.rdma.device import RcQueuePair
         rd = max(1, min(hello.max_rd_atomic or 1, self.config.max_dest_rd_atomic, self.vport.max_qp_rd_atom or 1))
         qp = RcQueuePair(self.vport, sq_depth=4, inline_bytes=0, responder=True)
         try:
@@ -293,7 +293,7 @@ def config_from_args(args: argparse.Namespace) -> RdmaServerConfig | None:
                                   max_frontends=args.rdma_max_frontends)
     except ValueError as e:
         raise SystemExit(f"blink gpu-daemon: --rdma-listen: {e}") from None
-    from dpu_frontend.transport.rdma_device import import_pyverbs, pick_port, scan_ports
+    from shared_layout.rdma.device import import_pyverbs, pick_port, scan_ports
     try:
         pick_port(scan_ports(), config.device, config.ib_port)
         import_pyverbs()

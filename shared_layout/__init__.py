@@ -3,7 +3,10 @@
 layout.py (bytes) + states.py (lifecycle) -> ring.py (accessors for both sides),
 shm.py (the ring as a shared-memory file), arena.py (token ranges the frontend
 hands out), cheader.py (the same layout for C/CUDA), timers.py (how both polling
-sides sleep). Imports nothing from the other packages.
+sides sleep). Code both sides run beyond the ring itself lives here too, so the two
+sides meet only in this package: errors.py (a ring that cannot be reached), rdma/
+(the verbs layer), gguf_tokenizer.py (the tokenizer a GGUF carries). Imports nothing
+from the other packages.
 """
 from .layout import (HEADER, LAYOUT_VERSION, MAGIC, MAX_STOP_IDS, SLOT, SLOT_DTYPE, LayoutMismatch,
                      RingGeometry)

@@ -20,7 +20,7 @@ def rdma_reason() -> str | None:
     if not glob.glob("/sys/class/infiniband/*"):
         return "no RDMA device (mlx5, rxe or siw)"
     try:
-        from dpu_frontend.transport.rdma_device import import_pyverbs
+        from shared_layout.rdma.device import import_pyverbs
         import_pyverbs()  # also finds Debian's python3-pyverbs from inside the venv
     except Exception:  # ImportError or PyverbsMissing
         return "pyverbs not installed"

@@ -21,14 +21,9 @@ from __future__ import annotations
 from typing import Callable, Protocol, runtime_checkable
 
 from shared_layout import RingGeometry
+from shared_layout.errors import RingNotFound, TransportError
 
-
-class TransportError(ConnectionError):
-    """The ring cannot be reached: missing, unmapped, or the link is down."""
-
-
-class RingNotFound(TransportError):
-    """No ring exists under that name yet (the daemon has not created it)."""
+__all__ = ["RingNotFound", "Transport", "TransportError", "TransportFactory"]
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Verbs transport: the ring behind a NIC, reached with one-sided RDMA on one RC queue pair.
 
     VerbsTransport.connect(config): pick port -> RC QP -> TCP hello with the daemon
-        (rdma_bootstrap) -> QP to RTS -> RDMA READ the header -> geometry
+        (shared_layout.rdma.bootstrap) -> QP to RTS -> RDMA READ the header -> geometry
     write_batch: coalesce (publish words alone) -> chains -> copy into the staging MR
         -> one post_send per chain, last WR signaled; returns without waiting
     read / read_into / read_batch: RDMA READ chain into the read MR -> progress until it
@@ -30,13 +30,13 @@ import time
 from shared_layout import HEADER, LayoutMismatch, RingGeometry
 
 from .base import RingNotFound, TransportError, TransportFactory
-from .rdma_bootstrap import (DEFAULT_PORT, BootstrapError, BootstrapUnreachable, ClientHello, RingRegion,
+from shared_layout.rdma.bootstrap import (DEFAULT_PORT, BootstrapError, BootstrapUnreachable, ClientHello, RingRegion,
                              client_handshake, parse_endpoint, peer_closed)
-from .rdma_device import (HostBuffer, RcQueuePair, VerbsPort, import_pyverbs, pick_port, read_chain, scan_ports,
+from shared_layout.rdma.device import (HostBuffer, RcQueuePair, VerbsPort, import_pyverbs, pick_port, read_chain, scan_ports,
                           write_chain)
-from .rdma_plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch, plan_reads,
+from shared_layout.rdma.plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch, plan_reads,
                         plan_write_chains, publish_words)
-from .rdma_progress import CompletionTracker
+from shared_layout.rdma.progress import CompletionTracker
 
 
 @dataclasses.dataclass(frozen=True)

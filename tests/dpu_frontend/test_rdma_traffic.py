@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dpu_frontend.ring_session import RingSession
-from dpu_frontend.transport.base import TransportError
-from dpu_frontend.transport.rdma_device import NoRdmaDevice
+from shared_layout.errors import TransportError
+from shared_layout.rdma.device import NoRdmaDevice
 from dpu_frontend.transport.verbs import VerbsConfig, VerbsTransport, verbs_factory
 from gpu_backend.rdma_server import RdmaRingServer, RdmaServerConfig
 from shared_layout import BackendPort, FinishReason, Ring, RingGeometry, SlotState

@@ -440,7 +440,7 @@ async def test_fine_wait_blocks_only_after_an_idle_yield(monkeypatch):
 async def test_timed_waits_use_the_wakeup_timer_and_end_early_on_wake():
     """With the timerfd watched by the loop, a timed wait ends at its time, a submission's wake ends
     it at once, and the expiry it leaves behind does not cut the next wait short."""
-    from dpu_frontend.transport.base import TransportError
+    from shared_layout.errors import TransportError
 
     def no_ring():
         raise TransportError("no ring here")
@@ -467,7 +467,7 @@ async def test_timed_waits_use_the_wakeup_timer_and_end_early_on_wake():
 
 
 async def test_a_failing_wakeup_timer_falls_back_to_loop_timers():
-    from dpu_frontend.transport.base import TransportError
+    from shared_layout.errors import TransportError
 
     def no_ring():
         raise TransportError("no ring here")

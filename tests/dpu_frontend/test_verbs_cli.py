@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dpu_frontend.transport import verbs
-from dpu_frontend.transport.rdma_device import NO_DEVICE_MESSAGE
+from shared_layout.rdma.device import NO_DEVICE_MESSAGE
 from gpu_backend import rdma_server
 
 HAS_DEVICE = bool(glob.glob("/sys/class/infiniband/*"))
@@ -88,8 +88,8 @@ def test_a_factory_defers_connecting_until_called():
 
 @no_device_only
 def test_connecting_without_a_device_raises_the_transport_error_ring_client_handles():
-    from dpu_frontend.transport.base import TransportError
-    from dpu_frontend.transport.rdma_device import NoRdmaDevice
+    from shared_layout.errors import TransportError
+    from shared_layout.rdma.device import NoRdmaDevice
     with pytest.raises(NoRdmaDevice) as e:
         verbs.VerbsTransport.connect(verbs.VerbsConfig(host="127.0.0.1", port=7470))
     assert isinstance(e.value, TransportError) and str(e.value) == NO_DEVICE_MESSAGE

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from dpu_frontend.transport import rdma_bootstrap as bs
-from dpu_frontend.transport.base import TransportError
+from shared_layout.rdma import bootstrap as bs
+from shared_layout.errors import TransportError
 from gpu_backend import rdma_gpudirect as gd
 from gpu_backend.rdma_server import RdmaRingServer, RdmaServerConfig
 from shared_layout import LAYOUT_VERSION

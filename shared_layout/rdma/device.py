@@ -4,10 +4,11 @@
     import_pyverbs + verbs_enums (Debian rdma-core 44 and PyPI/newer layouts)
     VerbsPort (context, PD, port attributes, GID) -> register / register_dmabuf -> MR
     RcQueuePair (CQ + RC QP) -> address() -> connect(peer) -> post / poll
-    write_chain / read_chain: plan ops (rdma_plan) -> linked SendWRs for one post_send
+    write_chain / read_chain: plan ops (plan.py) -> linked SendWRs for one post_send
 
-This is the only module of the frontend that imports pyverbs, and it does so
-lazily: a frontend without RDMA never loads it. Ring memory is registered for
+The frontend's verbs transport and the daemon's RDMA server (gpu_backend/rdma_server.py)
+both build on it; it is the only module that imports pyverbs, and it does so
+lazily: a process without RDMA never loads it. Ring memory is registered for
 REMOTE_WRITE and REMOTE_READ only: no remote atomics (a NIC atomic on GPU
 memory is not atomic with the SMs' atomics) and no relaxed ordering (the
 ring's publish words rely on RDMA WRITEs landing in post order).
@@ -28,10 +29,10 @@ import random
 import sys
 import types
 
-from .base import TransportError
-from .rdma_bootstrap import QpAddress
-from .rdma_plan import ReadOp, WriteOp
-from .rdma_progress import wr_id
+from ..errors import TransportError
+from .bootstrap import QpAddress
+from .plan import ReadOp, WriteOp
+from .progress import wr_id
 
 SYSFS_ROOT = "/sys/class/infiniband"
 NO_DEVICE_MESSAGE = "no RDMA device found, use the shared-memory transport"

@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from dpu_frontend.transport import rdma_device as rd
-from dpu_frontend.transport.base import TransportError
-from dpu_frontend.transport.rdma_plan import ReadOp, WriteOp
-from dpu_frontend.transport.rdma_progress import chain_of
+from shared_layout.rdma import device as rd
+from shared_layout.errors import TransportError
+from shared_layout.rdma.plan import ReadOp, WriteOp
+from shared_layout.rdma.progress import chain_of
 
 
 def _port(root, dev, port=1, *, node="1: CA", link="Ethernet", state="4: ACTIVE", lid="0x0", gids=()):
@@ -151,7 +151,7 @@ DEBIAN_PYVERBS = os.path.join(rd.DEBIAN_DIST_PACKAGES[0], "pyverbs")
 @pytest.mark.skipif(not os.path.isdir(DEBIAN_PYVERBS), reason="Debian's python3-pyverbs not installed")
 def test_a_venv_finds_debians_pyverbs():
     """The project venv hides /usr/lib/python3/dist-packages; the fallback loads only pyverbs from it."""
-    code = ("import sys; from dpu_frontend.transport import rdma_device as rd; m = rd.import_pyverbs(); "
+    code = ("import sys; from shared_layout.rdma import device as rd; m = rd.import_pyverbs(); "
             "E = rd.verbs_enums(); print(m.__file__, E.IBV_QPT_RC, "
             "any(p.startswith('/usr/lib/python3/dist-packages') for p in sys.path))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dpu_frontend.transport import rdma_bootstrap as bs
+from shared_layout.rdma import bootstrap as bs
 from shared_layout import LAYOUT_VERSION
 
 GID = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"

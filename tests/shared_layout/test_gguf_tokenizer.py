@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, read_gguf_metadata, tokenizer_from_gguf
+from shared_layout.gguf_tokenizer import GGUFTokenizerError, gguf_tokenizer_meta, read_gguf_metadata, tokenizer_from_gguf
 
 CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
           "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -29,9 +29,9 @@ def smollm():
 
 
 def test_no_torch_needed():
-    assert "dpu_frontend.gguf_tokenizer" in sys.modules
+    assert "shared_layout.gguf_tokenizer" in sys.modules
     import subprocess
-    code = ("import sys, dpu_frontend.gguf_tokenizer; "
+    code = ("import sys, shared_layout.gguf_tokenizer; "
             "assert 'torch' not in sys.modules, 'gguf_tokenizer pulled in torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

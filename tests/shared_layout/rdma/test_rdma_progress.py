@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpu_frontend.transport.rdma_progress import (MAX_CHAIN_WRS, WC_SUCCESS, WC_WR_FLUSH_ERR, CompletionTracker,
+from shared_layout.rdma.progress import (MAX_CHAIN_WRS, WC_SUCCESS, WC_WR_FLUSH_ERR, CompletionTracker,
                                                   chain_of, describe_wc, wr_id)
 
 RETRY_EXC_ERR, REM_ACCESS_ERR = 12, 10

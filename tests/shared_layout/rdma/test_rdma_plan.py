@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpu_frontend.transport.rdma_plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch,
+from shared_layout.rdma.plan import (ChainLimits, StagingRing, chain_payload, coalesce, plan_read_batch,
                                               plan_reads, plan_write_chains, publish_words)
 from shared_layout import HEADER, SLOT, RingGeometry, SlotRequest, SlotState, submit_writes
 
