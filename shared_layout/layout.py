@@ -6,12 +6,28 @@ transport writes at, and the C structs with static_asserts (cheader.py). The
 section offsets of a ring are computed here from its geometry and stored in
 the header, so device code reads them instead of recomputing them.
 
-    [ header | slot 0 .. slot N-1 | prompt arena (int32 tokens) | output arena (int32 tokens) ]
-      256 B    N * SLOT_SIZE        prompt_arena_tokens * 4       output_arena_tokens * 4
+    [ header | slot 0 .. slot N-1 | prompt arena | output arena | logprob arena ]
+      256 B    N * SLOT_SIZE        int32 words    int32 tokens   32-bit words (f32 / i32)
 
 Every section starts on a SECTION_ALIGN boundary. A slot addresses its prompt
 and its output by token offsets into the arenas; the frontend allocates those
 ranges (arena.py) and the backend validates them before use.
+
+Variable-size sampling data (logit_bias, allowed ids, bad words) rides in the
+prompt arena at the slot's `extra_offset`, `extra_words(record)` words laid out as
+
+    logit_bias ids [n_logit_bias] i32 | logit_bias values [n_logit_bias] f32
+    | allowed ids [n_allowed_ids] i32 | bad words [bad_words_words]: (length, ids...)*
+
+Logprobs go the other way, daemon -> frontend, in the logprob arena: one record
+of `logprob_record_words(k)` words per token, where k is the slot's top count:
+
+    [ logprob f32 | rank i32 (1 = most likely) | top ids i32 [k] | top logprobs f32 [k] ]
+
+The record of generated token i sits at `logprobs_offset + i * stride`; the
+record of prompt token j (j >= 1; token 0 has none) at
+`prompt_logprobs_offset + (j - 1) * stride'`. Records are written before the
+generated count that covers them; prompt records before the first token's count.
 """
 from __future__ import annotations
 
@@ -20,8 +36,10 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
+MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
+LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
 SECTION_ALIGN = 256       # bytes; keeps arenas aligned for vector loads and RDMA
 DEFAULT_SLOTS = 4096      # paper §4.2
 DEFAULT_PROMPT_ARENA_TOKENS = 1 << 22
@@ -30,6 +48,8 @@ DEFAULT_OUTPUT_ARENA_TOKENS = 1 << 22
 # slot flags
 FLAG_IGNORE_EOS = 1 << 0
 FLAG_HAS_SEED = 1 << 1
+FLAG_LOGPROBS = 1 << 2          # write a logprob record per generated token
+FLAG_PROMPT_LOGPROBS = 1 << 3   # write a logprob record per prompt token (after the first)
 
 _TYPES = {  # kind -> (numpy dtype, C type, size)
     "u32": ("<u4", "uint32_t", 4),
@@ -49,9 +69,11 @@ HEADER_FIELDS = [
     ("header_size", "u32", 1, "bytes of this header (padded)"),
     ("prompt_arena_tokens", "u64", 1, "capacity of the prompt arena, int32 tokens"),
     ("output_arena_tokens", "u64", 1, "capacity of the output arena, int32 tokens"),
+    ("logprob_arena_words", "u64", 1, "capacity of the logprob arena, 32-bit words"),
     ("slots_offset", "u64", 1, "byte offset of slot 0"),
     ("prompt_arena_offset", "u64", 1, "byte offset of the prompt arena"),
     ("output_arena_offset", "u64", 1, "byte offset of the output arena"),
+    ("logprob_arena_offset", "u64", 1, "byte offset of the logprob arena"),
     ("total_size", "u64", 1, "bytes of the whole ring"),
     ("backend_heartbeat", "u64", 1, "bumped by the backend while it runs"),
     ("backend_heartbeat_ns", "u64", 1, "backend clock at the last beat"),
@@ -80,10 +102,23 @@ SLOT_FIELDS = [
     ("temperature", "f32", 1, "0 = greedy"),
     ("top_p", "f32", 1, "(0, 1]"),
     ("top_k", "i32", 1, "0 = off"),
-    ("flags", "u32", 1, "FLAG_IGNORE_EOS | FLAG_HAS_SEED"),
+    ("flags", "u32", 1, "FLAG_IGNORE_EOS | FLAG_HAS_SEED | FLAG_LOGPROBS | FLAG_PROMPT_LOGPROBS"),
     ("seed", "u64", 1, "per-request sampling seed when FLAG_HAS_SEED"),
     ("n_stop_ids", "u32", 1, "used entries of stop_ids"),
     ("stop_ids", "i32", MAX_STOP_IDS, "extra token ids that end the request"),
+    ("presence_penalty", "f32", 1, "[-2, 2], 0 = off"),
+    ("frequency_penalty", "f32", 1, "[-2, 2], 0 = off"),
+    ("repetition_penalty", "f32", 1, "(0, 2]; 0 or 1 = off"),
+    ("min_p", "f32", 1, "[0, 1], 0 = off"),
+    ("min_tokens", "u32", 1, "EOS and stop ids masked until this many tokens"),
+    ("logprobs", "u32", 1, "top entries per generated token's record (0..MAX_LOGPROBS) with FLAG_LOGPROBS"),
+    ("prompt_logprobs", "u32", 1, "top entries per prompt token's record with FLAG_PROMPT_LOGPROBS"),
+    ("logprobs_offset", "u32", 1, "first word of the generated tokens' records in the logprob arena"),
+    ("prompt_logprobs_offset", "u32", 1, "first word of the prompt tokens' records in the logprob arena"),
+    ("extra_offset", "u32", 1, "first word of the variable sampling data in the prompt arena"),
+    ("n_logit_bias", "u32", 1, "logit_bias pairs at extra_offset"),
+    ("n_allowed_ids", "u32", 1, "allowed token ids after the logit_bias pairs (0 = all allowed)"),
+    ("bad_words_words", "u32", 1, "words of (length, ids...) bad-word sequences after the allowed ids"),
     # -- progress: backend writes; tokens first, generated count after --
     ("generated", "u32", 1, "tokens published in the output arena"),
     ("finish_reason", "u32", 1, "FinishReason, valid in DECODE_COMPLETED"),
@@ -154,6 +189,17 @@ SLOT = _record("blink_slot", SLOT_FIELDS, 8)
 HEADER_DTYPE = HEADER.dtype
 SLOT_DTYPE = SLOT.dtype
 TOKEN_DTYPE = np.dtype("<i4")
+WORD_BYTES = 4            # logprob arena words: float32 logprobs, int32 ids and ranks
+
+
+def logprob_record_words(k: int) -> int:
+    """Words of one token's logprob record with k top entries (see the module docstring)."""
+    return 2 + 2 * k
+
+
+def extra_words(n_logit_bias: int, n_allowed_ids: int, bad_words_words: int) -> int:
+    """Words of a slot's variable sampling data in the prompt arena."""
+    return 2 * n_logit_bias + n_allowed_ids + bad_words_words
 
 
 class LayoutMismatch(ValueError):
@@ -166,13 +212,17 @@ class RingGeometry:
     slot_count: int = DEFAULT_SLOTS
     prompt_arena_tokens: int = DEFAULT_PROMPT_ARENA_TOKENS
     output_arena_tokens: int = DEFAULT_OUTPUT_ARENA_TOKENS
+    logprob_arena_words: int = 0     # 0: as many words as the output arena has tokens
 
     def __post_init__(self):
-        for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens"):
+        if self.logprob_arena_words == 0 and isinstance(self.output_arena_tokens, int):
+            object.__setattr__(self, "logprob_arena_words", self.output_arena_tokens)
+        for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens", "logprob_arena_words"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.slot_count >= 1 << 31 or max(self.prompt_arena_tokens, self.output_arena_tokens) >= 1 << 32:
+        if self.slot_count >= 1 << 31 or max(self.prompt_arena_tokens, self.output_arena_tokens,
+                                             self.logprob_arena_words) >= 1 << 32:
             raise ValueError("ring geometry too large for 32-bit slot fields")
 
     @property
@@ -189,9 +239,13 @@ class RingGeometry:
                       SECTION_ALIGN)
 
     @property
-    def total_size(self) -> int:
+    def logprob_arena_offset(self) -> int:
         return _align(self.output_arena_offset + self.output_arena_tokens * TOKEN_DTYPE.itemsize,
                       SECTION_ALIGN)
+
+    @property
+    def total_size(self) -> int:
+        return _align(self.logprob_arena_offset + self.logprob_arena_words * WORD_BYTES, SECTION_ALIGN)
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of slot record `slot`."""
@@ -206,6 +260,9 @@ class RingGeometry:
     def output_token_offset(self, token_index: int) -> int:
         return self.output_arena_offset + token_index * TOKEN_DTYPE.itemsize
 
+    def logprob_word_offset(self, word_index: int) -> int:
+        return self.logprob_arena_offset + word_index * WORD_BYTES
+
     def header_values(self) -> dict[str, int]:
         """The geometry words a ring header must carry."""
         return {
@@ -213,9 +270,11 @@ class RingGeometry:
             "slot_count": self.slot_count, "slot_size": SLOT.size, "header_size": HEADER.size,
             "prompt_arena_tokens": self.prompt_arena_tokens,
             "output_arena_tokens": self.output_arena_tokens,
+            "logprob_arena_words": self.logprob_arena_words,
             "slots_offset": self.slots_offset,
             "prompt_arena_offset": self.prompt_arena_offset,
             "output_arena_offset": self.output_arena_offset,
+            "logprob_arena_offset": self.logprob_arena_offset,
             "total_size": self.total_size,
         }
 
@@ -238,7 +297,7 @@ class RingGeometry:
                 raise LayoutMismatch(f"ring {name} is {got} bytes, this build expects {want}")
         try:
             geom = cls(int(header["slot_count"]), int(header["prompt_arena_tokens"]),
-                       int(header["output_arena_tokens"]))
+                       int(header["output_arena_tokens"]), int(header["logprob_arena_words"]))
         except ValueError as e:
             raise LayoutMismatch(f"ring header geometry invalid: {e}") from None
         for name, want in geom.header_values().items():
@@ -246,7 +305,7 @@ class RingGeometry:
             if got != want:
                 raise LayoutMismatch(f"ring header {name} is {got}, its geometry implies {want}")
         if expected is not None:
-            for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens"):
+            for name in ("slot_count", "prompt_arena_tokens", "output_arena_tokens", "logprob_arena_words"):
                 got, want = getattr(geom, name), getattr(expected, name)
                 if got != want:
                     raise LayoutMismatch(f"ring {name} is {got}, expected {want}")

@@ -5,10 +5,11 @@ of one buffer. The two sides use it through `FrontendPort` and `BackendPort`,
 which only offer the writes their side owns and check every state change
 against the transition table (states.py):
 
-    frontend: submit (prompt tokens, request fields, then the state word)
-              -> poll progress (state, seq, generated) -> read tokens below the count
-              -> reset a completed slot to EMPTY; cancel any time
-    backend:  claim a pending slot -> publish tokens (token first, count after)
+    frontend: submit (prompt tokens + sampling data, request fields, then the state word)
+              -> poll progress (state, seq, generated) -> read tokens (and their logprob
+              records) below the count -> reset a completed slot to EMPTY; cancel any time
+    backend:  claim a pending slot -> publish prompt logprobs (before the first count)
+              -> publish tokens (token and its logprob record first, count after)
               -> complete (finish reason, error code, then the state word)
 
 Transports that cannot map the ring (RDMA) use `submit_writes`, which turns a
@@ -24,8 +25,10 @@ import time
 
 import numpy as np
 
-from .layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, HEADER, HEADER_DTYPE, MAX_STOP_IDS, SLOT,
-                     SLOT_DTYPE, TOKEN_DTYPE, LayoutMismatch, RingGeometry)
+from .extra import SamplingExtra, encode_extra
+from .layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, HEADER, HEADER_DTYPE, LOGPROBS_OFF, MAX_LOGPROBS,
+                     MAX_STOP_IDS, SLOT, SLOT_DTYPE, TOKEN_DTYPE, LayoutMismatch, RingGeometry, extra_words,
+                     logprob_record_words)
 from .states import (BackendStatus, ErrorCode, FinishReason, IllegalTransition, Side, SlotState,
                      check_transition, check_write)
 
@@ -65,19 +68,43 @@ class SlotRequest:
     stop_ids: tuple[int, ...] = ()
     epoch: int = 0
     t_submit_ns: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int = LOGPROBS_OFF          # top entries per generated token's record; LOGPROBS_OFF: no records
+    prompt_logprobs: int = LOGPROBS_OFF   # top entries per prompt token's record
+    logprobs_offset: int = 0              # logprob arena words of the records (frontend-allocated)
+    prompt_logprobs_offset: int = 0
+    extra_offset: int = 0                 # prompt arena word of `extra`'s encoding
+    extra: SamplingExtra = SamplingExtra()
 
     def __post_init__(self):
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids fit in a slot, got {len(self.stop_ids)}")
+
+    def logprob_words(self) -> tuple[int, int]:
+        """(words for the generated tokens' records, words for the prompt tokens' records)."""
+        gen = self.max_tokens * logprob_record_words(self.logprobs) if self.logprobs >= 0 else 0
+        prompt = ((self.prompt_len - 1) * logprob_record_words(self.prompt_logprobs)
+                  if self.prompt_logprobs >= 0 else 0)
+        return gen, prompt
 
     def record(self) -> np.ndarray:
         """This request as one slot record (state EMPTY, progress zeroed)."""
         rec = np.zeros(1, SLOT_DTYPE)
         r = rec[0]
         for name in ("seq", "epoch", "prompt_offset", "prompt_len", "output_offset", "max_tokens",
-                     "temperature", "top_p", "top_k", "t_submit_ns"):
+                     "temperature", "top_p", "top_k", "t_submit_ns", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p", "min_tokens",
+                     "logprobs_offset", "prompt_logprobs_offset", "extra_offset"):
             r[name] = getattr(self, name)
-        r["flags"] = (FLAG_IGNORE_EOS if self.ignore_eos else 0) | (FLAG_HAS_SEED if self.seed is not None else 0)
+        r["n_logit_bias"], r["n_allowed_ids"], r["bad_words_words"] = self.extra.counts
+        r["logprobs"], r["prompt_logprobs"] = max(self.logprobs, 0), max(self.prompt_logprobs, 0)
+        r["flags"] = ((FLAG_IGNORE_EOS if self.ignore_eos else 0) | (FLAG_HAS_SEED if self.seed is not None else 0)
+                      | (FLAG_LOGPROBS if self.logprobs >= 0 else 0)
+                      | (FLAG_PROMPT_LOGPROBS if self.prompt_logprobs >= 0 else 0))
         r["seed"] = 0 if self.seed is None else self.seed & 0xFFFFFFFFFFFFFFFF
         r["n_stop_ids"] = len(self.stop_ids)
         r["stop_ids"][:len(self.stop_ids)] = self.stop_ids
@@ -93,7 +120,13 @@ class SlotRequest:
                    seed=int(r["seed"]) if flags & FLAG_HAS_SEED else None,
                    ignore_eos=bool(flags & FLAG_IGNORE_EOS),
                    stop_ids=tuple(int(t) for t in r["stop_ids"][:n_stop]),
-                   epoch=int(r["epoch"]), t_submit_ns=int(r["t_submit_ns"]))
+                   epoch=int(r["epoch"]), t_submit_ns=int(r["t_submit_ns"]),
+                   presence_penalty=float(r["presence_penalty"]), frequency_penalty=float(r["frequency_penalty"]),
+                   repetition_penalty=float(r["repetition_penalty"]), min_p=float(r["min_p"]),
+                   min_tokens=int(r["min_tokens"]),
+                   logprobs=int(r["logprobs"]) if flags & FLAG_LOGPROBS else LOGPROBS_OFF,
+                   prompt_logprobs=int(r["prompt_logprobs"]) if flags & FLAG_PROMPT_LOGPROBS else LOGPROBS_OFF, logprobs_offset=int(r["logprobs_offset"]),
+                   prompt_logprobs_offset=int(r["prompt_logprobs_offset"]), extra_offset=int(r["extra_offset"]))
 
 
 def request_error(geom: RingGeometry, r: np.void) -> ErrorCode:
@@ -112,6 +145,26 @@ def request_error(geom: RingGeometry, r: np.void) -> ErrorCode:
         return ErrorCode.INVALID_REQUEST
     if int(r["n_stop_ids"]) > MAX_STOP_IDS:
         return ErrorCode.INVALID_REQUEST
+    pres, freq, rep, min_p = (float(r[n]) for n in ("presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty", "min_p"))
+    if not all(math.isfinite(v) for v in (pres, freq, rep, min_p)):
+        return ErrorCode.INVALID_REQUEST
+    if not (-2.0 <= pres <= 2.0 and -2.0 <= freq <= 2.0 and 0.0 <= rep <= 2.0 and 0.0 <= min_p <= 1.0):
+        return ErrorCode.INVALID_REQUEST
+    if int(r["min_tokens"]) > mt:
+        return ErrorCode.INVALID_REQUEST
+    extra = extra_words(int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]))
+    if int(r["extra_offset"]) + extra > geom.prompt_arena_tokens:
+        return ErrorCode.INVALID_REQUEST
+    flags = int(r["flags"])
+    for flag, k_name, off_name, records in ((FLAG_LOGPROBS, "logprobs", "logprobs_offset", mt),
+                                            (FLAG_PROMPT_LOGPROBS, "prompt_logprobs", "prompt_logprobs_offset",
+                                             plen - 1)):
+        if not flags & flag:
+            continue
+        k = int(r[k_name])
+        if not 0 <= k <= MAX_LOGPROBS or int(r[off_name]) + records * logprob_record_words(k) > geom.logprob_arena_words:
+            return ErrorCode.INVALID_REQUEST
     return ErrorCode.NONE
 
 
@@ -127,8 +180,10 @@ def submit_writes(geom: RingGeometry, slot: int, req: SlotRequest, prompt: np.nd
     rec = req.record().tobytes()
     body_start = SLOT.offset("cancel")          # everything after the state word
     state = np.array([SlotState.PREFILL_PENDING], "<u4").tobytes()
-    return [
-        (geom.prompt_token_offset(req.prompt_offset), prompt.tobytes()),
+    writes = [(geom.prompt_token_offset(req.prompt_offset), prompt.tobytes())]
+    if req.extra:
+        writes.append((geom.prompt_token_offset(req.extra_offset), encode_extra(req.extra).tobytes()))
+    return writes + [
         (geom.slot_offset(slot) + body_start, rec[body_start:]),
         (geom.slot_field_offset(slot, "state"), state),
     ]
@@ -147,6 +202,7 @@ class Ring:
         self.slots = np.frombuffer(mv, SLOT_DTYPE, geom.slot_count, geom.slots_offset)
         self.prompt_arena = np.frombuffer(mv, TOKEN_DTYPE, geom.prompt_arena_tokens, geom.prompt_arena_offset)
         self.output_arena = np.frombuffer(mv, TOKEN_DTYPE, geom.output_arena_tokens, geom.output_arena_offset)
+        self.logprob_arena = np.frombuffer(mv, "<i4", geom.logprob_arena_words, geom.logprob_arena_offset)  # f32/i32 words
         # Column views for the hot paths: one strided load per slot.
         self.state = self.slots["state"]
         self.cancel_flags = self.slots["cancel"]
@@ -261,14 +317,17 @@ class BackendPort:
         fence()  # fields written by this side before the state word that hands them over
         self.ring.state[slot] = to
 
-    def publish(self, slot: int, tokens, now: int | None = None) -> None:
-        """Append tokens to the slot's output, then raise the generated count."""
+    def publish(self, slot: int, tokens, now: int | None = None, logprob_records: np.ndarray | None = None) -> None:
+        """Append tokens (and their logprob records, [tokens, stride] words, when the slot asks for
+        them) to the slot's output, then raise the generated count."""
         check_write(int(self.ring.state[slot]), self.side)
         r = self.ring.slots[slot]
         gen, off, cap = int(r["generated"]), int(r["output_offset"]), int(r["max_tokens"])
         tokens = np.atleast_1d(np.asarray(tokens, TOKEN_DTYPE))
         if gen + tokens.size > cap:
             raise IllegalTransition(f"slot {slot}: {gen + tokens.size} tokens exceed max_tokens {cap}")
+        if logprob_records is not None:
+            self._write_records(r, "logprobs", "logprobs_offset", gen, logprob_records)
         self.ring.output_arena[off + gen: off + gen + tokens.size] = tokens
         t = now_ns() if now is None else now
         if gen == 0:
@@ -276,6 +335,20 @@ class BackendPort:
         r["t_last_ns"] = t
         fence()  # tokens before the count that makes them visible
         r["generated"] = gen + tokens.size
+
+    def publish_prompt_logprobs(self, slot: int, records: np.ndarray) -> None:
+        """The prompt tokens' logprob records ([prompt_len - 1, stride] words), before the first
+        token's count (which covers them: the frontend reads them once it sees a token)."""
+        check_write(int(self.ring.state[slot]), self.side)
+        self._write_records(self.ring.slots[slot], "prompt_logprobs", "prompt_logprobs_offset", 0, records)
+
+    def _write_records(self, r: np.void, k_name: str, off_name: str, first: int, records: np.ndarray) -> None:
+        """Records [n, stride] int32 words (float32 logprobs as their bits) at record index `first`."""
+        stride = logprob_record_words(int(r[k_name]))
+        if records.ndim != 2 or records.shape[1] != stride:
+            raise IllegalTransition(f"logprob records of shape {records.shape}, the slot's stride is {stride}")
+        start = int(r[off_name]) + first * stride
+        self.ring.logprob_arena[start:start + records.size] = records.reshape(-1)
 
     def complete(self, slot: int, finish: FinishReason, error: ErrorCode = ErrorCode.NONE,
                  now: int | None = None) -> None:

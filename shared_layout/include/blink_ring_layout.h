@@ -19,12 +19,17 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 2u
+#define BLINK_LAYOUT_VERSION 3u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
 #define BLINK_FLAG_IGNORE_EOS 1u
 #define BLINK_FLAG_HAS_SEED 2u
+#define BLINK_FLAG_LOGPROBS 4u
+#define BLINK_FLAG_PROMPT_LOGPROBS 8u
+#define BLINK_MAX_LOGPROBS 20
+/* words of one token's logprob record with k top entries: logprob, rank, ids[k], logprobs[k] */
+#define BLINK_LOGPROB_RECORD_WORDS(k) (2u + 2u * (uint32_t)(k))
 
 typedef enum blink_slot_state {
     BLINK_EMPTY = 0,
@@ -74,22 +79,24 @@ typedef struct BLINK_ALIGN8 blink_ring_header {
     uint32_t header_size;  /* @20: bytes of this header (padded) */
     uint64_t prompt_arena_tokens;  /* @24: capacity of the prompt arena, int32 tokens */
     uint64_t output_arena_tokens;  /* @32: capacity of the output arena, int32 tokens */
-    uint64_t slots_offset;  /* @40: byte offset of slot 0 */
-    uint64_t prompt_arena_offset;  /* @48: byte offset of the prompt arena */
-    uint64_t output_arena_offset;  /* @56: byte offset of the output arena */
-    uint64_t total_size;  /* @64: bytes of the whole ring */
-    uint64_t backend_heartbeat;  /* @72: bumped by the backend while it runs */
-    uint64_t backend_heartbeat_ns;  /* @80: backend clock at the last beat */
-    uint64_t backend_epoch;  /* @88: bumped on every daemon start */
-    uint64_t frontend_epoch;  /* @96: bumped on every frontend start */
-    uint32_t backend_status;  /* @104: BackendStatus */
-    uint32_t shutdown;  /* @108: nonzero: the backend must stop */
-    uint32_t model_vocab_size;  /* @112: published by the backend before READY */
-    uint32_t model_max_len;  /* @116: context length (prompt + output), published before READY */
-    uint32_t backend_pid;  /* @120: daemon process id (0 on the device-only path) */
-    uint32_t kv_blocks_total;  /* @124: KV cache blocks in the daemon's pool (0: not reported) */
-    uint32_t kv_blocks_free;  /* @128: KV blocks free after the daemon's latest step */
-    uint8_t _pad0[124];
+    uint64_t logprob_arena_words;  /* @40: capacity of the logprob arena, 32-bit words */
+    uint64_t slots_offset;  /* @48: byte offset of slot 0 */
+    uint64_t prompt_arena_offset;  /* @56: byte offset of the prompt arena */
+    uint64_t output_arena_offset;  /* @64: byte offset of the output arena */
+    uint64_t logprob_arena_offset;  /* @72: byte offset of the logprob arena */
+    uint64_t total_size;  /* @80: bytes of the whole ring */
+    uint64_t backend_heartbeat;  /* @88: bumped by the backend while it runs */
+    uint64_t backend_heartbeat_ns;  /* @96: backend clock at the last beat */
+    uint64_t backend_epoch;  /* @104: bumped on every daemon start */
+    uint64_t frontend_epoch;  /* @112: bumped on every frontend start */
+    uint32_t backend_status;  /* @120: BackendStatus */
+    uint32_t shutdown;  /* @124: nonzero: the backend must stop */
+    uint32_t model_vocab_size;  /* @128: published by the backend before READY */
+    uint32_t model_max_len;  /* @132: context length (prompt + output), published before READY */
+    uint32_t backend_pid;  /* @136: daemon process id (0 on the device-only path) */
+    uint32_t kv_blocks_total;  /* @140: KV cache blocks in the daemon's pool (0: not reported) */
+    uint32_t kv_blocks_free;  /* @144: KV blocks free after the daemon's latest step */
+    uint8_t _pad0[108];
 } blink_ring_header_t;
 
 BLINK_STATIC_ASSERT(sizeof(blink_ring_header_t) == 256, "blink_ring_header size");
@@ -100,21 +107,23 @@ BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, slot_size) == 16, "blink_ring_
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, header_size) == 20, "blink_ring_header.header_size offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prompt_arena_tokens) == 24, "blink_ring_header.prompt_arena_tokens offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, output_arena_tokens) == 32, "blink_ring_header.output_arena_tokens offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, slots_offset) == 40, "blink_ring_header.slots_offset offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prompt_arena_offset) == 48, "blink_ring_header.prompt_arena_offset offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, output_arena_offset) == 56, "blink_ring_header.output_arena_offset offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, total_size) == 64, "blink_ring_header.total_size offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat) == 72, "blink_ring_header.backend_heartbeat offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat_ns) == 80, "blink_ring_header.backend_heartbeat_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_epoch) == 88, "blink_ring_header.backend_epoch offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, frontend_epoch) == 96, "blink_ring_header.frontend_epoch offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_status) == 104, "blink_ring_header.backend_status offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, shutdown) == 108, "blink_ring_header.shutdown offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_vocab_size) == 112, "blink_ring_header.model_vocab_size offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 116, "blink_ring_header.model_max_len offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 120, "blink_ring_header.backend_pid offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 124, "blink_ring_header.kv_blocks_total offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 128, "blink_ring_header.kv_blocks_free offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, logprob_arena_words) == 40, "blink_ring_header.logprob_arena_words offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, slots_offset) == 48, "blink_ring_header.slots_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prompt_arena_offset) == 56, "blink_ring_header.prompt_arena_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, output_arena_offset) == 64, "blink_ring_header.output_arena_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, logprob_arena_offset) == 72, "blink_ring_header.logprob_arena_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, total_size) == 80, "blink_ring_header.total_size offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat) == 88, "blink_ring_header.backend_heartbeat offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat_ns) == 96, "blink_ring_header.backend_heartbeat_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_epoch) == 104, "blink_ring_header.backend_epoch offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, frontend_epoch) == 112, "blink_ring_header.frontend_epoch offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_status) == 120, "blink_ring_header.backend_status offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, shutdown) == 124, "blink_ring_header.shutdown offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_vocab_size) == 128, "blink_ring_header.model_vocab_size offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 132, "blink_ring_header.model_max_len offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 136, "blink_ring_header.backend_pid offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 140, "blink_ring_header.kv_blocks_total offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 144, "blink_ring_header.kv_blocks_free offset");
 
 typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t state;  /* @0: SlotState */
@@ -128,20 +137,34 @@ typedef struct BLINK_ALIGN8 blink_slot {
     float temperature;  /* @40: 0 = greedy */
     float top_p;  /* @44: (0, 1] */
     int32_t top_k;  /* @48: 0 = off */
-    uint32_t flags;  /* @52: FLAG_IGNORE_EOS | FLAG_HAS_SEED */
+    uint32_t flags;  /* @52: FLAG_IGNORE_EOS | FLAG_HAS_SEED | FLAG_LOGPROBS | FLAG_PROMPT_LOGPROBS */
     uint64_t seed;  /* @56: per-request sampling seed when FLAG_HAS_SEED */
     uint32_t n_stop_ids;  /* @64: used entries of stop_ids */
     int32_t stop_ids[8];  /* @68: extra token ids that end the request */
-    uint32_t generated;  /* @100: tokens published in the output arena */
-    uint32_t finish_reason;  /* @104: FinishReason, valid in DECODE_COMPLETED */
-    uint32_t error_code;  /* @108: ErrorCode, valid in DECODE_COMPLETED */
-    uint64_t t_submit_ns;  /* @112: frontend clock at submit */
-    uint64_t t_picked_ns;  /* @120: backend clock at the claim */
-    uint64_t t_first_ns;  /* @128: backend clock at the first token */
-    uint64_t t_last_ns;  /* @136: backend clock at the latest token */
+    float presence_penalty;  /* @100: [-2, 2], 0 = off */
+    float frequency_penalty;  /* @104: [-2, 2], 0 = off */
+    float repetition_penalty;  /* @108: (0, 2]; 0 or 1 = off */
+    float min_p;  /* @112: [0, 1], 0 = off */
+    uint32_t min_tokens;  /* @116: EOS and stop ids masked until this many tokens */
+    uint32_t logprobs;  /* @120: top entries per generated token's record (0..MAX_LOGPROBS) with FLAG_LOGPROBS */
+    uint32_t prompt_logprobs;  /* @124: top entries per prompt token's record with FLAG_PROMPT_LOGPROBS */
+    uint32_t logprobs_offset;  /* @128: first word of the generated tokens' records in the logprob arena */
+    uint32_t prompt_logprobs_offset;  /* @132: first word of the prompt tokens' records in the logprob arena */
+    uint32_t extra_offset;  /* @136: first word of the variable sampling data in the prompt arena */
+    uint32_t n_logit_bias;  /* @140: logit_bias pairs at extra_offset */
+    uint32_t n_allowed_ids;  /* @144: allowed token ids after the logit_bias pairs (0 = all allowed) */
+    uint32_t bad_words_words;  /* @148: words of (length, ids...) bad-word sequences after the allowed ids */
+    uint32_t generated;  /* @152: tokens published in the output arena */
+    uint32_t finish_reason;  /* @156: FinishReason, valid in DECODE_COMPLETED */
+    uint32_t error_code;  /* @160: ErrorCode, valid in DECODE_COMPLETED */
+    uint8_t _pad0[4];
+    uint64_t t_submit_ns;  /* @168: frontend clock at submit */
+    uint64_t t_picked_ns;  /* @176: backend clock at the claim */
+    uint64_t t_first_ns;  /* @184: backend clock at the first token */
+    uint64_t t_last_ns;  /* @192: backend clock at the latest token */
 } blink_slot_t;
 
-BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 144, "blink_slot size");
+BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 200, "blink_slot size");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, state) == 0, "blink_slot.state offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, cancel) == 4, "blink_slot.cancel offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, seq) == 8, "blink_slot.seq offset");
@@ -157,13 +180,26 @@ BLINK_STATIC_ASSERT(offsetof(blink_slot_t, flags) == 52, "blink_slot.flags offse
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, seed) == 56, "blink_slot.seed offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, n_stop_ids) == 64, "blink_slot.n_stop_ids offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, stop_ids) == 68, "blink_slot.stop_ids offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 100, "blink_slot.generated offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 104, "blink_slot.finish_reason offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 108, "blink_slot.error_code offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 112, "blink_slot.t_submit_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 120, "blink_slot.t_picked_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 128, "blink_slot.t_first_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 136, "blink_slot.t_last_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, presence_penalty) == 100, "blink_slot.presence_penalty offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, frequency_penalty) == 104, "blink_slot.frequency_penalty offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, repetition_penalty) == 108, "blink_slot.repetition_penalty offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, min_p) == 112, "blink_slot.min_p offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, min_tokens) == 116, "blink_slot.min_tokens offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, logprobs) == 120, "blink_slot.logprobs offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, prompt_logprobs) == 124, "blink_slot.prompt_logprobs offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, logprobs_offset) == 128, "blink_slot.logprobs_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, prompt_logprobs_offset) == 132, "blink_slot.prompt_logprobs_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, extra_offset) == 136, "blink_slot.extra_offset offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, n_logit_bias) == 140, "blink_slot.n_logit_bias offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, n_allowed_ids) == 144, "blink_slot.n_allowed_ids offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, bad_words_words) == 148, "blink_slot.bad_words_words offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 152, "blink_slot.generated offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 156, "blink_slot.finish_reason offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 160, "blink_slot.error_code offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 168, "blink_slot.t_submit_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 176, "blink_slot.t_picked_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 184, "blink_slot.t_first_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 192, "blink_slot.t_last_ns offset");
 
 /* Legal state changes and the side that may make each (states.TRANSITIONS). */
 static inline BLINK_HD int blink_transition_allowed(uint32_t from, uint32_t to, uint32_t side) {
@@ -185,16 +221,17 @@ static inline BLINK_HD uint64_t blink_align_up(uint64_t x, uint64_t a) { return 
 
 /* Section offsets of a ring (layout.RingGeometry); the header also stores them. */
 typedef struct blink_ring_offsets {
-    uint64_t slots, prompt_arena, output_arena, total;
+    uint64_t slots, prompt_arena, output_arena, logprob_arena, total;
 } blink_ring_offsets_t;
 
 static inline BLINK_HD blink_ring_offsets_t blink_ring_offsets(uint64_t slot_count,
-        uint64_t prompt_arena_tokens, uint64_t output_arena_tokens) {
+        uint64_t prompt_arena_tokens, uint64_t output_arena_tokens, uint64_t logprob_arena_words) {
     blink_ring_offsets_t o;
     o.slots = sizeof(blink_ring_header_t);
     o.prompt_arena = blink_align_up(o.slots + slot_count * sizeof(blink_slot_t), BLINK_SECTION_ALIGN);
     o.output_arena = blink_align_up(o.prompt_arena + prompt_arena_tokens * sizeof(int32_t), BLINK_SECTION_ALIGN);
-    o.total = blink_align_up(o.output_arena + output_arena_tokens * sizeof(int32_t), BLINK_SECTION_ALIGN);
+    o.logprob_arena = blink_align_up(o.output_arena + output_arena_tokens * sizeof(int32_t), BLINK_SECTION_ALIGN);
+    o.total = blink_align_up(o.logprob_arena + logprob_arena_words * 4u, BLINK_SECTION_ALIGN);
     return o;
 }
 

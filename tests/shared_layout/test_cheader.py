@@ -22,10 +22,10 @@ def _program(geoms) -> str:
             lines.append(f'printf("{rec.name}.{f.name} %zu\\n", offsetof({rec.name}_t, {f.name}));')
     for g in geoms:
         lines.append(f"{{ blink_ring_offsets_t o = blink_ring_offsets({g.slot_count}u, {g.prompt_arena_tokens}u, "
-                     f"{g.output_arena_tokens}u);")
-        lines.append(f'printf("geom {g.slot_count} %llu %llu %llu %llu\\n", (unsigned long long)o.slots, '
+                     f"{g.output_arena_tokens}u, {g.logprob_arena_words}u);")
+        lines.append(f'printf("geom {g.slot_count} %llu %llu %llu %llu %llu\\n", (unsigned long long)o.slots, '
                      "(unsigned long long)o.prompt_arena, (unsigned long long)o.output_arena, "
-                     "(unsigned long long)o.total); }")
+                     "(unsigned long long)o.logprob_arena, (unsigned long long)o.total); }")
     for a in SlotState:
         for b in SlotState:
             for s in Side:
@@ -35,7 +35,7 @@ def _program(geoms) -> str:
 
 
 def test_gcc_offsets_sizes_and_geometry_match_python(tmp_path):
-    geoms = [RingGeometry(), RingGeometry(64, 12345, 999), RingGeometry(3, 1, 7)]
+    geoms = [RingGeometry(), RingGeometry(64, 12345, 999), RingGeometry(3, 1, 7, 5)]
     src = tmp_path / "probe.c"
     src.write_text(_program(geoms))
     exe = tmp_path / "probe"
@@ -46,7 +46,8 @@ def test_gcc_offsets_sizes_and_geometry_match_python(tmp_path):
         want.append(f"{rec.name} size {rec.size}")
         want += [f"{rec.name}.{f.name} {f.offset}" for f in rec.fields]
     for g in geoms:
-        want.append(f"geom {g.slot_count} {g.slots_offset} {g.prompt_arena_offset} {g.output_arena_offset} {g.total_size}")
+        want.append(f"geom {g.slot_count} {g.slots_offset} {g.prompt_arena_offset} {g.output_arena_offset} "
+                    f"{g.logprob_arena_offset} {g.total_size}")
     for a in SlotState:
         for b in SlotState:
             for s in Side:
