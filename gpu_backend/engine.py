@@ -6,7 +6,8 @@
     apply: preempt victims (blocks freed, DECODE_PAUSED, back to the queue front),
            admit, allocate new KV blocks -> StepBatch (chunks of tokens per sequence)
     Runner.run(StepBatch) -> one sampled token per chunk that reaches its sequence's end
-    postprocess: publish tokens (BackendPort: token, then count), finish STOP /
+    postprocess: publish tokens (BackendPort: the prompt's logprob records before the
+           first token, each token with its logprob record, then the count), finish STOP /
            LENGTH, complete the slot, free its blocks
 
 The CPU executor and the null executor share this loop and differ only in
@@ -23,7 +24,10 @@ import threading
 import time
 from typing import Protocol
 
+import numpy as np
+
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
+from shared_layout.layout import logprob_record_words
 from shared_layout.timers import fine_timer_slack
 
 from .intake import Intake, IntakeConfig
@@ -66,6 +70,16 @@ class EngineConfig:
     idle_sleep_max_s: float = 0.002  # polling back-off ceiling when the ring is quiet
     idle_fine_polls: int = 20        # 50 us apart after the last work before backing off (~1-2 ms)
     shutdown_grace_s: float = 2.0    # in-flight requests get this long to finish on stop
+
+
+def _records_or_blank(records: np.ndarray | None, n: int, k: int) -> np.ndarray:
+    """The runner's logprob records, or n records with a NaN logprob (shown as null) from a
+    runner that computes none (the null executor)."""
+    if records is not None and records.shape == (n, logprob_record_words(k)):
+        return records
+    blank = np.zeros((n, logprob_record_words(k)), "<i4")
+    blank[:, 0] = np.float32("nan").view("<i4")
+    return blank
 
 
 class Engine:
@@ -194,7 +208,14 @@ class Engine:
         """Publish one new token, then finish the request or keep it decoding."""
         s.output.append(token)
         try:
-            self.port.publish(s.slot, [token])
+            p = s.params
+            if p.prompt_logprobs is not None and len(s.output) == 1:
+                self.port.publish_prompt_logprobs(s.slot, _records_or_blank(s.prompt_logprobs, len(s.prompt) - 1,
+                                                                            p.prompt_logprobs))
+            records = None
+            if p.logprobs is not None:
+                records = _records_or_blank(s.step_logprobs, 1, p.logprobs)
+            self.port.publish(s.slot, [token], logprob_records=records)
             if token in s.stop_ids:
                 self._finish(s, FinishReason.STOP)
             elif len(s.output) >= s.max_tokens or s.num_tokens >= s.max_len:

@@ -4,9 +4,10 @@
       -> claim (PREFILL_PROCESSING, t_picked_ns stamped)
       -> checks: frontend epoch, cancel flag, shared_layout.request_error
          (offsets, lengths, parameters), prompt_len < max_model_len, every
-         prompt token id < vocab
-      -> Sequence with the prompt copied out of the arena, or the slot
-         completed at once (ABORT / ERROR with its ErrorCode).
+         prompt token id < vocab, the sampling data (logit_bias, allowed ids,
+         bad words: shared_layout.extra.decode_extra) well formed and in the vocabulary
+      -> Sequence with the prompt and the sampling data copied out of the arena,
+         or the slot completed at once (ABORT / ERROR with its ErrorCode).
 
 Every number read from a slot is range-checked before it indexes anything, so
 a corrupted slot ends with an error and never touches memory outside the ring.
@@ -18,7 +19,9 @@ import dataclasses
 import numpy as np
 
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, request_error
-from shared_layout.layout import FLAG_HAS_SEED, FLAG_IGNORE_EOS, MAX_STOP_IDS
+from shared_layout.extra import decode_extra
+from shared_layout.layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, MAX_STOP_IDS,
+                                  extra_words)
 
 from .sequence import SamplingParams, Sequence
 
@@ -70,10 +73,25 @@ class Intake:
         prompt = self.ring.prompt_arena[poff:poff + plen].copy()      # bounds checked by request_error
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.config.vocab_size:
             return None, FinishReason.ERROR, ErrorCode.INVALID_TOKEN
+        counts = int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"])
+        eoff = int(r["extra_offset"])
+        try:   # bounds checked by request_error
+            extra = decode_extra(self.ring.prompt_arena[eoff:eoff + extra_words(*counts)].copy(), *counts,
+                                 vocab_size=self.config.vocab_size)
+        except ValueError:
+            return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
         flags = int(r["flags"])
         params = SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
                                 top_k=int(r["top_k"]),
-                                seed=int(r["seed"]) if flags & FLAG_HAS_SEED else None)
+                                seed=int(r["seed"]) if flags & FLAG_HAS_SEED else None,
+                                min_p=float(r["min_p"]), presence_penalty=float(r["presence_penalty"]),
+                                frequency_penalty=float(r["frequency_penalty"]),
+                                repetition_penalty=float(r["repetition_penalty"]) or 1.0,
+                                min_tokens=int(r["min_tokens"]),
+                                logprobs=int(r["logprobs"]) if flags & FLAG_LOGPROBS else None,
+                                prompt_logprobs=int(r["prompt_logprobs"]) if flags & FLAG_PROMPT_LOGPROBS else None,
+                                logit_bias=extra.logit_bias, allowed_token_ids=extra.allowed_token_ids,
+                                bad_words=extra.bad_words)
         stop = {int(t) for t in r["stop_ids"][:min(int(r["n_stop_ids"]), MAX_STOP_IDS)]}
         if not flags & FLAG_IGNORE_EOS:
             stop.update(self.config.eos_ids)

@@ -1,9 +1,12 @@
-"""Sampling: logits of the sequences that emit a token this step -> token ids.
+"""Sampling: logits of the sequences that emit a token this step -> token ids (+ logprob records).
 
-    logits [N, vocab] float32 + each sequence's SamplingParams and generator
-      -> greedy rows: argmax
-      -> other rows: / temperature -> top-k -> top-p (nucleus) -> softmax
-         -> multinomial with the sequence's own torch.Generator
+    raw logits [N, vocab] float32 + each sequence's SamplingParams and generator
+      -> logits_processors.apply (allowed ids, bad words, min_tokens, logit_bias, penalties)
+      -> greedy rows: argmax of the processed logits
+      -> other rows, batched: / temperature -> min_p -> top-k -> top-p (nucleus) -> softmax
+         -> one multinomial draw per row with the sequence's own torch.Generator
+      -> rows that ask for logprobs: logprobs.records of the *raw* logits for the sampled
+         token (vLLM's default raw_logprobs), left in seq.step_logprobs for the engine
 
 Each sequence owns its generator (seeded from its seed, or from fresh entropy
 without one), so a seeded request yields the same tokens whatever else shares
@@ -15,6 +18,7 @@ import os
 
 import torch
 
+from . import logits_processors, logprobs
 from .sequence import Sequence
 
 
@@ -28,18 +32,38 @@ def generator_for(seq: Sequence) -> torch.Generator:
     return seq.generator
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """One row [vocab] -> probabilities [vocab] after temperature, top-k and top-p."""
-    x = logits / temperature
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """One row [vocab] -> probabilities [vocab] after temperature, min_p, top-k and top-p
+    (the CUDA sampler's reference; `filter_batch` is the same over rows)."""
+    t = torch.tensor
+    return filter_batch(logits[None], t([temperature]), t([top_k]), t([top_p]), t([min_p]))[0]
+
+
+def filter_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, vocab]; temperature, top_p, min_p [R] float; top_k [R] int (0 = off)
+    -> probabilities [R, vocab]."""
+    x = logits / temperature.to(logits.dtype)[:, None]
+    vocab = x.shape[-1]
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        floor = min_p.to(x.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    if bool(k_on.any()) or bool(p_on.any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)                     # [R, vocab]
+        if bool(k_on.any()):
+            kth = sorted_x.gather(1, (top_k.clamp(1, vocab) - 1).long()[:, None])    # [R, 1]
+            kth = torch.where(k_on[:, None], kth, torch.full_like(kth, float("-inf")))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        if bool(p_on.any()):
+            probs = torch.softmax(sorted_x, dim=-1)
+            # drop a token when the tokens before it already reach top_p (the first always stays)
+            limit = torch.where(p_on, top_p.to(x.dtype), torch.tensor(float("inf")))[:, None]
+            sorted_x = sorted_x.masked_fill((torch.cumsum(probs, dim=-1) - probs) >= limit, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
     return torch.softmax(x, dim=-1)
 
 
@@ -49,14 +73,36 @@ MIN_TEMPERATURE = 1e-5
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [N, vocab] float32, row i for seqs[i] -> N token ids."""
-    out = logits.argmax(dim=-1).tolist()      # host sync: tokens go to the ring
-    for i, s in enumerate(seqs):
-        p = s.params
-        if p.temperature < MIN_TEMPERATURE:
-            continue
-        probs = filter_logits(logits[i].float(), p.temperature, p.top_k, p.top_p)
-        if not bool(torch.isfinite(probs).all()):
-            continue                          # degenerate row: keep argmax rather than fail the batch
-        out[i] = int(torch.multinomial(probs, 1, generator=generator_for(s)))
+    """logits: [N, vocab] float32, row i for seqs[i] -> N token ids; seqs[i].step_logprobs set
+    for the sequences that ask for logprobs (None for the others)."""
+    raw = logits.float()
+    x = logits_processors.apply(raw, seqs)
+    out = x.argmax(dim=-1).tolist()      # host sync: tokens go to the ring
+    rows = [i for i, s in enumerate(seqs) if s.params.temperature >= MIN_TEMPERATURE]
+    if rows:
+        ps = [seqs[i].params for i in rows]
+        probs = filter_batch(x[torch.tensor(rows)], torch.tensor([p.temperature for p in ps]),
+                             torch.tensor([p.top_k for p in ps]), torch.tensor([p.top_p for p in ps]),
+                             torch.tensor([p.min_p for p in ps]))                          # [R, vocab]
+        finite = torch.isfinite(probs).all(dim=-1).tolist()
+        for j, i in enumerate(rows):
+            if finite[j]:                 # a degenerate row keeps argmax rather than fail the batch
+                out[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seqs[i])))
+    _logprobs(raw, seqs, out)
     return out
+
+
+def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    for s in seqs:
+        s.step_logprobs = None
+    if not rows:
+        return
+    k = max(seqs[i].params.logprobs for i in rows)
+    idx = torch.tensor(rows)
+    recs = logprobs.records(raw[idx], torch.tensor([tokens[i] for i in rows]), k)       # [R, 2 + 2k]
+    for j, i in enumerate(rows):
+        ki = seqs[i].params.logprobs
+        r = recs[j]
+        seqs[i].step_logprobs = (r if ki == k else
+                                 r[list(range(2 + ki)) + list(range(2 + k, 2 + k + ki))])[None]

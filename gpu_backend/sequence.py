@@ -1,15 +1,18 @@
 """Sequence: the engine's copy of one claimed request and its progress.
 
     ring slot (validated by intake.py) -> Sequence (prompt copied out of the
-    arena, sampling parameters, stop ids) -> engine: num_computed, KV block
-    table, output tokens -> published back into the slot.
+    arena, sampling parameters and data, stop ids) -> engine: num_computed, KV
+    block table, output tokens -> published back into the slot (tokens, and the
+    logprob records the sampler left in `step_logprobs` / `prompt_logprobs`).
 
 Everything here lives in host memory; the ring sees only what the engine
-publishes (tokens, counts, states).
+publishes (tokens, logprob records, counts, states).
 """
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +21,31 @@ class SamplingParams:
     top_p: float = 1.0         # (0, 1]
     top_k: int = 0             # 0 = off
     seed: int | None = None    # per-request generator seed; None = fresh entropy
+    min_p: float = 0.0         # [0, 1], 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0        # stop ids (EOS included unless ignore_eos) masked until this many tokens
+    logprobs: int | None = None          # top entries per generated token's record; None: no records
+    prompt_logprobs: int | None = None   # top entries per prompt token's record; None: no records
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()          # empty: all
+    bad_words: tuple[tuple[int, ...], ...] = ()      # token sequences never completed
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty not in (0.0, 1.0))
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor (logits_processors.py) applies to this request."""
+        return bool(self.penalized or self.min_tokens or self.logit_bias or self.allowed_token_ids
+                    or self.bad_words)
 
 
 @dataclasses.dataclass(eq=False)
@@ -38,6 +62,9 @@ class Sequence:
     num_computed: int = 0             # tokens whose K/V is in the cache
     blocks: list[int] = dataclasses.field(default_factory=list)   # block table
     generator: object = None          # per-request torch.Generator, made by the sampler on first use
+    penalty_state: object = None      # logits_processors.PenaltyState, made on first use
+    step_logprobs: np.ndarray | None = None     # [1, record words] for the token sampled this step
+    prompt_logprobs: np.ndarray | None = None   # [prompt_len - 1, record words], filled during prefill
 
     @property
     def num_tokens(self) -> int:

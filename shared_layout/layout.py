@@ -197,6 +197,14 @@ def logprob_record_words(k: int) -> int:
     return 2 + 2 * k
 
 
+def decode_logprob_records(words: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[N * (2 + 2k)] record words -> (logprob [N] f32, rank [N] i32, top ids [N, k] i32,
+    top logprobs [N, k] f32), most likely first."""
+    w = np.ascontiguousarray(words, "<i4").reshape(-1, logprob_record_words(k))
+    return (w[:, 0].copy().view("<f4"), w[:, 1].copy(), w[:, 2:2 + k].copy(),
+            np.ascontiguousarray(w[:, 2 + k:]).view("<f4"))
+
+
 def extra_words(n_logit_bias: int, n_allowed_ids: int, bad_words_words: int) -> int:
     """Words of a slot's variable sampling data in the prompt arena."""
     return 2 * n_logit_bias + n_allowed_ids + bad_words_words

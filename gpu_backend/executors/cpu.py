@@ -7,7 +7,9 @@
       input_ids [T], positions [T], PagedBatch -> KernelForward (cpu_forward.py: the
       fused C++ kernels of gpu_backend/cpu_kernels between the matmuls) where the model
       and the machine allow, else model.forward with PagedAttention -> hidden of each
-      sampled chunk's last token [N, hidden] -> compute_logits [N, vocab] -> sampling.sample
+      sampled chunk's last token [N, hidden] -> compute_logits [N, vocab] -> sampling.sample;
+      prefill chunks of a request that asks for prompt logprobs: every row's logits, a slice
+      at a time -> logprobs.records into seq.prompt_logprobs (row p scores prompt token p + 1)
 
 Runs everywhere; the embedded default and what CI exercises end to end.
 """
@@ -17,6 +19,7 @@ import os
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from shared_layout import Ring
@@ -28,7 +31,9 @@ from .. import cpu_kernels
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedAttention, PagedBatch
 from ..policy import PolicyConfig, blocks_needed
+from ..logprobs import PROMPT_ROWS, records
 from ..sampling import sample
+from ..sequence import Sequence
 from . import ExecutorOptions
 from .cpu_forward import KernelForward
 from .cpu_linear import prepare_model
@@ -56,8 +61,11 @@ class CpuRunner:
         ids: list[int] = []
         positions: list[int] = []
         last_row: dict[int, int] = {}          # chunk index -> row of its last token
+        prompt_lp: list[tuple[Sequence, int, int]] = []   # (seq, first row, prompt tokens) to score
         for i in order:
             c = batch.chunks[i]
+            if c.seq.params.prompt_logprobs is not None and not c.seq.output and c.start < len(c.seq.prompt) - 1:
+                prompt_lp.append((c.seq, len(ids), min(c.num_tokens, len(c.seq.prompt) - 1 - c.start)))
             ids += c.seq.token_slice(c.start, c.start + c.num_tokens)
             positions += range(c.start, c.start + c.num_tokens)
             last_row[i] = len(ids) - 1
@@ -73,12 +81,26 @@ class CpuRunner:
                 hidden = self.model(input_ids, pos, self.attn)                                # [T, hidden]
             finally:
                 self.attn.batch = None
+        for (seq, row, n), start in zip(prompt_lp, (positions[r] for _, r, _ in prompt_lp)):
+            self._prompt_logprobs(seq, hidden, row, start, n)
         sampled = [i for i, c in enumerate(batch.chunks) if c.sample]
         if not sampled:
             return []
         rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long)
         logits = self.model.compute_logits(hidden[rows])                                    # [N, vocab]
         return sample(logits, [batch.chunks[i].seq for i in sampled])
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row: int, start: int, n: int) -> None:
+        """Records of prompt tokens start+1 .. start+n from hidden rows row .. row+n-1 (row p
+        predicts position p + 1), PROMPT_ROWS rows of logits at a time."""
+        k = seq.params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = np.zeros((len(seq.prompt) - 1, 2 + 2 * k), "<i4")
+        for a in range(0, n, PROMPT_ROWS):
+            b = min(n, a + PROMPT_ROWS)
+            logits = self.model.compute_logits(hidden[row + a:row + b])                       # [b - a, vocab]
+            targets = torch.tensor(seq.prompt[start + a + 1:start + b + 1], dtype=torch.long)
+            seq.prompt_logprobs[start + a:start + b] = records(logits, targets, k)
 
 
 def tune_malloc() -> bool:

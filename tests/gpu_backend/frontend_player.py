@@ -10,6 +10,8 @@ import numpy as np
 
 from shared_layout import ErrorCode, FinishReason, FrontendPort, Ring, SlotRequest, SlotState
 from shared_layout.arena import TokenArena
+from shared_layout.extra import SamplingExtra
+from shared_layout.layout import decode_logprob_records, extra_words
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class FrontendPlayer:
         self.port = FrontendPort(ring)
         self.prompts = TokenArena(ring.geom.prompt_arena_tokens)
         self.outputs = TokenArena(ring.geom.output_arena_tokens)
+        self.logprob_words = TokenArena(ring.geom.logprob_arena_words)
         self.next_seq = 1
         self.inflight: dict[int, dict] = {}     # slot -> request info
 
@@ -36,12 +39,17 @@ class FrontendPlayer:
         """Submit into the lowest free slot; returns the slot."""
         slot = next(i for i in range(self.ring.geom.slot_count)
                     if i not in self.inflight and self.ring.state[i] == SlotState.EMPTY)
-        poff, ooff = self.prompts.alloc(len(prompt)), self.outputs.alloc(max_tokens)
+        extra = params.get("extra", SamplingExtra())
+        poff, ooff = self.prompts.alloc(len(prompt) + extra_words(*extra.counts)), self.outputs.alloc(max_tokens)
         req = SlotRequest(seq=self.next_seq, prompt_offset=poff, prompt_len=len(prompt), output_offset=ooff,
                           max_tokens=max_tokens, epoch=self.ring.get("frontend_epoch"),
-                          t_submit_ns=time.monotonic_ns(), **params)
+                          t_submit_ns=time.monotonic_ns(), extra_offset=poff + len(prompt), **params)
+        gen_words, prompt_words = req.logprob_words()
+        loff = self.logprob_words.alloc(gen_words + prompt_words) if gen_words + prompt_words else None
+        if loff is not None:
+            req = dataclasses.replace(req, logprobs_offset=loff, prompt_logprobs_offset=loff + gen_words)
         self.port.submit(slot, req, np.asarray(prompt, np.int32))
-        self.inflight[slot] = dict(seq=self.next_seq, poff=poff, ooff=ooff)
+        self.inflight[slot] = dict(seq=self.next_seq, poff=poff, ooff=ooff, loff=loff, req=req)
         self.next_seq += 1
         return slot
 
@@ -51,6 +59,16 @@ class FrontendPlayer:
     def tokens_so_far(self, slot: int) -> list[int]:
         _, _, gen = self.port.poll(slot)
         return self.ring.tokens(slot, 0, gen).tolist()
+
+    def logprobs(self, slot: int, prompt: bool = False):
+        """(logprob, rank, top ids, top logprobs) arrays of a slot's published records: the
+        generated tokens', or the prompt's (tokens 1..); call before `collect`."""
+        req = self.inflight[slot]["req"]
+        _, _, gen = self.port.poll(slot)
+        k = req.prompt_logprobs if prompt else req.logprobs
+        n = req.prompt_len - 1 if prompt else gen
+        off = req.prompt_logprobs_offset if prompt else req.logprobs_offset
+        return decode_logprob_records(self.ring.logprob_arena[off:off + n * (2 + 2 * k)], k)
 
     def cancel(self, slot: int) -> None:
         self.port.cancel(slot)
@@ -68,6 +86,8 @@ class FrontendPlayer:
         self.port.reset(slot)
         self.prompts.free(info["poff"])
         self.outputs.free(info["ooff"])
+        if info["loff"] is not None:
+            self.logprob_words.free(info["loff"])
         return res
 
     def wait(self, slot: int, timeout_s: float = 30.0, pump=None) -> Result:
