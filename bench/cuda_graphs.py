@@ -92,8 +92,8 @@ class Daemon:
         from shared_layout.shm import ShmRegion
         self.executor, self.ring_name = executor, ring_name
         self.log_path = log_dir / f"daemon-{executor}.log"
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")    # one core: no CPU thread pool to oversubscribe it
+        from gpu_backend.cuda.child_env import child_env
+        env = child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")    # one core: no CPU thread pool to oversubscribe it
         if args.buckets:
             env["BLINK_GRAPH_BUCKETS"] = args.buckets
         cmd = [sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", executor, "--model", model,

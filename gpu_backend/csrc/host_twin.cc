@@ -8,7 +8,10 @@
  *       for __syncthreads; the step graph is the echo run inline (or a callback
  *       that launches it on a GPU: the host-driven baseline of the benchmark);
  *       a full launch window returns to the driver loop, which starts a fresh
- *       instance as the device's tail launch does.
+ *       instance as the device's tail launch does. Its platform has no
+ *       read-modify-write on ring words at all (as on the device), and counts
+ *       any shared-counter atomic that lands inside the ring or the host
+ *       control block (blink_twin_ring_rmw: must stay 0).
  *   blink_kv_*_c      kv_alloc.h, for the diff test against kv_cache.BlockAllocator
  *   blink_graph_*_c   graph_table.h (step key, O(1) lookup, rows), for the diff
  *       test against gpu_backend/graphs/buckets.py
@@ -30,8 +33,12 @@
 
 typedef int (*blink_launch_cb)(void *ctx, uint32_t which);
 
+static uint64_t g_ring_rmw;           /* atomics that hit ring or control memory (a protocol bug) */
+
 struct blink_twin_block {              /* what the host threads of one instance share */
     pthread_barrier_t barrier;
+    uintptr_t ring_lo, ring_hi;        /* the ring's bytes: loads and stores only, never an RMW */
+    uintptr_t ctl_lo, ctl_hi;          /* the host-mapped control block: likewise */
     int or_flags[3];
     blink_sched_shared_t sh;
     blink_launch_cb cb;
@@ -49,11 +56,14 @@ struct blink_host_platform {
     void st64(void *p, uint64_t v) const { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
     void fence_sys() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     void fence_dev() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-    uint32_t cas32(void *p, uint32_t expect, uint32_t desired) const {
-        __atomic_compare_exchange_n((uint32_t *)p, &expect, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-        return expect;   /* the old value, as atomicCAS returns it */
+    /* The one atomic of the loop: the block's shared counters. One that lands in the ring or the
+     * control block would be a cross-boundary atomic, which the device cannot do: counted. */
+    uint32_t add_shared(uint32_t *p, uint32_t v) const {
+        const uintptr_t a = (uintptr_t)p;
+        if (blk && ((a >= blk->ring_lo && a < blk->ring_hi) || (a >= blk->ctl_lo && a < blk->ctl_hi)))
+            __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
+        return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     }
-    uint32_t add_shared(uint32_t *p, uint32_t v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
     void sync() const { pthread_barrier_wait(&blk->barrier); }
     /* __syncthreads_or: three flags in rotation, so the one reset here was last read two calls ago. */
     int sync_or(int v) {
@@ -93,6 +103,10 @@ uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch
         memset(&blk, 0, sizeof blk);
         blk.cb = cb;
         blk.cb_ctx = cb_ctx;
+        blk.ring_lo = (uintptr_t)p->ring;
+        blk.ring_hi = blk.ring_lo + p->output_arena_offset + 4 * p->output_arena_tokens;
+        blk.ctl_lo = (uintptr_t)p->control;
+        blk.ctl_hi = blk.ctl_lo + sizeof(blink_sched_control_t);
         pthread_barrier_init(&blk.barrier, nullptr, nt);
         std::vector<std::thread> threads;
         for (unsigned t = 1; t < nt; ++t)
@@ -107,6 +121,13 @@ uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch
         if (code != BLINK_EXIT_RELAUNCH) return code;
     }
 }
+
+/* The window limits of sched_types.h, for the test of config.py's mirror. */
+uint32_t blink_device_launch_cap(void) { return BLINK_DEVICE_LAUNCH_CAP; }
+uint32_t blink_max_window(void) { return BLINK_MAX_WINDOW; }
+
+/* Atomics that hit ring or control memory since the library was loaded (0: none). */
+uint64_t blink_twin_ring_rmw(void) { return __atomic_load_n(&g_ring_rmw, __ATOMIC_RELAXED); }
 
 /* One plan_step over explicit lists; ids are indices into `reqs` (the caller's table). */
 void blink_plan(const blink_policy_config_t *cfg, const blink_req_t *reqs, const uint32_t *waiting,
@@ -216,7 +237,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, wait_ns) X(blink_sched_control_t, publish_ns)                                  \
     X(blink_sched_control_t, plan_ns) X(blink_sched_control_t, launch_ns)                                   \
     X(blink_sched_control_t, fallback_steps)                                                                \
-    X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, reserved)                          \
+    X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)                          \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
     X(blink_sched_params_t, slots_offset) X(blink_sched_params_t, prompt_arena_offset)                      \
@@ -230,7 +251,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, kv_owner) X(blink_sched_params_t, kv_tables)                                    \
     X(blink_sched_params_t, state) X(blink_sched_params_t, control) X(blink_sched_params_t, stats)          \
     X(blink_sched_params_t, graphs) X(blink_sched_params_t, policy)                                         \
-    X(blink_sched_params_t, window_limit) X(blink_sched_params_t, claim_cas)                                \
+    X(blink_sched_params_t, window_limit) X(blink_sched_params_t, reserved0)                                \
     X(blink_sched_params_t, idle_sleep_ns) X(blink_sched_params_t, launch_retry_limit)                      \
     X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, reserved)                                \
     X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \

@@ -5,8 +5,10 @@
  * step, with the slot scan overlapped with the step graph in flight:
  *
  *   control  (thread 0)  stop / abort / ring shutdown, heartbeat, frontend epoch
- *   scan     (all)       every slot's (state, cancel) word: claim PENDING by CAS,
- *                        mark cancelled or stale requests for the reap
+ *   scan     (all)       every slot's (state, cancel) word: claim PENDING with a
+ *                        plain store (one thread owns each slot in a scan; the
+ *                        frontend never writes a PENDING slot's state), mark
+ *                        cancelled or stale requests for the reap
  *   intake   (all)       copy + validate the claimed requests, queue them FCFS by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
@@ -16,6 +18,8 @@
  *                        step graph (graph_table.h: O(1) lookup, chunks -> rows),
  *                        launch it fire-and-forget, or tail-launch a fresh
  *                        instance when this one's launch window is full
+ *                        (window_limit attempts, well inside the device's cap of
+ *                        120 fire-and-forget launches per graph execution)
  *
  * Every piece of state that must outlive an instance lives in global memory
  * (params->state, reqs, queues); the block-shared struct holds only values of
@@ -32,7 +36,7 @@
 typedef struct blink_sched_shared {
     uint64_t fe_epoch;       /* the header's frontend_epoch, read by the control phase */
     uint32_t exit;           /* BLINK_EXIT_*: every thread leaves the loop */
-    uint32_t launches;       /* fire-and-forget launches by this instance (the window) */
+    uint32_t launches;       /* fire-and-forget launch attempts by this instance (the window) */
     uint32_t n_arrivals;     /* slots claimed by this iteration's scan */
     uint32_t n_valid;        /* of those, accepted into the waiting queue */
     uint32_t n_tokens;       /* tokens published this iteration */
@@ -68,6 +72,7 @@ BLINK_DEV void blink_beat(P &plat, const blink_sched_params_t *p, uint64_t now) 
     const unsigned n = (unsigned)((&st->fallback_steps - &st->heartbeat) + 1);
     for (unsigned i = 0; i < n; ++i) plat.st64(&dst[i], src[i]);
     plat.st32(&ctl->last_launch_error, (uint32_t)st->last_launch_error);
+    plat.st32(&ctl->max_window_launches, st->max_window_launches);
 }
 
 /* End every queued and running request (engine.abort_all: running, then waiting). */
@@ -145,14 +150,10 @@ BLINK_DEV void blink_scan_slot(P &plat, const blink_sched_params_t *p, blink_sch
         if (sh->draining) return;
         plat.st64(&s->t_picked_ns, plat.now_ns(p));   /* PENDING is ours already; the stamp may precede the claim */
         plat.fence_sys();   /* the pick-up stamp before the state word; also orders our later reads of the request */
-        uint32_t claimed;
-        if (p->claim_cas) {
-            claimed = plat.cas32(&s->state, BLINK_PREFILL_PENDING, BLINK_PREFILL_PROCESSING) == BLINK_PREFILL_PENDING;
-        } else {
-            plat.st32(&s->state, BLINK_PREFILL_PROCESSING);
-            claimed = 1;
-        }
-        if (claimed) p->arrivals[plat.add_shared(&sh->n_arrivals, 1)] = (uint32_t)i;
+        /* A plain store, no CAS: from PENDING on the slot is ours alone (the frontend writes only
+         * its cancel word until DECODE_COMPLETED), and this thread is the only one scanning it. */
+        plat.st32(&s->state, BLINK_PREFILL_PROCESSING);
+        p->arrivals[plat.add_shared(&sh->n_arrivals, 1)] = (uint32_t)i;
         return;
     }
     blink_req_t *r = &p->reqs[i];
@@ -173,12 +174,12 @@ BLINK_DEV void blink_phase_scan(P &plat, const blink_sched_params_t *p, blink_sc
     const uint64_t n = p->slot_count;
     for (uint64_t base = tid; base < n; base += (uint64_t)BLINK_SCAN_BATCH * nt) {
         uint64_t word[BLINK_SCAN_BATCH];
-#pragma unroll
+BLINK_UNROLL
         for (int k = 0; k < BLINK_SCAN_BATCH; ++k) {
             const uint64_t i = base + (uint64_t)k * nt;
             word[k] = i < n ? plat.ld64(&blink_slot_ptr(p, i)->state) : 0;
         }
-#pragma unroll
+BLINK_UNROLL
         for (int k = 0; k < BLINK_SCAN_BATCH; ++k) {
             const uint64_t i = base + (uint64_t)k * nt;
             if (i < n && word[k] != 0) blink_scan_slot(plat, p, sh, i, word[k]);   /* 0: EMPTY, no cancel */
@@ -489,13 +490,15 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     plat.fence_dev();   /* the step descriptor, rows, block tables and request copies before the child graph that reads them */
     const uint64_t t_launch = plat.now_ns(p);
     for (uint32_t tries = 0; err == 0; ++tries) {
+        sh->launches += 1;   /* every attempt counts toward the cap, refused ones included */
         err = plat.launch_step(p, graph * BLINK_STEP_GRAPHS + st->step_no % BLINK_STEP_GRAPHS);
         if (err == 0) break;
         stats->launch_retries += 1;
         stats->last_launch_error = err;
-        if (tries >= p->launch_retry_limit) break;
-        plat.sleep_ns(200);   /* that graph's previous launch is still winding down */
+        if (tries >= p->launch_retry_limit || sh->launches >= BLINK_DEVICE_LAUNCH_CAP) break;
+        plat.sleep_ns(200u << (tries < 9 ? tries : 9));   /* that graph's previous launch is still winding down */
     }
+    if (sh->launches > stats->max_window_launches) stats->max_window_launches = sh->launches;
     const uint64_t now = plat.now_ns(p);
     stats->launch_ns += now - t_launch;
     stats->plan_ns += now - t0;
@@ -518,7 +521,6 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         st->n_running = kept;
         return;
     }
-    sh->launches += 1;
     stats->launches += 1;
     st->in_flight = 1;
     st->step_launched_ns = now;

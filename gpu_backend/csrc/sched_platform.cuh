@@ -1,12 +1,17 @@
 /* The device side of the scheduler's platform: how sched_loop.h touches the
  * ring, orders memory, synchronises the block, reads the clock and launches
  * graphs when it runs as the persistent kernel. host_twin.cc provides the same
- * members for the CPU twin (threads + a barrier, __atomic builtins).
+ * members for the CPU twin (threads + a barrier, __atomic loads and stores).
  *
  * Ring words are read and written through volatile pointers: on host-mapped
  * memory they must reach the PCIe bus each time (a volatile access is a
- * relaxed system-scope access in the PTX memory model), and the frontend
- * never uses atomics on the ring.
+ * relaxed system-scope access in the PTX memory model). No read-modify-write
+ * ever touches the ring or the host-mapped control block: on an x86 host
+ * with a PCIe GPU (cudaDevAttrHostNativeAtomicSupported == 0) device atomics
+ * on host memory are not atomic with respect to the CPU, and a NIC's RDMA
+ * WRITE never takes part in one. Every ring word has one writer per state
+ * (shared_layout's owner table), ordered by fences; the only atomic here is
+ * add_shared, on the block's shared memory among the scheduler's threads.
  */
 #ifndef BLINK_SCHED_PLATFORM_CUH
 #define BLINK_SCHED_PLATFORM_CUH
@@ -24,11 +29,8 @@ struct blink_device_platform {
     __device__ void fence_sys() const { __threadfence_system(); }
     /* Orders device-memory accesses between this kernel and the step graph. */
     __device__ void fence_dev() const { __threadfence(); }
-    /* Claims among the scheduler's own threads only: the frontend never writes a PENDING slot. */
-    __device__ uint32_t cas32(void *p, uint32_t expect, uint32_t desired) const {
-        return atomicCAS((unsigned int *)p, expect, desired);
-    }
-    __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd(p, v); }
+    /* Shared memory only (the block's counters): never the ring, never host memory. */
+    __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd_block(p, v); }
     __device__ void sync() const { __syncthreads(); }
     __device__ int sync_or(int v) const { return __syncthreads_or(v); }
     __device__ uint64_t now_ns(const blink_sched_params_t *p) const {

@@ -24,12 +24,22 @@
 /* Functions of the scheduler loop: device code under nvcc, plain host code under g++. */
 #if defined(__CUDACC__)
 #define BLINK_DEV __device__
+#define BLINK_UNROLL _Pragma("unroll")
 #else
 #define BLINK_DEV
+#define BLINK_UNROLL _Pragma("GCC unroll 8")   /* g++ -Werror knows no plain `#pragma unroll` */
 #endif
 
 #define BLINK_MAX_EOS_IDS 8
 #define BLINK_STEP_GRAPHS 2          /* instances of each step graph, launched alternately */
+/* Fire-and-forget launches one graph execution may make (CUDA programming guide, device
+ * graph launch). The scheduler counts every launch attempt, refused ones included (the
+ * guide does not say whether they count), starts a step only while its window holds fewer
+ * than window_limit attempts (<= BLINK_MAX_WINDOW) and lets that step retry up to the cap:
+ * BLINK_LAUNCH_HEADROOM attempts of slack before the runtime would refuse for good. */
+#define BLINK_DEVICE_LAUNCH_CAP 120u
+#define BLINK_LAUNCH_HEADROOM 20u
+#define BLINK_MAX_WINDOW (BLINK_DEVICE_LAUNCH_CAP - BLINK_LAUNCH_HEADROOM)
 
 /* Step kinds: policy.StepKind */
 #define BLINK_STEP_IDLE 0u
@@ -130,7 +140,7 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t launch_ns;           /* cumulative time inside the launch call */
     uint64_t fallback_steps;      /* steps served by a kind's max-shape graph (no tighter graph covered them) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
-    uint32_t reserved;
+    uint32_t max_window_launches; /* most launch attempts any one instance made (<= BLINK_DEVICE_LAUNCH_CAP) */
 } blink_sched_control_t;
 
 /* The one argument of every kernel; lives in device memory. */
@@ -161,8 +171,8 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     blink_sched_control_t *stats;     /* device memory: counters accumulate here, copied to control at each beat */
     blink_graph_table_t graphs;   /* the step graphs, instantiated for device launch, and their lookup tables */
     blink_policy_config_t policy;
-    uint32_t window_limit;        /* fire-and-forget launches per scheduler instance (<= 120) */
-    uint32_t claim_cas;           /* 1: claim with atomicCAS; 0: plain store (one scheduler block) */
+    uint32_t window_limit;        /* launch attempts after which an instance rolls over (<= BLINK_MAX_WINDOW) */
+    uint32_t reserved0;           /* zero */
     uint32_t idle_sleep_ns;       /* back-off when a scan found nothing and no step runs */
     uint32_t launch_retry_limit;  /* refused device launches retried this often before giving up */
     uint32_t kv_max_blocks;       /* blocks one slot's table holds (one max_model_len context) */

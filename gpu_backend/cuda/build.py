@@ -5,6 +5,9 @@ nvcc, and the scheduler's CPU twin with g++. All compiler flags live here.
       -> nvcc -rdc=true -c (one object per .cu) -> nvcc -dlink -cubin -lcudadevrt
       -> blink_sched.cubin (loaded by cuda-python's cuModuleLoadData)
     csrc/host_twin.cc + the same headers -> g++ -shared -> libblink_twin.so (ctypes)
+    build_strict(): every .cu alone, and the device link, for the lent H100's
+      sm_90a with warnings as errors (nvcc, host compiler and ptxas), and the twin
+      with -Werror: what scripts/gpu_check.sh --rehearse runs before a GPU is lent
 
 Outputs are cached under ${BLINK_CACHE_DIR:-~/.cache/blink}/cuda/<hash of the
 sources, flags and compiler>/ and published atomically, so concurrent daemons
@@ -29,6 +32,9 @@ NVCC_FLAGS = ["-std=c++17", "-O3", "-lineinfo", "-rdc=true", "-Xptxas=-warn-spil
               f"-I{CSRC}", f"-I{LAYOUT_INCLUDE}"]
 GXX_FLAGS = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-fPIC", "-shared", "-pthread",
              f"-I{CSRC}", f"-I{LAYOUT_INCLUDE}"]
+STRICT_ARCH = "sm_90a"        # the H100's full instruction set (wgmma, setmaxnreg), -gencode form
+STRICT_NVCC_FLAGS = ["-Werror", "all-warnings", "-Xcompiler=-Wall,-Wextra,-Werror", "-Xptxas=-Werror"]
+STRICT_GXX_FLAGS = ["-Werror"]
 
 
 class BuildError(RuntimeError):
@@ -135,3 +141,27 @@ def build_host_twin(gxx: str | None = None) -> pathlib.Path:
         return out
 
     return _publish(build, cache_root() / key, "libblink_twin.so")
+
+
+def build_strict(out_dir: pathlib.Path, arch: str = STRICT_ARCH, nvcc: str | None = None,
+                 gxx: str | None = None) -> list[pathlib.Path]:
+    """Every device source, the device link and the twin, warnings as errors, into out_dir
+    (no cache: a check, not a build to reuse). Raises BuildError naming the first failure."""
+    nvcc = nvcc or find_nvcc()
+    gxx = gxx or find_gxx()
+    if nvcc is None or gxx is None:
+        raise BuildError(f"strict build needs nvcc and g++ (nvcc: {nvcc}, g++: {gxx})")
+    gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    objs = []
+    for src in sorted(p.name for p in CSRC.glob("*.cu")):
+        obj = out_dir / (pathlib.Path(src).stem + ".o")
+        _run([nvcc, *NVCC_FLAGS, *STRICT_NVCC_FLAGS, gencode, "-c", str(CSRC / src), "-o", str(obj)],
+             f"nvcc {src} ({arch}, warnings as errors)")
+        objs.append(obj)
+    cubin = out_dir / f"blink_sched_{arch}.cubin"
+    _run([nvcc, gencode, "-Werror", "all-warnings", "-dlink", "-cubin", *map(str, objs), "-lcudadevrt",
+          "-o", str(cubin)], f"nvcc device link ({arch})")
+    twin = out_dir / "libblink_twin.so"
+    _run([gxx, *GXX_FLAGS, *STRICT_GXX_FLAGS, str(CSRC / "host_twin.cc"), "-o", str(twin)], "g++ host_twin.cc -Werror")
+    return [*objs, cubin, twin]

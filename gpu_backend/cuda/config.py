@@ -14,6 +14,12 @@ from shared_layout import RingGeometry
 from . import structs
 
 DEVICE_LAUNCH_LIMIT = 120     # fire-and-forget launches one graph execution may make (CUDA guide)
+LAUNCH_HEADROOM = 20          # attempts the last step of a window may still make (retries of refused launches)
+MAX_WINDOW = DEVICE_LAUNCH_LIMIT - LAUNCH_HEADROOM   # sched_types.h BLINK_MAX_WINDOW
+# An instance rolls over (tail-launches its successor) after 100 launch attempts: 20 below the
+# cap, so a step begun at attempt 99 may be refused and retried 20 times before the runtime's
+# own limit; a roll-over costs one tail launch (a few us) per 100 steps.
+DEFAULT_WINDOW = MAX_WINDOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +31,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     vocab_size: int = 49152
     eos_ids: tuple[int, ...] = ()       # the stand-in (null model) has none
-    window_limit: int = DEVICE_LAUNCH_LIMIT
-    claim_cas: bool = True
+    window_limit: int = DEFAULT_WINDOW
     idle_sleep_ns: int = 2000           # back-off when a scan found nothing and no step runs
     launch_retry_limit: int = 1 << 20
     beat_interval_s: float = 0.01
@@ -38,8 +43,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not 1 <= self.window_limit <= DEVICE_LAUNCH_LIMIT:
-            raise ValueError(f"window_limit must be in 1..{DEVICE_LAUNCH_LIMIT}, got {self.window_limit}")
+        if not 1 <= self.window_limit <= MAX_WINDOW:
+            raise ValueError(f"window_limit must be in 1..{MAX_WINDOW} (the device's cap of {DEVICE_LAUNCH_LIMIT} "
+                             f"launches less {LAUNCH_HEADROOM} for retries), got {self.window_limit}")
         if len(self.eos_ids) > structs.MAX_EOS_IDS:
             raise ValueError(f"at most {structs.MAX_EOS_IDS} eos ids, got {len(self.eos_ids)}")
         if self.kv_blocks * self.block_size < self.max_model_len:
@@ -82,7 +88,7 @@ class SchedulerConfig:
             output_arena_tokens=geom.output_arena_tokens, slots_offset=geom.slots_offset,
             prompt_arena_offset=geom.prompt_arena_offset, output_arena_offset=geom.output_arena_offset,
             control=control_addr, policy=self.policy(), window_limit=self.window_limit,
-            claim_cas=int(self.claim_cas), idle_sleep_ns=self.idle_sleep_ns,
+            idle_sleep_ns=self.idle_sleep_ns,
             launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
             clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks)

@@ -81,6 +81,7 @@ class Device:
     name: str
     compute_capability: tuple[int, int]
     multiprocessors: int
+    host_native_atomics: bool = False   # cudaDevAttrHostNativeAtomicSupported: 0 on x86 + PCIe (the ring needs none)
 
     def make_current(self) -> None:
         check(bindings().cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -99,7 +100,8 @@ def open_device(ordinal: int = 0) -> Device:
     if cc < MIN_COMPUTE_CAPABILITY:
         raise CudaUnavailable(f"device {ordinal} has compute capability {cc[0]}.{cc[1]}, below 9.0")
     sms = check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
+    host_atomics = check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED, dev))
     name = check(d.cuDeviceGetName(256, dev), "cuDeviceGetName")
     ctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    return Device(ordinal, dev, ctx, name.split(b"\0")[0].decode(errors="replace"), cc, sms)
+    return Device(ordinal, dev, ctx, name.split(b"\0")[0].decode(errors="replace"), cc, sms, bool(host_atomics))

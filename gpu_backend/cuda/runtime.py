@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import time
 from typing import Protocol
 
@@ -25,8 +26,10 @@ import numpy as np
 from shared_layout import RingGeometry
 
 from . import build, structs
-from .config import SchedulerConfig
+from .config import DEVICE_LAUNCH_LIMIT, SchedulerConfig
 from .driver import CudaError, Device, bindings, check
+
+log = logging.getLogger(__name__)
 
 SCHEDULER_THREADS = 256       # one block (paper §4.2)
 STEP_THREADS = 256
@@ -176,6 +179,9 @@ class SchedulerRuntime:
         graphs were captured reading it before the ring existed); 0: allocated and freed here."""
         d = bindings()
         device.make_current()
+        log.info("%s: host-native atomics %d (cudaDevAttrHostNativeAtomicSupported; the ring protocol uses "
+                 "none: one writer per word, fences), launch window %d of %d", device.name,
+                 device.host_native_atomics, config.window_limit, DEVICE_LAUNCH_LIMIT)
         self.device, self.config, self.geometry = device, config, geometry
         self.module = module or Module()
         self._own_module = module is None
@@ -235,7 +241,8 @@ class SchedulerRuntime:
 
     def stats(self) -> SchedulerStats:
         c = self.control
-        return SchedulerStats(bool(c.running), int(c.exit_code), {k: int(getattr(c, k)) for k in structs.COUNTERS})
+        counters = {k: int(getattr(c, k)) for k in (*structs.COUNTERS, "max_window_launches")}
+        return SchedulerStats(bool(c.running), int(c.exit_code), counters)
 
     def read_state(self) -> structs.SchedState:
         st = structs.SchedState()

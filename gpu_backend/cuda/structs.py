@@ -62,7 +62,8 @@ COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", 
 
 class SchedControl(_Struct):
     _fields_ = [("stop", u32), ("abort", u32), ("running", u32), ("exit_code", u32),
-                *[(name, u64) for name in COUNTERS], ("last_launch_error", i32), ("reserved", u32)]
+                *[(name, u64) for name in COUNTERS], ("last_launch_error", i32),
+                ("max_window_launches", u32)]
 
 
 class KV(_Struct):
@@ -99,7 +100,7 @@ class SchedParams(_Struct):
                 ("row_flags", ptr), ("kv_free_stack", ptr), ("kv_owner", ptr), ("kv_tables", ptr),
                 ("state", ptr), ("control", ptr), ("stats", ptr),
                 ("graphs", GraphTable), ("policy", PolicyConfig), ("window_limit", u32),
-                ("claim_cas", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
+                ("reserved0", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
                 ("kv_max_blocks", u32), ("reserved", u32),
                 ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
                 ("clock_offset_ns", i64)]

@@ -34,6 +34,9 @@ def lib() -> ctypes.CDLL:
     so.blink_twin_run.restype = ctypes.c_uint32
     so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
     so.blink_plan.restype = None
+    so.blink_twin_ring_rmw.restype = ctypes.c_uint64
+    so.blink_device_launch_cap.restype = ctypes.c_uint32
+    so.blink_max_window.restype = ctypes.c_uint32
     so.blink_finish.restype = ctypes.c_uint32
     so.blink_intake.restype = ctypes.c_uint32
     so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]

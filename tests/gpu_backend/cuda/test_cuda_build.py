@@ -42,6 +42,14 @@ def test_device_module_builds_for_sm90_with_device_runtime(nvcc, tmp_path, monke
     assert build.build_device_module("sm_90", nvcc) == cubin
 
 
+@pytest.mark.slow
+def test_every_source_builds_for_sm90a_with_warnings_as_errors(nvcc, tmp_path):
+    outs = build.build_strict(tmp_path)
+    assert {p.name for p in outs} >= {"scheduler.o", "model_step.o", "bench.o", "blink_sched_sm_90a.cubin",
+                                      "libblink_twin.so"}
+    assert set(build.DEVICE_SOURCES) == {p.name for p in build.CSRC.glob("*.cu")}   # none left out of the module
+
+
 def test_compiler_error_is_one_line(nvcc, tmp_path, monkeypatch):
     monkeypatch.setenv("BLINK_CACHE_DIR", str(tmp_path))
     src = tmp_path / "bad.cu"

@@ -12,7 +12,6 @@ under asyncio.run inside plain tests.
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 import random
 import signal
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from gpu_backend.cuda import structs
+from gpu_backend.cuda.child_env import child_env
 from gpu_backend.cuda.config import SchedulerConfig
 from shared_layout import (ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState, submit_writes)
 from shared_layout.layout import SLOT
@@ -35,7 +35,6 @@ from frontend_player import FrontendPlayer  # noqa: E402
 from test_cuda_twin_loop import GEOM, _serve_workload, drain, echo  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +69,10 @@ def shut(rt, mapped, abort=False):
     return s
 
 
-@pytest.mark.parametrize("claim_cas", [True, False])
-def test_echo_through_tail_relaunch_windows(ring_name, device, module, claim_cas):
+def test_echo_through_tail_relaunch_windows(ring_name, device, module):
     region = ShmRegion.create(ring_name, GEOM.total_size)
     ring = Ring.create(region.buf, GEOM)
-    rt, mapped = runtime_on(ring, device, module, window_limit=4, claim_cas=claim_cas)
+    rt, mapped = runtime_on(ring, device, module, window_limit=4)
     fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
     for _ in range(150):
         if len(fp.inflight) >= 48:
@@ -90,6 +88,35 @@ def test_echo_through_tail_relaunch_windows(ring_name, device, module, claim_cas
     s = shut(rt, mapped)
     assert s.exit_code == structs.EXIT_SHUTDOWN and not s.running
     assert s.counters["windows"] > 50 and s.counters["completed"] == 150
+    assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
+    assert s.counters["max_window_launches"] <= 4
+
+
+def test_default_window_rolls_over_under_load(ring_name, device, module):
+    """The default window (100 launch attempts, 20 below the device's cap of 120 per graph
+    execution) under load: at least 5 roll-overs by tail launch, no window over its limit,
+    every token right."""
+    from gpu_backend.cuda.config import DEFAULT_WINDOW
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, idle_sleep_ns=0)
+    assert rt.config.window_limit == DEFAULT_WINDOW
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(12), {}
+    for _ in range(40):                   # 8 seats, ~200 tokens each: > 600 steps
+        if len(fp.inflight) >= 32:
+            for r in drain(fp).values():
+                assert r.tokens == want[r.seq]
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 20))).tolist()
+        n = int(rng.integers(150, 250))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    for r in drain(fp).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+    s = shut(rt, mapped)
+    print("roll-overs under load:", s.counters)
+    assert s.exit_code == structs.EXIT_SHUTDOWN
+    assert s.counters["windows"] - 1 >= 5, s.counters
+    assert s.counters["max_window_launches"] <= DEFAULT_WINDOW
     assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
 
 
@@ -178,7 +205,7 @@ def test_ring_in_device_memory(device, module):
 # -- the real frontend against the daemon process ---------------------------------------------------
 
 def _start_daemon(ring_name: str, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", "cuda", "--model",
                              "null", "--ring", ring_name, *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
@@ -76,6 +77,55 @@ def test_echo_through_many_launch_windows(twin_lib, shm_ring):
     assert s.windows > 20 and s.launches == s.steps_prefill + s.steps_decode
     assert s.claimed == s.completed == 120 and s.tokens == sum(len(v) for v in want.values())
     assert tw.control.running == 0
+    assert twin_lib.blink_twin_ring_rmw() == 0        # no atomic ever touched the ring or the control block
+
+
+def test_default_window_rolls_over_well_inside_the_device_cap(twin_lib, shm_ring):
+    """Under load, with the default window: at least 5 roll-overs, and no instance made more
+    launch attempts than its window (the device's cap is 120 per graph execution)."""
+    from gpu_backend.cuda.config import DEFAULT_WINDOW, DEVICE_LAUNCH_LIMIT
+    assert DEFAULT_WINDOW <= DEVICE_LAUNCH_LIMIT - 20
+    ring = shm_ring(GEOM)
+    tw = twin(ring, idle_sleep_ns=0).start()
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(3), {}
+    for _ in range(40):                   # 8 seats, ~200 tokens each: > 600 steps
+        if len(fp.inflight) >= 32:
+            for r in drain(fp).values():
+                assert r.tokens == want[r.seq]
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 20))).tolist()
+        n = int(rng.integers(150, 250))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    for r in drain(fp).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    s = tw.stats
+    assert s.windows - 1 >= 5, (s.windows, s.launches)
+    assert s.max_window_launches <= DEFAULT_WINDOW
+    assert s.launches <= s.windows * DEFAULT_WINDOW
+    assert twin_lib.blink_twin_ring_rmw() == 0
+
+
+def test_the_window_limits_mirror_the_header(twin_lib):
+    from gpu_backend.cuda import config
+    assert twin_lib.blink_device_launch_cap() == config.DEVICE_LAUNCH_LIMIT
+    assert twin_lib.blink_max_window() == config.MAX_WINDOW == config.DEFAULT_WINDOW
+    for bad in (0, config.MAX_WINDOW + 1, config.DEVICE_LAUNCH_LIMIT):
+        with pytest.raises(ValueError):
+            SchedulerConfig(window_limit=bad)
+
+
+def test_no_read_modify_write_on_the_ring_in_device_code():
+    """Device atomics only on device memory: the loop's only atomic is add_shared, on the block's
+    shared counters; no CAS anywhere (the claim is a plain store)."""
+    import re
+    csrc = pathlib.Path(__file__).resolve().parents[3] / "gpu_backend" / "csrc"
+    calls = []
+    for path in sorted(csrc.glob("*")):
+        if path.suffix in (".h", ".cuh", ".cu"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                calls += [(path.name, n, m) for m in re.findall(r"\b(atomic\w+|cas32)\s*\(", line)]
+    assert {(f, m) for f, _, m in calls} <= {("sched_platform.cuh", "atomicAdd_block"), ("bench.cu", "atomicAdd")}, calls
 
 
 def _serve_workload(ring, serve_until_idle, rng_seed: int):

@@ -2,17 +2,15 @@
 no traceback, no ring left half-made; the registry finds its module."""
 from __future__ import annotations
 
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from gpu_backend.cuda import driver
+from gpu_backend.cuda.child_env import child_env
 from gpu_backend.executors import REGISTRY, resolve
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_registered_under_its_flag_name():
@@ -26,7 +24,7 @@ def test_registered_under_its_flag_name():
 def test_daemon_refuses_in_one_line_without_a_gpu(ring_name, model):
     if driver.unavailable_reason() is None:
         pytest.skip("a usable GPU is present")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env()
     res = subprocess.run([sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", "cuda-hostloop",
                           "--model", model, "--ring", ring_name], env=env, capture_output=True, text=True,
                          timeout=120)
