@@ -1,74 +1,124 @@
 #!/usr/bin/env bash
-# The CUDA executors' GPU checks, in one command, for a machine with an NVIDIA
-# GPU of compute capability >= 9.0 (the lent H100: nvcc 13, cuda-bindings,
-# python3 with torch/numpy/pytest). Installs nothing from the network: wheels
-# found in .whl/ are installed offline into a private folder.
+# The CUDA executors' checks on a lent GPU machine (one H100, ~30 min of device time,
+# <= 10 min a command, <= 64 MiB carried, <= 8 files back). The plan lives in
+# scripts/gpu_plan.py; this script prints it, prepares what it carries, rehearses it
+# here, and runs one of its calls on the device.
 #
-#   here, with the network, once:   scripts/gpu_check.sh --fetch-wheels
-#       (downloads the wheels the GPU image lacks into .whl/, ignored by git;
-#        carry `.whl` with the device call)
-#   on the GPU machine:             scripts/gpu_check.sh
-#       machine/versions -> build (nvcc -rdc + cudadevrt; g++ twin) -> TensorRT probe
-#       -> tests: tests/gpu_backend/cuda and tests/gpu_backend/graphs, CPU and `gpu`
-#          ones (capture and device launch of the model graphs, cuda / cuda-hostloop /
-#          CPU agreement, seeded sampling, 1,000 requests through the frontend,
-#          10,000 echo requests)
-#       -> bench/cuda_scheduler.py (control plane) -> bench/cuda_graphs.py (Fig. 3 A/B)
-# Logs and results go to $OUT when set (the device tool brings them back; at most
-# 8 files), else bench/results/. GPU_CHECK_STAGES (default
-# "build,trt,tests,bench_sched,bench_graphs") picks stages; GPU_CHECK_PYTEST_ARGS
-# adds pytest arguments (e.g. "-m 'not slow'"). Exit status: non-zero if any stage failed.
+#   here, once, with the network:  scripts/gpu_check.sh --prepare
+#       wheels the GPU image lacks -> .whl/; the embedded GGUF in parts -> .gpu_carry/
+#       (both ignored by git through .git/info/exclude)
+#   here, in seconds:              scripts/gpu_check.sh --plan
+#       the ordered device calls: command, carried paths, expected time, $OUT files, what each proves
+#   here, before a GPU is lent:    scripts/gpu_check.sh --rehearse     (scripts/gpu_rehearse.py)
+#   on the device, call by call:   PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --call NAME
+#       carried wheels -> /tmp/blink-site (pip --no-index), then each stage of the call under
+#       `timeout` with its own budget (SIGINT first: pytest still writes its junit file), its
+#       verdict (PASS / FAIL / TIMEOUT / ALL SKIPPED) in $OUT/NAME.log and a summary last
+#   on a GPU machine without limits: scripts/gpu_check.sh --all   (every call in turn)
+# Logs and results go to $OUT when set (the device tool brings them back), else
+# bench/results/gpu_check/. Exit status: non-zero if any stage failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
-WHEELS=("gguf==0.19.0")     # imported by gpu_backend.model's loader; missing from the GPU image
+PLAN=(scripts/gpu_plan.py)
 
-if [ "${1:-}" = "--fetch-wheels" ]; then
-    mkdir -p .whl "$(git rev-parse --git-dir)/info"
-    grep -qx '/.whl/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null \
-        || echo '/.whl/' >> "$(git rev-parse --git-dir)/info/exclude"
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}" \
-        && ls -la .whl
-    exit $?
-fi
-
-OUT_DIR="${OUT:-bench/results}"
-mkdir -p "$OUT_DIR"
-LOG="$OUT_DIR/gpu_check.log"
-STAGES=",${GPU_CHECK_STAGES:-build,trt,tests,bench_sched,bench_graphs},"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/blink-site \
-        .whl/*.whl && export PYTHONPATH="/tmp/blink-site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export BLINK_CACHE_DIR="${BLINK_CACHE_DIR:-/tmp/blink-cache}"
-status=0
-stage() {   # stage NAME CMD...: run, tee into the log, remember failures
-    local name=$1; shift
-    echo "=== $name: $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
-    [ "$rc" -eq 0 ] || status=1
-    return 0
+exclude() {     # keep a carried folder out of git (and so out of the tree that travels)
+    local ex; ex="$(git rev-parse --git-path info/exclude)"
+    mkdir -p "$(dirname "$ex")"
+    grep -qx "/$1/" "$ex" 2>/dev/null || echo "/$1/" >> "$ex"
 }
-want() { [[ "$STAGES" == *",$1,"* ]]; }
-: > "$LOG"
-stage machine nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv
-stage versions "$PY" -c "import sys, numpy, torch; from importlib.metadata import version as v; \
-print(sys.version.split()[0], 'numpy', numpy.__version__, 'torch', torch.__version__, 'cuda-bindings', \
-v('cuda-bindings'), 'cores', __import__('os').cpu_count())"
-want build && stage build "$PY" -c "from gpu_backend.cuda import build; print(build.build_device_module()); \
-print(build.build_host_twin())"
-want trt && stage tensorrt "$PY" -m gpu_backend.graphs.tensorrt
-# shellcheck disable=SC2086
-want tests && stage tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu_backend/cuda tests/gpu_backend/graphs -rs \
-    --junitxml="$OUT_DIR/gpu_check-junit.xml" ${GPU_CHECK_PYTEST_ARGS:-}
-want bench_sched && stage bench_sched "$PY" -m bench.cuda_scheduler --machine "${BLINK_MACHINE:-h100}" --out "$OUT_DIR"
-want bench_graphs && stage bench_graphs "$PY" -m bench.cuda_graphs --machine "${BLINK_MACHINE:-h100}" --out "$OUT_DIR" \
-    ${GPU_CHECK_BENCH_ARGS:-}
-echo "gpu_check: $([ $status -eq 0 ] && echo all stages passed || echo SOME STAGE FAILED) (log: $LOG)" | tee -a "$LOG"
-exit $status
+
+install_wheels() {  # install_wheels TARGET: carried wheels only, no index, no dependencies
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels carried (.whl/ is empty)"; return 0; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" .whl/*.whl
+}
+
+STATUS=0
+SUMMARY=()
+run_stage() {   # run_stage CALL NAME BUDGET FLAGS ARGV...: one stage under timeout, its verdict logged
+    local call=$1 name=$2 budget=$3 flags=$4; shift 4
+    echo "=== $call/$name (budget ${budget} s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout -s INT -k 20 "$budget" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]} verdict=PASS
+    case $rc in
+        0) ;;
+        124) verdict="TIMEOUT (killed at its ${budget} s budget)" ;;
+        137) verdict="KILLED (no exit after SIGINT)" ;;
+        5) verdict="NOTHING COLLECTED" ;;
+        *) verdict="FAIL" ;;
+    esac
+    if [[ $flags == *pytest* && -f "$OUT_DIR/$call-$name.xml" ]]; then
+        local tally
+        tally=$("$PY" -c 'import sys, xml.etree.ElementTree as E
+r = E.parse(sys.argv[1]).getroot(); s = r if r.tag == "testsuite" else r.find("testsuite")
+n, f, e, k = (int(s.get(a, 0)) for a in ("tests", "failures", "errors", "skipped"))
+print(n - f - e - k, f, e, k)' "$OUT_DIR/$call-$name.xml")
+        read -r passed failed errors skipped <<< "$tally"
+        verdict="$verdict: $passed passed, $failed failed, $errors errors, $skipped skipped"
+        if [[ $rc -eq 0 && $passed -eq 0 && $flags != *may_skip* && -z "${GPU_CHECK_DRY:-}" ]]; then verdict="ALL SKIPPED: $verdict"; rc=1; fi
+    fi
+    [ "$rc" -eq 0 ] || STATUS=1
+    local line="$call/$name: $verdict (rc $rc, $((SECONDS - t0)) s of $budget s)"
+    echo "=== $line" | tee -a "$LOG"
+    SUMMARY+=("$line")
+}
+
+run_call() {    # run_call NAME: every stage of one call of the plan
+    local call=$1
+    LOG="$OUT_DIR/$call.log"
+    : > "$LOG"
+    if ! lines=$("$PY" "${PLAN[@]}" stages "$call" "$OUT_DIR"); then
+        echo "gpu_check: no call named $call" | tee -a "$LOG"; STATUS=1; return
+    fi
+    echo "=== call $call on $(hostname) at $(date -u +%FT%TZ)" | tee -a "$LOG"
+    if [ -z "${GPU_CHECK_DRY:-}" ]; then
+        install_wheels /tmp/blink-site 2>&1 | tee -a "$LOG"
+    fi
+    while IFS=$'\t' read -r name budget flags argv; do
+        eval "cmd=($argv)"
+        [ "${cmd[0]}" = python3 ] && cmd[0]="$PY"      # the plan says python3: the image's, or $PYTHON
+        if [ -n "${GPU_CHECK_DRY:-}" ]; then    # the rehearsal: runner, files and collection, no GPU
+            if [[ $flags == *pytest* ]]; then cmd+=(--collect-only -q); else cmd=(true); fi
+        fi
+        run_stage "$call" "$name" "$budget" "$flags" "${cmd[@]}"
+    done <<< "$lines"
+}
+
+summary() {
+    {
+        echo "=== summary"
+        printf '  %s\n' "${SUMMARY[@]}"
+        echo "gpu_check: $([ $STATUS -eq 0 ] && echo all stages passed || echo SOME STAGE FAILED)"
+    } | tee -a "$LOG"
+}
+
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="/tmp/blink-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"   # carried wheels, then the checkout
+export BLINK_CACHE_DIR="${BLINK_CACHE_DIR:-/tmp/blink-cache}"
+export BLINK_GGUF="${BLINK_GGUF:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.DEVICE_GGUF)')}"
+OUT_DIR="${OUT:-bench/results/gpu_check}"
+
+case "${1:-}" in
+    --plan) exec "$PY" "${PLAN[@]}" plan ;;
+    --rehearse) shift; exec "$PY" scripts/gpu_rehearse.py "$@" ;;
+    --prepare)
+        exclude .whl; exclude .gpu_carry
+        mkdir -p .whl
+        read -r -a wheels <<< "$("$PY" "${PLAN[@]}" wheels)"
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "${wheels[@]}" \
+            && "$PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
+        exit $? ;;
+    --install-wheels) install_wheels "$2"; exit $? ;;
+    --run-stage)    # --run-stage NAME BUDGET FLAGS ARGV...: one stage as a call runs it (the rehearsal's timeout check)
+        mkdir -p "$OUT_DIR"; LOG="$OUT_DIR/stage.log"; : > "$LOG"
+        run_stage stage "$2" "$3" "$4" "${@:5}"; exit $STATUS ;;
+    --call)
+        mkdir -p "$OUT_DIR"; run_call "${2:?--call NAME}"; summary; exit $STATUS ;;
+    --all)
+        mkdir -p "$OUT_DIR"
+        for c in $("$PY" "${PLAN[@]}" calls); do run_call "$c"; done
+        summary; exit $STATUS ;;
+    *) sed -n '2,21p' "$0"; exit 2 ;;
+esac

@@ -169,10 +169,10 @@ def test_persistent_and_hostloop_sample_alike(tiny_folder, shm_ring, tiny_bucket
 SMOL_BUCKETS = json.dumps({"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]})
 
 
-def _start_daemon(ring_name: str, executor: str, *extra: str) -> subprocess.Popen:
+def _start_daemon(ring_name: str, executor: str, *extra: str, model: str = "random:smollm2") -> subprocess.Popen:
     env = child_env(BLINK_GRAPH_BUCKETS=SMOL_BUCKETS)
     return subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", executor,
-                             "--model", "random:smollm2", "--ring", ring_name, "--max-batch-size", "128",
+                             "--model", model, "--ring", ring_name, "--max-batch-size", "128",
                              "--max-model-len", "1024", "--kv-cache-mb", "4096", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

