@@ -1,10 +1,15 @@
-"""Fused CPU kernels (kernels.cc) for the CPU executor, built once with g++ and called by ctypes.
+"""Fused CPU kernels (kernels.cc, quant.cc) for the CPU executor, built once with g++ and called by ctypes.
 
-    kernels.cc --g++ -O3 -march=native -fopenmp--> ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
-      <hash of source, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
-    -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul, and
-       (on CPUs with AVX512-BF16) linear for decode-sized batches, on torch tensors (shapes
-       and dtypes checked here, data pointers handed to C)
+    kernels.cc + quant.cc --g++ -O3 -march=native -fopenmp--> ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
+      <hash of sources, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
+    -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul,
+       (on CPUs with AVX512-BF16) linear for decode-sized batches, and quant_linear: matmuls
+       over GGUF Q4_0/Q4_1/Q8_0/Q4_K weight blocks on int8-quantized activations, on torch
+       tensors (shapes and dtypes checked here, data pointers handed to C)
+
+quant.cc has a scalar, an AVX2 and an AVX512-VNNI path; `isa` picks one per call, and
+BLINK_CPU_ISA=scalar|avx2|avx512 (read here, once) narrows the default (quant_isa), so
+each path can be tested on a machine that has a wider one.
 
 -march=native is why the CPU's flags are part of the cache key: a cache shared between
 machines never hands one CPU another's build. No compiler, or a failed build, makes
@@ -26,6 +31,7 @@ from ..cuda.build import BuildError, _publish, _run, _version, find_gxx
 log = logging.getLogger("blink.gpu_daemon")
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
+SOURCES = (SOURCE, SOURCE.with_name("quant.cc"))
 GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
              "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
@@ -43,6 +49,16 @@ _SIGNATURES = {
     "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
 }
 _LINEAR_ARGS = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+_QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
+    "quant_isa_max": ([], _int),
+    "quant_row_bytes": ([_int, _i64], _i64),
+    "quantize_act": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int], None),
+    "quant_matmul": ([_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
+    "quant_dequantize": ([_int, _ptr, _ptr, _i64, _i64, _int], _int),
+}
+QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}     # ggml type id -> name: what quant.cc reads
+ISA_NAMES = ("scalar", "avx2", "avx512")                         # quant.cc's paths, narrowest first
+ISA_ENV = "BLINK_CPU_ISA"
 
 
 def cache_root() -> pathlib.Path:
@@ -62,13 +78,13 @@ def build(gxx: str | None = None) -> pathlib.Path:
     gxx = gxx or find_gxx()
     if gxx is None:
         raise BuildError("no C++ compiler found (g++); set BLINK_CXX")
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (gxx, _version(gxx), _cpu_flags(), *GXX_FLAGS):
         h.update(part.encode())
 
     def compile_to(tmp: pathlib.Path) -> pathlib.Path:
         out = tmp / LIB_NAME
-        _run([gxx, *GXX_FLAGS, str(SOURCE), "-o", str(out)], "g++ cpu_kernels/kernels.cc")
+        _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)], "g++ cpu_kernels/kernels.cc quant.cc")
         return out
 
     return _publish(compile_to, cache_root() / h.hexdigest()[:16], LIB_NAME)
@@ -89,6 +105,12 @@ class CpuKernels:
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGS, None
         self._linear_f32out = lib.blink_linear_bf16_f32out
         self._linear_f32out.argtypes, self._linear_f32out.restype = _LINEAR_ARGS, None
+        for name, (argtypes, restype) in _QUANT_SIGNATURES.items():
+            fn = getattr(lib, f"blink_{name}")
+            fn.argtypes, fn.restype = argtypes, restype
+            self._fns[name, "quant"] = fn
+        self.quant_isa_max = int(self._fns["quant_isa_max", "quant"]())   # the widest path built for this CPU
+        self.quant_isa = requested_isa(self.quant_isa_max)                  # the default path (BLINK_CPU_ISA)
 
     def _fn(self, name: str, dtype: torch.dtype):
         try:
@@ -103,6 +125,8 @@ class CpuKernels:
             if dtype != torch.bfloat16 or not self.has_bf16_linear:
                 raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
             return self._linear
+        if name in ("quantize_act", "quant_matmul", "quant_dequantize"):
+            return self._fns[name, "quant"]
         return self._fn(name, dtype)
 
     @staticmethod
@@ -201,6 +225,58 @@ class CpuKernels:
            _threads())
         return y
 
+    def quant_row_bytes(self, wtype: int, k: int) -> int:
+        """Bytes of one K-value weight row in ggml type `wtype`; -1 where quant.cc cannot read it."""
+        if wtype not in QUANT_TYPES or k % (256 if wtype == 12 else 32):
+            return -1
+        return int(self._fns["quant_row_bytes", "quant"](wtype, k))
+
+    def dequantize(self, wtype: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
+        """blocks uint8 [N, row bytes] of ggml type wtype -> float32 [N, K]."""
+        rb = self.quant_row_bytes(wtype, k)
+        if rb < 0 or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != rb:
+            raise ValueError(f"dequantize: blocks {tuple(blocks.shape)} of type {QUANT_TYPES.get(wtype, wtype)}, K {k}")
+        out = torch.empty((blocks.shape[0], k))
+        self._fns["quant_dequantize", "quant"](wtype, blocks.contiguous().data_ptr(), out.data_ptr(), blocks.shape[0],
+                                              k, _threads())
+        return out
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 or bf16, K % 32 == 0 -> (codes int8 [M, K], scales d [M, K/32],
+        d * sum(codes) s [M, K/32]): per 32 values d = max|x| / 127, codes = round(x / d)."""
+        m, k = x.shape
+        _check(x)
+        if x.dtype not in SUFFIX or k % 32:
+            raise ValueError(f"quantize_activations: x {tuple(x.shape)} {x.dtype}: float32/bf16 with K % 32 == 0")
+        qs = torch.empty((m, k), dtype=torch.int8)
+        d, s = torch.empty((m, k // 32)), torch.empty((m, k // 32))
+        self._fns["quantize_act", "quant"](x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qs.data_ptr(),
+                                          d.data_ptr(), s.data_ptr(), _threads())
+        return qs, d, s
+
+    def quant_linear(self, x: torch.Tensor, wtype: int, blocks: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None, isa: int | None = None) -> torch.Tensor:
+        """x [M, K] @ W^T (+ bias float32 [N]) -> [M, N] in out_dtype (default x's), W as blocks
+        uint8 [N, row bytes] of ggml type wtype, x quantized per 32 values on the way in;
+        isa: 0 scalar, 1 avx2, 2 avx512 (default self.quant_isa; clamped to quant_isa_max)."""
+        m, k = x.shape
+        n = blocks.shape[0]
+        rb = self.quant_row_bytes(wtype, k)
+        out_dtype = out_dtype or x.dtype
+        if (rb < 0 or blocks.dtype != torch.uint8 or blocks.shape != (n, rb) or not blocks.is_contiguous()
+                or out_dtype not in SUFFIX):
+            raise ValueError(f"quant_linear: x {tuple(x.shape)}, blocks {tuple(blocks.shape)} {blocks.dtype} of "
+                             f"type {QUANT_TYPES.get(wtype, wtype)} (row bytes {rb}) -> {out_dtype}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"quant_linear: bias must be a contiguous float32 [{n}]")
+        qs, d, s = self.quantize_activations(x)
+        y = torch.empty((m, n), dtype=out_dtype)
+        isa = self.quant_isa if isa is None else min(isa, self.quant_isa_max)
+        self._fns["quant_matmul", "quant"](wtype, blocks.data_ptr(), qs.data_ptr(), d.data_ptr(), s.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                          int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
+        return y
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2n] (gate, then up) -> silu(gate) * up [rows, n]."""
         rows, two_n = gate_up.shape
@@ -218,6 +294,21 @@ def _check(*tensors: torch.Tensor | None) -> None:
         if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype:
             raise ValueError(f"cpu kernels take contiguous CPU tensors of one dtype; got {t.dtype} "
                              f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+
+
+def requested_isa(available: int) -> int:
+    """quant.cc's path: BLINK_CPU_ISA (scalar | avx2 | avx512) where set, never wider than
+    `available`; unset, the widest available. An unknown name is logged and ignored."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if not name:
+        return available
+    if name not in ISA_NAMES:
+        log.warning("%s=%s is not one of %s; using %s", ISA_ENV, name, "|".join(ISA_NAMES), ISA_NAMES[available])
+        return available
+    want = ISA_NAMES.index(name)
+    if want > available:
+        log.warning("%s=%s: this CPU or build has at most %s; using it", ISA_ENV, name, ISA_NAMES[available])
+    return min(want, available)
 
 
 def _threads() -> int:

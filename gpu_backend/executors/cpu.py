@@ -178,7 +178,9 @@ class CpuExecutor:
         bound_kernel_caches()
         if model is None:
             from ..model.loader import load_model
-            model = load_model(options.model, dtype=resolve_dtype(options.dtype)).model
+            # --dtype auto keeps a GGUF's quantized matrices in their blocks (the embedded model's Q4_1)
+            model = load_model(options.model, dtype=resolve_dtype(options.dtype),
+                               quantized=options.dtype == "auto").model
         self.kernels = cpu_kernels.load() if kernels else None   # None also without g++ / BLINK_CPU_KERNELS=0
         self.model = prepare_model(model, self.kernels)    # in place: fused projections, packed bf16 matmuls
         self.options = options

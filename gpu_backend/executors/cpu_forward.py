@@ -16,7 +16,8 @@ Same math as LlamaModel.forward + PagedAttention, in ~9 calls a layer instead of
 on a CPU the small ops, not the matmuls, were half of a batch-8 decode step. The calls
 go straight to ctypes with data pointers taken once at setup (weights) or once a step
 (activations): shapes are fixed by the model and checked here, once, so the per-layer
-Python cost is a few microseconds. Applies to fused models without q/k norm (Llama,
+Python cost is a few microseconds. Quantized projections (cpu_linear.QuantKernelLinear)
+run on their GGUF blocks. Applies to fused models without q/k norm (Llama,
 SmolLM2, Mistral, Qwen2) in bfloat16 or float32; `KernelForward.applicable` says when,
 and the executor keeps the PyTorch path otherwise.
 """
@@ -30,7 +31,7 @@ from ..cpu_kernels import CpuKernels
 from ..kv_cache import KVPool
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedBatch
-from .cpu_linear import PackedLinear
+from .cpu_linear import PackedLinear, QuantKernelLinear
 
 
 def attention_rows(batch: PagedBatch, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -62,10 +63,14 @@ def attention_rows(batch: PagedBatch, t: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class _Matmul:
-    """One projection: the small-batch kernel for decode-sized batches where the layer has
-    it, else oneDNN's prepacked matmul, else (float32 models) F.linear."""
+    """One projection: the quantized matmul over GGUF blocks (QuantKernelLinear), or the
+    small-batch kernel for decode-sized batches where the layer has it, else oneDNN's
+    prepacked matmul, else (float32 models) F.linear."""
 
     def __init__(self, layer: nn.Module, kernels: CpuKernels):
+        self.quant = layer if isinstance(layer, QuantKernelLinear) else None
+        if self.quant is not None:
+            return
         self.bias = layer.bias
         self.bias_ptr = None if layer.bias is None else layer.bias.data_ptr()
         self.n, self.k = layer.out_features, layer.in_features
@@ -77,6 +82,8 @@ class _Matmul:
         self.small_fn = kernels.raw("linear") if self.small else None
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:    # x: [M, K] contiguous
+        if self.quant is not None:
+            return self.quant.matmul(x, threads)
         m = x.shape[0]
         if self.small and self.layer.takes_small(m):
             y = torch.empty((m, self.n), dtype=x.dtype)

@@ -15,6 +15,13 @@ results. PyTorch's own inductor (freezing on CPU) emits the same two ops.
 
 float32 is left alone: there the packed path loses at batch 1 and wins at 8+, and the
 auto dtype picks bf16 wherever the CPU has native bf16 math.
+
+Quantized models (loader quantized=True: QuantLinear modules over GGUF blocks) keep
+their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
+QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks,
+isa from BLINK_CPU_ISA); batches above QUANT_MAX_ROWS rows (prefill chunks) dequantize
+the weight once per call and take the float GEMM, which is faster there. Without the
+kernels every QuantLinear is dequantized to a float nn.Linear once, with a log line.
 """
 from __future__ import annotations
 
@@ -22,9 +29,11 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
+from ..model.quantized import QuantLinear, dequantize_all, fuse_quantized
 
 log = logging.getLogger("blink.gpu_daemon")
 
@@ -78,6 +87,81 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
+# Rows of x up to which the quantized matmul runs on the blocks; above, one dequantization and
+# the float GEMM (oneDNN sgemm) are faster on this machine's AVX2 path (see bench.quant_matmul).
+QUANT_MAX_ROWS = 32
+
+
+class QuantKernelLinear(nn.Module):
+    """A QuantLinear computed by the CPU kernels: x [M, K] -> int8 codes per 32 values -> each
+    segment's blocks x codes into its columns of y [M, N] (x's dtype; float32 for the logits)."""
+
+    def __init__(self, quant: QuantLinear, kernels: cpu_kernels.CpuKernels, float32_out: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = quant.in_features, quant.out_features
+        self.float32_out = float32_out
+        self.segments = quant.segments
+        self.register_buffer("bias", None if quant.bias is None else quant.bias.detach().float().contiguous(),
+                             persistent=False)
+        self.kernels, self.isa = kernels, kernels.quant_isa
+        self._quantize, self._matmul = kernels.raw("quantize_act"), kernels.raw("quant_matmul")
+        starts = [0]
+        for seg in self.segments:
+            starts.append(starts[-1] + seg.n)
+        # (ggml type, blocks pointer, first output column, columns) per segment
+        self._plan = [(seg.wtype, seg.blocks.data_ptr(), s0, seg.n) for seg, s0 in zip(self.segments, starts)]
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(f"{s.type_name}[{s.n}]" for s in self.segments)
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={kinds}, isa={self.isa}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, self.in_features).contiguous(), torch.get_num_threads())
+        return y.view(*lead, self.out_features)
+
+    def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:     # x: [M, K] contiguous f32/bf16
+        m, k, n = x.shape[0], self.in_features, self.out_features
+        out_dtype = torch.float32 if self.float32_out else x.dtype
+        if m > QUANT_MAX_ROWS:
+            w = torch.cat([self.kernels.dequantize(s.wtype, s.blocks, k) for s in self.segments])
+            return F.linear(x.float(), w, self.bias).to(out_dtype)
+        qs = torch.empty((m, k), dtype=torch.int8)                      # the codes, scales d and d * sum
+        d, s = torch.empty((m, k // 32)), torch.empty((m, k // 32))
+        self._quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qs.data_ptr(), d.data_ptr(),
+                       s.data_ptr(), threads)
+        y = torch.empty((m, n), dtype=out_dtype)
+        size = y.element_size()
+        for wtype, ptr, col, cols in self._plan:
+            bias = None if self.bias is None else self.bias.data_ptr() + 4 * col
+            self._matmul(wtype, ptr, qs.data_ptr(), d.data_ptr(), s.data_ptr(), bias, y.data_ptr() + size * col,
+                         int(out_dtype == torch.bfloat16), n, m, cols, k, self.isa, threads)
+        return y
+
+
+def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) -> int:
+    """Quantized matrices of `model` (in place): fused and computed on their blocks given the
+    kernels, else dequantized to float (one log line). Returns how many stay quantized."""
+    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+        return 0
+    if kernels is None:
+        log.warning("no CPU kernels: dequantized %d quantized matrices to %s", dequantize_all(model),
+                    str(model.dtype).removeprefix("torch."))
+        return 0
+    fuse_quantized(model)
+    count = 0
+    head = getattr(model, "logits_head", None)
+    if isinstance(head, QuantLinear):      # float32 sums for sampling (an untied lm_head is the same module)
+        model.logits_head = QuantKernelLinear(head, kernels, float32_out=True)
+        count += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantLinear):
+                setattr(parent, name, QuantKernelLinear(child, kernels))
+                count += 1
+    return count
+
+
 @functools.cache
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """True when this torch build can pack `dtype` linears and the result matches F.linear."""
@@ -107,7 +191,8 @@ def pack_linears(model: nn.Module, kernels: cpu_kernels.CpuKernels | None = None
             if type(child) is nn.Linear and _packable(child.weight) and child.weight is not head:
                 setattr(parent, name, PackedLinear(child.weight, child.bias, kernels))
                 count += 1
-    if head is not None and _packable(head):      # an untied lm_head stays as is for state_dict()
+    quantized_head = isinstance(getattr(model, "logits_head", None), QuantKernelLinear)
+    if head is not None and _packable(head) and not quantized_head:   # an untied lm_head stays as is for state_dict()
         model.logits_head = PackedLinear(head, None, kernels, float32_out=True)
         count += 1
     return count
@@ -118,8 +203,13 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 def prepare_model(model: nn.Module, kernels: cpu_kernels.CpuKernels | None = None) -> nn.Module:
-    """The CPU executor's one-time model setup: fuse the projections, pack the bf16 matmuls
-    (with `kernels`, decode-sized batches take their small-batch matmul)."""
+    """The CPU executor's one-time model setup: quantized matrices onto the kernels (or
+    dequantized), fuse the projections, pack the bf16 matmuls (with `kernels`, decode-sized
+    batches take their small-batch matmul)."""
+    quantized = serve_quantized(model, kernels)
+    if quantized:
+        log.info("serving %d quantized matmuls from their GGUF blocks (%s path)", quantized,
+                 cpu_kernels.ISA_NAMES[kernels.quant_isa])
     if hasattr(model, "fuse_projections"):
         model.fuse_projections()
     n = pack_linears(model, kernels)

@@ -6,9 +6,15 @@ names (token_embd, blk.N.attn_q, ...) to HF's (model.embed_tokens,
 model.layers.N.self_attn.q_proj, ...) -> Q/K rows un-permuted for the llama
 arch (llama.cpp's converter interleaves the RoPE halves; LlamaModel uses HF's
 rotate_half order). Everything stays on the CPU; the loader casts and moves.
+
+With quantized=True, projection and output matrices in a type the CPU kernels read
+(model/quantized.py: Q4_0, Q4_1, Q8_0, Q4_K) stay in their blocks as QuantWeight
+(rows un-permuted as rows of blocks); a tied token_embd is returned both ways:
+float32 as the embedding, blocks as "lm_head.weight" (the logits matmul).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -18,6 +24,9 @@ import torch
 from gguf import quants
 
 from .config import ModelConfig
+from .quantized import QuantWeight, is_served
+
+log = logging.getLogger("blink.gpu_daemon")
 
 # general.architecture -> HF model_type
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -143,13 +152,40 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def state_dict_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantized float32 tensors under HF names (tied models get no lm_head.weight)."""
-    out: dict[str, torch.Tensor] = {}
+def _quantized(tensor, name: str, config: ModelConfig) -> QuantWeight | None:
+    """The tensor as blocks, where it is a matrix the kernels read in this type, else None."""
+    matrix = name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+    n, k = (int(d) for d in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
+    if not matrix or not k or not is_served(int(tensor.tensor_type), k):
+        return None
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(n, -1))
+    w = QuantWeight(int(tensor.tensor_type), blocks, k)
+    heads = config.num_heads if ".q_proj." in name else config.num_kv_heads if ".k_proj." in name else 0
+    if config.arch == "llama" and heads:
+        w = w.rows(unpermute_rope_rows(torch.arange(n), heads))
+    return w
+
+
+def state_dict_from_gguf(reader: gguf.GGUFReader, config: ModelConfig,
+                         quantized: bool = False) -> dict[str, torch.Tensor | QuantWeight]:
+    """Dequantized float32 tensors under HF names (tied models get no lm_head.weight); with
+    `quantized`, the matrices the CPU kernels read as QuantWeight (module docstring)."""
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    unserved: set[str] = set()
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise GGUFModelError(f"unexpected tensor {tensor.name!r} in GGUF file")
+        q = _quantized(tensor, name, config) if quantized else None
+        if quantized and q is None and name.endswith("_proj.weight") and tensor.tensor_type.name not in (
+                "F32", "F16", "BF16"):
+            unserved.add(tensor.tensor_type.name)
+        if q is not None and name == "model.embed_tokens.weight":
+            if config.tie_word_embeddings:
+                out["lm_head.weight"] = q          # the logits matmul reads the blocks; the lookup, floats
+        elif q is not None:
+            out[name] = q
+            continue
         try:
             array = quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
@@ -164,6 +200,9 @@ def state_dict_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[s
         elif config.arch == "llama" and ".k_proj." in name:
             w = unpermute_rope_rows(w, config.num_kv_heads)
         out[name] = w
+    if unserved:
+        log.info("GGUF matrices in %s are dequantized to float (the CPU kernels read Q4_0, Q4_1, Q8_0, Q4_K)",
+                 ", ".join(sorted(unserved)))
     return out
 
 
@@ -181,11 +220,13 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: str | os.PathLike, config: ModelConfig, tensors: dict[str, torch.Tensor],
                tokens: list[str] | None = None, token_types: list[int] | None = None,
-               merges: list[str] | None = None, pre: str = "smollm") -> None:
-    """Write HF-named tensors as an F32 GGUF the way llama.cpp's converter lays it out.
+               merges: list[str] | None = None, pre: str = "smollm",
+               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """Write HF-named tensors as a GGUF the way llama.cpp's converter lays it out.
 
     llama arch Q/K rows permuted, `{arch}.*` hyperparameters, optional gpt2-style
-    vocabulary. For tests and small exports; no quantization.
+    vocabulary. F32, except the tensors `types` names, quantized by gguf's own
+    quantizer (Q4_0, Q4_1, Q8_0, ...). For tests and small exports.
     """
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[config.arch]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -221,7 +262,11 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, tensors: dict[str, 
             w = permute_rope_rows(w, config.num_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = permute_rope_rows(w, config.num_kv_heads)
-        writer.add_tensor(gguf_name(name), w.numpy().copy())
+        qtype = (types or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(gguf_name(name), w.numpy().copy())
+        else:
+            writer.add_tensor(gguf_name(name), quants.quantize(w.numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

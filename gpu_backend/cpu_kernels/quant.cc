@@ -1,0 +1,418 @@
+// Quantized matmul for the CPU executor: y[M, N] = x[M, K] . W[N, K]^T with W kept in its
+// GGUF block format (ggml's Q4_0, Q4_1, Q8_0, Q4_K), read straight from the blocks.
+//
+//   x (f32 or bf16) --quantize_act--> int8 activations, one scale per 32 values (d) and
+//   d * sum(q) per 32 values (s), as ggml's q8_1 (float scales here, not f16)
+//   --quant_matmul--> per weight row and 32-value block: an integer dot product of the
+//   block's codes with the activation codes (AVX2 vpmaddubsw + vpmaddwd, or AVX512-VNNI
+//   vpdpbusd), scaled by d_w * d_x, plus m_w * s_x for the formats with an offset
+//   (w = d_w * q + m_w: Q4_1's min, Q4_0's -8 d, Q4_K's -dmin * m of each sub-block).
+//
+// That is ggml's scheme (ggml_vec_dot_q4_1_q8_1 / _q8_0_q8_0 in ggml-cpu's x86 quants.c),
+// arranged as a small GEMM: a tile of NR weight rows meets MR activation rows per block, so
+// a weight block is unpacked once for MR rows and read from memory once per 64-row chunk of
+// x (decode batches, prefill chunks), not once per row. Threads (OpenMP, the caller's count)
+// split the weight rows.
+//
+// Paths, picked per call by `isa` (the caller clamps it to blink_quant_isa_max()):
+//   0 scalar   plain C++, the reference the others are tested against
+//   1 avx2     AVX2 + FMA + F16C, 16 ymm registers: tiles of up to 4 x 2 / 1 x 4
+//   2 avx512   AVX512-VNNI on ymm (vpdpbusd: one instruction for maddubs + madd), 32 registers:
+//              tiles of up to 4 x 4; compiled only where -march=native has AVX512-VNNI + VL
+// Integer sums are exact on every path and the activation codes are computed by one scalar
+// routine, so the paths differ only in the order of the float additions.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BLINK_Q_AVX2 1
+#else
+#define BLINK_Q_AVX2 0
+#endif
+#if BLINK_Q_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define BLINK_Q_AVX512 1
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"    // GCC 12 AVX-512 headers' `__Y = __Y`
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#else
+#define BLINK_Q_AVX512 0
+#endif
+
+namespace {
+
+constexpr int QK = 32;                       // values per activation block and per (sub-)block of W
+enum WType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };      // ggml_type ids, as GGUF stores them
+
+float f16(const uint8_t* p) {                // IEEE half at p (little endian) -> float, exactly
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if BLINK_Q_AVX2
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {                                 // subnormal: normalise
+        exp = 113;
+        while (!(man & 0x400u)) { man <<= 1; --exp; }
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Where the 32 codes of the block at 32-value index b of a row are, per format:
+//   Q4_0/Q4_1  16 bytes: value i in the low nibble of byte i (i < 16), value 16 + i in its high nibble
+//   Q4_K       32 bytes shared by sub-blocks 2j and 2j + 1: low nibbles, then (high) high nibbles
+//   Q8_0       32 signed bytes
+// and how they decode: w = d * q + m (Q8_0's codes are signed, the 4-bit ones 0..15).
+struct Codes {
+    const uint8_t* qs;
+    bool high;
+};
+
+int64_t row_bytes(int t, int64_t k) {
+    switch (t) {
+        case Q4_0: return k / 32 * 18;
+        case Q4_1: return k / 32 * 20;
+        case Q8_0: return k / 32 * 34;
+        case Q4_K: return k / 256 * 144;
+    }
+    return -1;
+}
+
+inline void q4k_scale_min(int j, const uint8_t* q, int* sc, int* m) {   // ggml's get_scale_min_k4
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+template <int T>
+inline Codes codes_at(const uint8_t* row, int64_t b) {
+    if constexpr (T == Q4_0) return {row + b * 18 + 2, false};
+    else if constexpr (T == Q4_1) return {row + b * 20 + 4, false};
+    else if constexpr (T == Q8_0) return {row + b * 34 + 2, false};
+    else return {row + (b / 8) * 144 + 16 + 32 * ((b % 8) / 2), (b & 1) != 0};
+}
+
+template <int T>
+inline void scales_at(const uint8_t* row, int64_t b, float* d, float* m) {
+    if constexpr (T == Q4_0) {
+        *d = f16(row + b * 18);
+        *m = -8.f * *d;
+    } else if constexpr (T == Q4_1) {
+        *d = f16(row + b * 20);
+        *m = f16(row + b * 20 + 2);
+    } else if constexpr (T == Q8_0) {
+        *d = f16(row + b * 34);
+        *m = 0.f;
+    } else {
+        const uint8_t* p = row + (b / 8) * 144;
+        int sc, mn;
+        q4k_scale_min(int(b % 8), p + 4, &sc, &mn);
+        *d = f16(p) * float(sc);
+        *m = -f16(p + 2) * float(mn);
+    }
+}
+
+template <int T>
+inline void codes(const Codes& c, int32_t* q) {     // the block's 32 integer codes
+    for (int i = 0; i < QK; ++i) {
+        if constexpr (T == Q8_0) q[i] = int8_t(c.qs[i]);
+        else if constexpr (T == Q4_K) q[i] = c.high ? c.qs[i] >> 4 : c.qs[i] & 15;
+        else q[i] = i < 16 ? c.qs[i] & 15 : c.qs[i - 16] >> 4;
+    }
+}
+
+// ---- activations: x [M, K] -> qs [M, K] int8, d and s [M, K/32] ----
+float load_x(const void* x, int bf16, int64_t i) {
+    if (!bf16) return static_cast<const float*>(x)[i];
+    const uint32_t u = uint32_t(static_cast<const uint16_t*>(x)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s, int threads) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M * nb >= 256)
+    for (int64_t i = 0; i < M * nb; ++i) {
+        float v[QK], amax = 0.f;
+        for (int j = 0; j < QK; ++j) {
+            v[j] = load_x(x, bf16, i * QK + j);
+            amax = std::fmax(amax, std::fabs(v[j]));
+        }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) {
+            const int q = int(std::nearbyint(v[j] * id));        // round half to even, as vroundps
+            qs[i * QK + j] = int8_t(q < -127 ? -127 : (q > 127 ? 127 : q));
+            sum += qs[i * QK + j];
+        }
+        d[i] = amax / 127.f;
+        s[i] = d[i] * float(sum);
+    }
+}
+
+struct Act {                 // quantized activations, row-major over blocks
+    const int8_t* qs;        // [M, K]
+    const float* d;          // [M, nb]
+    const float* s;          // [M, nb]
+};
+
+struct Out {                 // y [M, N] (row stride ldy), f32 or bf16, + optional float32 bias [N]
+    void* y;
+    int bf16;
+    int64_t ldy;
+    const float* bias;
+    inline void put(int64_t m, int64_t n, float v) const {
+        if (bias) v += bias[n];
+        if (!bf16) {
+            static_cast<float*>(y)[m * ldy + n] = v;
+            return;
+        }
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+        static_cast<uint16_t*>(y)[m * ldy + n] = uint16_t(u >> 16);
+    }
+};
+
+// ---- scalar reference ----
+template <int T>
+void matmul_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
+                   int threads) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+                float wd, wm;
+                scales_at<T>(w + n * rb, b, &wd, &wm);
+                int32_t q[QK];
+                codes<T>(codes_at<T>(w + n * rb, b), q);
+                const int8_t* xq = a.qs + m * K + b * QK;
+                int32_t dot = 0;
+                for (int i = 0; i < QK; ++i) dot += q[i] * xq[i];
+                acc += wd * a.d[m * nb + b] * float(dot) + wm * a.s[m * nb + b];
+            }
+            out.put(m, n, acc);
+        }
+    }
+}
+
+#if BLINK_Q_AVX2
+// The 32 codes of a block in one ymm: unsigned 0..15 for the 4-bit formats, signed for Q8_0.
+template <int T>
+inline __m256i load_codes(const Codes& blk) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if constexpr (T == Q8_0) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs));
+    } else if constexpr (T == Q4_K) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs));
+        return _mm256_and_si256(blk.high ? _mm256_srli_epi16(v, 4) : v, low4);
+    } else {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+    }
+}
+
+// sum over groups of 4 of u8 x s8 products -> 8 int32 lanes
+template <bool VNNI>
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if BLINK_Q_AVX512
+    if constexpr (VNNI) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#endif
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// NR weight rows (scales wd, offsets wm [NR][nb] decoded beforehand) against MR activation
+// rows: MR * NR accumulators in registers; each block's codes unpacked once for all MR rows.
+// Q8_0's signed codes go through ggml's sign trick: |w| (unsigned) x sign(x, w).
+template <int T, bool VNNI, int MR, int NR>
+void tile(const uint8_t* const* rows, const float* wd, const float* wm, const Act& a, int64_t m0, int64_t nb,
+          int64_t K, const Out& out, int64_t n0) {
+    __m256 acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wq[NR];
+        for (int r = 0; r < NR; ++r) {
+            wq[r] = load_codes<T>(codes_at<T>(rows[r], b));
+            if constexpr (T == Q8_0) wq[r] = _mm256_sign_epi8(wq[r], wq[r]);
+        }
+        for (int m = 0; m < MR; ++m) {
+            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + (m0 + m) * K + b * QK));
+            const __m256 dx = _mm256_broadcast_ss(a.d + (m0 + m) * nb + b);
+            for (int r = 0; r < NR; ++r) {
+                __m256i p;
+                if constexpr (T == Q8_0) {
+                    const __m256i raw = load_codes<T>(codes_at<T>(rows[r], b));
+                    p = dot_u8s8<VNNI>(wq[r], _mm256_sign_epi8(xq, raw));
+                } else {
+                    p = dot_u8s8<VNNI>(wq[r], xq);
+                }
+                const __m256 scale = _mm256_mul_ps(dx, _mm256_broadcast_ss(wd + r * nb + b));
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        const float* sx = a.s + (m0 + m) * nb;
+        for (int r = 0; r < NR; ++r) {
+            float off = 0.f;
+            if constexpr (T != Q8_0) {
+                const float* wmr = wm + r * nb;
+                #pragma omp simd reduction(+ : off)
+                for (int64_t b = 0; b < nb; ++b) off += wmr[b] * sx[b];
+            }
+            out.put(m0 + m, n0 + r, hsum(acc[m][r]) + off);
+        }
+    }
+}
+
+template <int T, bool VNNI, int NR>
+void tile_rows(const uint8_t* const* rows, const float* wd, const float* wm, const Act& a, int64_t m0, int64_t mc,
+               int64_t nb, int64_t K, const Out& out, int64_t n0) {
+    constexpr int MR = VNNI ? 4 : (NR >= 4 ? 1 : 4);       // AVX2: 16 ymm -> 4 x 2 or 1 x 4 tiles
+    int64_t m = 0;
+    for (; m + MR <= mc; m += MR) tile<T, VNNI, MR, NR>(rows, wd, wm, a, m0 + m, nb, K, out, n0);
+    switch (mc - m) {                       // the last rows of the chunk
+        case 3: tile<T, VNNI, 3, NR>(rows, wd, wm, a, m0 + m, nb, K, out, n0); break;
+        case 2: tile<T, VNNI, 2, NR>(rows, wd, wm, a, m0 + m, nb, K, out, n0); break;
+        case 1: tile<T, VNNI, 1, NR>(rows, wd, wm, a, m0 + m, nb, K, out, n0); break;
+        default: break;
+    }
+}
+
+constexpr int64_t kChunkRows = 64;     // rows of x per pass over W: their codes (64 x K bytes) stay in L2
+
+template <int T, bool VNNI>
+void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
+                 int threads) {
+    const int64_t nb = K / QK;
+    // AVX2: one row of x is memory-bound (4 rows of W a tile: more loads in flight), several are
+    // compute-bound (2 rows of W x 4 of x: fewer unpacks and loads per multiply). VNNI: 4 x 4.
+    const int nr = VNNI ? 4 : (M == 1 ? 4 : 2);
+    const int64_t groups = (N + nr - 1) / nr;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        std::vector<float> wd(4 * nb), wm(4 * nb);
+        for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+            const int64_t mc = M - m0 < kChunkRows ? M - m0 : kChunkRows;
+            #pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t n0 = g * nr;
+                const int rows_here = int(N - n0 < nr ? N - n0 : nr);
+                const uint8_t* rows[4];
+                for (int r = 0; r < rows_here; ++r) {
+                    rows[r] = w + (n0 + r) * rb;
+                    for (int64_t b = 0; b < nb; ++b) scales_at<T>(rows[r], b, &wd[r * nb + b], &wm[r * nb + b]);
+                }
+                if (rows_here == 4) tile_rows<T, VNNI, 4>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
+                else if (rows_here == nr && nr == 2)
+                    tile_rows<T, VNNI, 2>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
+                else
+                    for (int r = 0; r < rows_here; ++r)
+                        tile_rows<T, VNNI, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, a, m0, mc, nb, K,
+                                              out, n0 + r);
+            }
+        }
+    }
+}
+#endif
+
+template <int T>
+void matmul_type(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
+                 int threads) {
+    const int64_t rb = row_bytes(T, K);
+#if BLINK_Q_AVX512
+    if (isa >= 2) return matmul_simd<T, true>(w, rb, a, out, M, N, K, threads);
+#endif
+#if BLINK_Q_AVX2
+    if (isa >= 1) return matmul_simd<T, false>(w, rb, a, out, M, N, K, threads);
+#endif
+    (void)isa;
+    matmul_scalar<T>(w, rb, a, out, M, N, K, threads);
+}
+
+// W [N, K] in blocks -> float32 [N, K] (for large batches: one dequantization, then a float GEMM).
+template <int T>
+void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+    const int64_t nb = K / QK, rb = row_bytes(T, K);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t b = 0; b < nb; ++b) {
+            float d, m;
+            scales_at<T>(w + n * rb, b, &d, &m);
+            int32_t q[QK];
+            codes<T>(codes_at<T>(w + n * rb, b), q);
+            float* o = out + n * K + b * QK;
+            for (int i = 0; i < QK; ++i) o[i] = d * float(q[i]) + m;
+        }
+    }
+}
+
+}  // namespace
+
+// C ABI for ctypes (gpu_backend/cpu_kernels/__init__.py checks shapes and types).
+// The widest path this build has: 2 avx512 (VNNI), 1 avx2, 0 scalar only.
+extern "C" int blink_quant_isa_max() { return BLINK_Q_AVX512 ? 2 : (BLINK_Q_AVX2 ? 1 : 0); }
+
+// Bytes of one row of K values in ggml type `wtype`; -1 for a type this file does not read.
+extern "C" int64_t blink_quant_row_bytes(int wtype, int64_t K) { return row_bytes(wtype, K); }
+
+// x [M, K] (float32, or bf16 when x_bf16) -> qs [M, K] int8, d [M, K/32], s [M, K/32]; K % 32 == 0.
+extern "C" void blink_quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s,
+                                   int threads) {
+    quantize_act(x, x_bf16, M, K, qs, d, s, threads);
+}
+
+// y [M, N] (row stride ldy; float32, or bf16 when y_bf16) = act [M, K] . W[N, K]^T (+ bias, float32 [N]),
+// W as N rows of blink_quant_row_bytes(wtype, K) bytes. Returns 0, or -1 for an unknown wtype.
+extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s,
+                                  const float* bias, void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N,
+                                  int64_t K, int isa, int threads) {
+    const Act a{qs, d, s};
+    const Out out{y, y_bf16, ldy, bias};
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    switch (wtype) {
+        case Q4_0: matmul_type<Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
+        case Q4_1: matmul_type<Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
+        case Q8_0: matmul_type<Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
+        case Q4_K: matmul_type<Q4_K>(isa, wb, a, out, M, N, K, threads); return 0;
+    }
+    return -1;
+}
+
+// out [N, K] float32 = W dequantized (w = d * q + m per block). Returns 0, or -1 for an unknown wtype.
+extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int64_t N, int64_t K, int threads) {
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    switch (wtype) {
+        case Q4_0: dequantize<Q4_0>(wb, out, N, K, threads); return 0;
+        case Q4_1: dequantize<Q4_1>(wb, out, N, K, threads); return 0;
+        case Q8_0: dequantize<Q8_0>(wb, out, N, K, threads); return 0;
+        case Q4_K: dequantize<Q4_K>(wb, out, N, K, threads); return 0;
+    }
+    return -1;
+}

@@ -1,0 +1,126 @@
+"""quant.cc's matmul over GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K) on int8 activations, on every
+path this machine has (scalar, avx2, avx512), against references computed here from gguf's
+own dequantization:
+- exactly what it computes: the dequantized weights times the dequantized activations
+  (d * codes), up to float32 summation order;
+- what it approximates: the dequantized weights times the float activations, within the
+  bound the activation quantization allows: each value moves by at most d/2 (d = the
+  block's max |x| / 127), so an output by at most sum |w| * d/2 over its row."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from gpu_backend import cpu_kernels
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels cannot be built here (no g++)")
+ISAS = list(range(KERNELS.quant_isa_max + 1)) if KERNELS else []
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K]
+
+
+def random_blocks(wtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    """uint8 [N, row bytes] of `wtype`: gguf's quantizer where it has one; Q4_K (which gguf's
+    Python cannot quantize) as random codes and 6-bit scales under small f16 super-scales."""
+    rng = np.random.default_rng(seed)
+    if wtype != Q.Q4_K:
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                                                                     wtype)))
+    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)     # d
+    blocks[:, :, 2:4] = np.frombuffer(np.float16(0.004).tobytes(), np.uint8)     # dmin
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def dequantized(wtype: Q, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(blocks.numpy(), wtype).reshape(blocks.shape[0], k).astype(np.float64))
+
+
+def test_activation_codes_are_within_half_a_step_and_carry_their_sums():
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 30.0]).repeat(32)
+    x[2, 32:64] = 0.0                                            # an all-zero block: d = 0, codes 0
+    qs, d, s = KERNELS.quantize_activations(x)
+    assert qs.dtype == torch.int8 and qs.shape == (5, 96) and d.shape == s.shape == (5, 3)
+    step = d.repeat_interleave(32, dim=1)
+    assert float(((x - step * qs.float()).abs() - step / 2).max()) <= 1e-6 * float(x.abs().max())
+    assert int(qs.abs().max()) == 127 and int(qs[2, 32:64].abs().max()) == 0
+    torch.testing.assert_close(s, d * qs.float().view(5, 3, 32).sum(-1))
+    bf16_codes, _, _ = KERNELS.quantize_activations(x.bfloat16())
+    assert (bf16_codes.int() - KERNELS.quantize_activations(x.bfloat16().float())[0].int()).abs().max() == 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 37])
+def test_quant_matmul_against_dequantized_references(wtype, m, isa):
+    n, k = 70, 512                                     # 70 rows: full tiles and a tail on every path
+    blocks = random_blocks(wtype, n, k, seed=m)
+    w = dequantized(wtype, blocks, k)                                    # float64 [N, K]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    got = KERNELS.quant_linear(x, int(wtype), blocks, bias=bias, isa=isa).double()
+    qs, d, _ = KERNELS.quantize_activations(x)
+    xq = qs.double() * d.double().repeat_interleave(32, dim=1)         # the activations it multiplies
+    exact = xq @ w.T + bias.double()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    float_ref = x.double() @ w.T + bias.double()
+    bound = (w.abs() @ (d.double().repeat_interleave(32, dim=1) / 2).T).T     # [M, N]: sum |w| d/2
+    assert bool(((got - float_ref).abs() <= bound + 1e-4 * float(float_ref.abs().max())).all())
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
+def test_the_paths_agree_and_bf16_in_and_out_round_once(wtype):
+    n, k = 33, 256
+    blocks = random_blocks(wtype, n, k, seed=3)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    outs = [KERNELS.quant_linear(x, int(wtype), blocks, isa=isa) for isa in ISAS]
+    for other in outs[1:]:                    # integer sums are exact: only float summation order differs
+        torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-4)
+    xb = x.bfloat16()
+    want = KERNELS.quant_linear(xb, int(wtype), blocks, out_dtype=torch.float32)
+    got = KERNELS.quant_linear(xb, int(wtype), blocks)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(wtype):
+    blocks = random_blocks(wtype, 9, 512, seed=5)
+    torch.testing.assert_close(KERNELS.dequantize(int(wtype), blocks, 512).double(), dequantized(wtype, blocks, 512),
+                               rtol=0, atol=0)
+
+
+def test_shapes_and_types_it_cannot_take_are_refused():
+    blocks = random_blocks(Q.Q4_1, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="Q6_K|14"):
+        KERNELS.quant_linear(torch.randn(1, 64), int(Q.Q6_K), blocks)
+    with pytest.raises(ValueError, match="row bytes"):
+        KERNELS.quant_linear(torch.randn(1, 96), int(Q.Q4_1), blocks)
+    assert KERNELS.quant_row_bytes(int(Q.Q4_K), 288) == -1         # Q4_K rows come in 256s
+
+
+def test_isa_switch_narrows_and_never_widens(monkeypatch, caplog):
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "scalar")
+    assert cpu_kernels.requested_isa(2) == 0
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "AVX2")
+    assert cpu_kernels.requested_isa(2) == 1 and cpu_kernels.requested_isa(0) == 0
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
+    assert cpu_kernels.requested_isa(1) == 1 and "at most avx2" in caplog.text
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "sse9")
+    assert cpu_kernels.requested_isa(1) == 1 and "not one of" in caplog.text
+    monkeypatch.delenv(cpu_kernels.ISA_ENV)
+    assert cpu_kernels.requested_isa(2) == 2
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_the_avx512_vnni_path_compiles():
+    """The path this machine may lack still builds (for CPUs that have it)."""
+    src = cpu_kernels.SOURCE.with_name("quant.cc")
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-march=icelake-server", "-fopenmp", "-Wall", "-Wextra", "-Werror",
+                        "-fsyntax-only", str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,0 +1,179 @@
+"""The CPU executor on quantized weights (cpu_linear.QuantKernelLinear over GGUF blocks):
+prepare_model fuses and serves them (or dequantizes them without the kernels), the kernel
+layer and the PyTorch layer compute the same thing on them, and on the real SmolLM2 Q4_1
+the served model picks the greedy tokens of the dequantized float32 model (near-ties
+aside) at a perplexity within 1% of it."""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+from torch import nn
+
+from gpu_backend import cpu_kernels
+from gpu_backend.executors import cpu_linear
+from gpu_backend.executors.cpu_forward import KernelForward
+from gpu_backend.executors.cpu_linear import QuantKernelLinear, prepare_model
+from gpu_backend.model.config import tiny_config
+from gpu_backend.model.llama import LlamaModel
+from gpu_backend.model.quantized import QuantLinear, QuantWeight, dequantize_all
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from test_cpu_forward import greedy_batch, run_both  # noqa: E402
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the CPU kernels cannot be built here (no g++)")
+
+
+def quantize_model(model: LlamaModel, types: dict[str, Q], default: Q) -> LlamaModel:
+    """Every projection (and a tied head, as logits_head) as GGUF blocks of its type:
+    types maps a name part ("k_proj") to a type, the rest get `default`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                wtype = types.get(name, default)
+                blocks = quants.quantize(child.weight.detach().float().numpy(), wtype)
+                quant = QuantLinear([QuantWeight(int(wtype), torch.from_numpy(np.ascontiguousarray(blocks)),
+                                                 child.in_features)], child.bias)
+                setattr(parent, name, quant)
+    if model.lm_head is None:
+        w = model.embed_tokens.weight.detach().float().numpy()
+        model.logits_head = QuantLinear([QuantWeight(int(Q.Q8_0), torch.from_numpy(quants.quantize(w, Q.Q8_0)),
+                                                     w.shape[1])])
+    return model
+
+
+def tiny(variant: dict, seed: int = 3) -> LlamaModel:
+    return LlamaModel.random(tiny_config(hidden_size=64, intermediate_size=128, **variant), seed=seed)
+
+
+@pytest.mark.parametrize("variant", [dict(tie_word_embeddings=True), dict(arch="qwen2", attention_bias=True)],
+                         ids=["tied", "qwen2-bias"])
+def test_kernel_layer_equals_the_pytorch_layer_on_quantized_weights(variant):
+    model = prepare_model(quantize_model(tiny(variant), {}, Q.Q4_1), KERNELS)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, QuantKernelLinear) and isinstance(model.layers[0].mlp.down_proj,
+                                                                       QuantKernelLinear)
+    assert KernelForward.applicable(model, KERNELS)
+    assert isinstance(model.logits_head, QuantKernelLinear) == (model.lm_head is None)
+    for want, got in run_both(model):         # both layers multiply by the same blocks and codes
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_types_in_one_fused_projection_each_fill_their_columns():
+    model = quantize_model(tiny({}), {"k_proj": Q.Q8_0, "up_proj": Q.Q4_0}, Q.Q4_1)
+    reference = copy.deepcopy(model)
+    dequantize_all(reference)
+    served = prepare_model(model, KERNELS)
+    qkv = served.layers[0].self_attn.qkv_proj
+    assert [s.type_name for s in qkv.segments] == ["Q4_1", "Q8_0", "Q4_1"]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    ref = reference.layers[0].self_attn
+    want = torch.cat([ref.q_proj(x), ref.k_proj(x), ref.v_proj(x)], dim=-1)
+    torch.testing.assert_close(qkv(x), want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+def test_large_batches_take_the_dequantized_gemm_and_agree(monkeypatch):
+    model = prepare_model(quantize_model(tiny({}), {}, Q.Q4_0), KERNELS)
+    layer = model.layers[0].mlp.gate_up_proj
+    x = torch.randn(cpu_linear.QUANT_MAX_ROWS + 5, 64, generator=torch.Generator().manual_seed(2))
+    gemm = layer(x)                                             # float activations x dequantized blocks
+    monkeypatch.setattr(cpu_linear, "QUANT_MAX_ROWS", 10**6)
+    torch.testing.assert_close(layer(x), gemm, rtol=0.05, atol=0.05 * float(gemm.abs().max()))
+
+
+def test_without_kernels_quantized_weights_are_dequantized_once(caplog):
+    model = quantize_model(tiny(dict(tie_word_embeddings=True)), {}, Q.Q8_0)
+    want = QuantLinear.dequantize(model.layers[1].mlp.down_proj)
+    with caplog.at_level(logging.WARNING, logger="blink.gpu_daemon"):
+        plain = prepare_model(model, None)
+    assert "dequantized" in caplog.text
+    assert not any(isinstance(m, (QuantLinear, QuantKernelLinear)) for m in plain.modules())
+    assert plain.logits_head is None or not isinstance(plain.logits_head, QuantLinear)
+    assert torch.equal(plain.layers[1].mlp.down_proj.weight, want)
+
+
+# A fixed English text of a few hundred tokens for the perplexity comparison.
+TEXT = (
+    "The river begins in the hills above the town, where snow lies late into spring. In April the "
+    "water rises quickly, and the old stone bridge at the mill is sometimes closed for a day or two "
+    "while the current carries branches and mud past the arches. Farmers along the valley have "
+    "learned to move their animals to higher fields before the flood, and the school keeps a record "
+    "of every year the water reached the steps of the church. Most summers are dry. The river then "
+    "becomes a chain of quiet pools, and children spend the long afternoons catching small fish with "
+    "their hands, or building dams of gravel that the next storm will wash away. In the autumn the "
+    "leaves turn yellow and red, the mill wheel turns again, and the market fills with apples, pears "
+    "and walnuts from the orchards on the southern slope. Visitors often ask why the town was built "
+    "so close to the water, when it floods so often. The answer is simple: the river was the only "
+    "road. Before the railway came, timber, wool and grain travelled downstream on flat boats, and "
+    "the mill ground flour for every village within a day's walk. The railway arrived in the last "
+    "years of the century, and with it came a station, a hotel and a newspaper that still prints a "
+    "weekly page of local history. Today the mill is a museum, the boats are gone, and the bridge "
+    "carries more bicycles than carts, but the people still watch the water every spring."
+)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
+    from tokenizers import Tokenizer
+
+    from gpu_backend.executors.cpu import CpuRunner
+    from gpu_backend.kv_cache import KVCacheConfig, KVPool
+    from gpu_backend.model.attention import DenseCausalAttention
+    from gpu_backend.model.loader import load_model, prepare_default_model
+    tok = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))
+    served = prepare_model(load_model("default", quantized=True).model, KERNELS)
+    assert isinstance(served.layers[0].self_attn.qkv_proj, QuantKernelLinear)
+    assert served.layers[0].self_attn.qkv_proj.segments[0].type_name == "Q4_1"
+    assert served.logits_head.segments[0].type_name == "Q8_0"
+    reference = prepare_model(load_model("default", dtype=torch.float32).model, KERNELS)   # the same values, float
+    cfg = served.config
+
+    def runner(model):
+        return CpuRunner(model, KVPool(KVCacheConfig(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)),
+                         KERNELS)
+
+    chats = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
+    want = greedy_batch(runner(reference), prompts, 24)
+    # Teacher-forced on the float32 tokens: the quantized model's pick, step by step; where it
+    # differs, the float32 model's own top two logits were a near-tie.
+    forced = greedy_batch(runner(served), prompts, 24, forced=want)
+    picks, ref = [t for s in forced for t in s], [t for s in want for t in s]
+    assert sum(a == b for a, b in zip(picks, ref)) >= 0.9 * len(ref)
+    assert "Paris" in tok.decode(greedy_batch(runner(served), prompts[:1], 12)[0])
+
+    ids = tok.encode(TEXT).ids
+    assert 250 <= len(ids) <= 400
+
+    def logits_of(model) -> torch.Tensor:              # [T - 1, vocab]: each position's next-token logits
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(cfg))
+            return model.compute_logits(hidden[:-1])
+
+    def perplexity(logits: torch.Tensor) -> float:
+        return math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+
+    # The whole text in one forward, every matmul on the blocks (not the dequantized GEMM).
+    rows, cpu_linear.QUANT_MAX_ROWS = cpu_linear.QUANT_MAX_ROWS, 10**6
+    try:
+        got = logits_of(served)
+    finally:
+        cpu_linear.QUANT_MAX_ROWS = rows
+    want = logits_of(reference)
+    assert abs(perplexity(got) / perplexity(want) - 1) <= 0.01, (perplexity(got), perplexity(want))
+    # The near-tie rule at every position: a different argmax only where the float32 model's margin
+    # over the quantized pick is within twice the two paths' largest logit difference there.
+    pick_got, pick_want = got.argmax(-1), want.argmax(-1)
+    margin = want.max(-1).values - want.gather(-1, pick_got[:, None])[:, 0]
+    noise = (got - want).abs().max(-1).values
+    assert bool((margin <= 2 * noise).all())
+    assert float((pick_got == pick_want).float().mean()) >= 0.9
