@@ -1,9 +1,12 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
     body -> parse_* (openai_api) -> prompt ids (chat template, tokenizer; off the loop
-    when long) -> max_tokens resolved against the context -> RingClient.submit
-    -> RequestHandle batches -> Detokenizer deltas -> SSE chunks | one JSON body
-       (mid-stream chunks of a plain stream: written by the token reader itself, stream_push.py)
+    when long), bad words tokenized -> max_tokens resolved against the context
+    -> RingClient.submit (the sampling surface rides in the slot) -> RequestHandle batches
+    (+ the daemon's logprob records) -> Detokenizer deltas (+ logprobs_format objects for
+    the tokens each delta consumed; an echo opens the reply with the prompt) -> SSE chunks
+    | one JSON body (mid-stream chunks of a plain stream: written by the token reader itself,
+    stream_push.py)
 
 A stop string or an EOS / stop-id token seen here ends the reply at once and
 cancels the handle, so the daemon stops generating within a step. A client that
@@ -26,8 +29,12 @@ from aiohttp import web
 
 from shared_layout import ErrorCode, now_ns
 
+from shared_layout.extra import MAX_BAD_WORD_TOKENS, SamplingExtra
+
+from . import logprobs_format as lpf
 from . import openai_api as api
 from . import token_reader
+from .detokenizer import Delta
 from .limits import RequestLimits, StallWatch, has_lone_surrogate, limit_send_buffer
 from .metrics import FrontendMetrics
 from .openai_api import ApiError, ChatRequest, CompletionRequest
@@ -80,6 +87,12 @@ class Generation:
     deadline_s: float | None = None   # event-loop clock; None: no deadline
     timed_out: bool = False           # the deadline aborted the handle
     stalled: bool = False             # the client stopped reading
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    echo_only: bool = False           # echo with max_tokens 0: the prompt alone (one token is generated, unused)
+
+    @property
+    def echo(self) -> bool:
+        return isinstance(self.request, CompletionRequest) and self.request.echo
 
 
 class GenerationService:
@@ -99,6 +112,7 @@ class GenerationService:
         self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings)
         self.expose_backend_timing = expose_backend_timing
         self.log_prompts = log_prompts
+        self.token_text = lpf.TokenText(tokenizer.decode)
 
     # -- request preparation ---------------------------------------------------
     async def prepare(self, endpoint: Endpoint, body, request_id_header: str | None,
@@ -118,11 +132,28 @@ class GenerationService:
             raise api.bad_request(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap}",
                                   param)
         gen = Generation(endpoint, req, prompt_ids, api.request_id(endpoint.id_prefix, request_id_header),
-                         int(time.time()), t_arrival_ns, deadline_s)
+                         int(time.time()), t_arrival_ns, deadline_s,
+                         bad_words_ids=self._bad_words_ids(req.sampling.bad_words))
         if self.log_prompts:   # debug setting: prompts are user data and stay out of logs otherwise
             log.info("request %s prompt (%d tokens): %r", gen.rid, len(prompt_ids),
                      self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         return gen
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word alone, and with a leading space where that
+        makes a different first token of the same length (a word inside text)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (plain, spaced):
+                if ids is spaced and (not ids or ids[0] == plain[0] or len(ids) != len(plain)):
+                    continue
+                if not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS:
+                    raise api.bad_request(f"bad word {word[:40]!r} is {len(ids)} tokens; at most "
+                                          f"{MAX_BAD_WORD_TOKENS} are allowed", "bad_words")
+                out.append(ids)
+        return tuple(out)
 
     async def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         tok = self.tokenizer
@@ -154,9 +185,22 @@ class GenerationService:
                 raise api.bad_request(f"'{param}' is too large: {s.max_tokens}; this server generates at most "
                                       f"{cap} tokens per request", param)
             default = cap if default is None else min(default, cap)
-        max_tokens = api.resolve_max_tokens(s.max_tokens, len(gen.prompt_ids), max_len, default, param)
+        if s.max_tokens == 0:                    # echo alone: one token is generated and dropped
+            gen.echo_only = True
+            api.resolve_max_tokens(1, len(gen.prompt_ids), max_len, default, param)
+            max_tokens = 1
+        else:
+            max_tokens = api.resolve_max_tokens(s.max_tokens, len(gen.prompt_ids), max_len, default, param)
+        if s.min_tokens > max_tokens:
+            raise api.bad_request(f"'min_tokens' ({s.min_tokens}) exceeds the {max_tokens} tokens this request "
+                                  "may generate", "min_tokens")
         params = SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids)
+                                seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=s.stop_token_ids,
+                                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                repetition_penalty=s.repetition_penalty, min_p=s.min_p,
+                                min_tokens=min(s.min_tokens, max_tokens), logprobs=s.logprobs,
+                                prompt_logprobs=s.prompt_logprobs if len(gen.prompt_ids) > 1 else None,
+                                extra=SamplingExtra(s.logit_bias, s.allowed_token_ids, gen.bad_words_ids))
         loop = asyncio.get_running_loop()
         try:
             return await self.client.submit(gen.prompt_ids, params,
@@ -206,13 +250,46 @@ class GenerationService:
     def _error_outcome(self, gen: Generation) -> str:
         return "timeout" if gen.timed_out else "error"
 
+    def _prompt_text(self, gen: Generation) -> str:
+        """The prompt as an echo shows it: the text sent, or its token ids decoded."""
+        prompt = gen.request.prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(gen.prompt_ids)
+
+    def _reply_logprobs(self, gen: Generation) -> lpf.ReplyLogprobs | None:
+        k = gen.request.sampling.logprobs
+        return None if k is None else lpf.ReplyLogprobs(self.token_text, gen.endpoint.chat, k)
+
+    def _echo_logprobs(self, gen: Generation, handle: RequestHandle, rl: lpf.ReplyLogprobs | None) -> dict | None:
+        """The echoed prompt's piece of the completions logprobs (its first token null)."""
+        if rl is None:
+            return None
+        return rl.add(gen.prompt_ids, handle.prompt_logprobs, first_is_null=True)
+
+    def _extras(self, gen: Generation, handle: RequestHandle) -> dict:
+        """vLLM's prompt_logprobs field, when asked."""
+        if gen.request.sampling.prompt_logprobs is None or gen.echo:
+            return {}
+        records = handle.prompt_logprobs
+        if records is None:
+            return {"prompt_logprobs": [None]}
+        return {"prompt_logprobs": lpf.prompt_logprobs(self.token_text, gen.prompt_ids, records)}
+
     async def _collect(self, gen: Generation, handle: RequestHandle) -> web.Response:
         detok = self._detokenizer(gen)
+        rl = self._reply_logprobs(gen)
         t_first = None
         async for batch in handle:
             if t_first is None:
                 t_first = now_ns()
+                if gen.echo:
+                    self._echo_logprobs(gen, handle, rl)
+            if gen.echo_only:
+                continue                       # the one token generated for an echo alone is not part of it
+            n0 = detok.tokens_seen
             detok.feed(batch)
+            if rl is not None:
+                used = detok.tokens_seen - n0
+                rl.add(batch[:used], None if handle.batch_logprobs is None else handle.batch_logprobs[:used])
             if detok.finished:
                 break
         finish, stop_reason = self._finish(detok, handle)
@@ -221,9 +298,14 @@ class GenerationService:
             err = self._error(gen, handle)
             return web.json_response(err.body(), status=err.status, headers=err.headers(), dumps=api.dumps)
         text = detok.text + detok.flush()
+        if gen.echo_only:
+            finish, stop_reason = "length", None
+        if gen.echo:
+            text = self._prompt_text(gen) + text
         usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
         build = api.chat_body if gen.endpoint.chat else api.completion_body
-        body = build(gen.rid, gen.created, self.model, text, finish, stop_reason, usage)
+        body = build(gen.rid, gen.created, self.model, text, finish, stop_reason, usage,
+                     logprobs=None if rl is None else rl.total, **self._extras(gen, handle))
         self._observe(gen, finish, t_first, detok.tokens_seen, handle)
         return web.json_response(body, dumps=api.dumps)
 
@@ -243,6 +325,7 @@ class GenerationService:
             watch = StallWatch(loop, self.request_limits.stall_timeout_s, lambda: self._stalled(request, gen, handle))
         headers_due = None
         direct = None   # stream_push.DirectSink, installed on the handle once the first chunk is out
+        rl = self._reply_logprobs(gen)
 
         async def write(data: bytes, eof: bool = False) -> None:
             """One write under the stall watch: a client that stops reading is caught while it blocks."""
@@ -259,13 +342,25 @@ class GenerationService:
             request[STREAM_STARTED] = resp
             async for batch in handle:
                 t_batch_ns = now_ns() if self.expose_backend_timing else 0
-                delta = detok.feed(batch)
-                last = delta.finished or handle.finished
+                echo_lp = echo_text = None
+                if t_first is None and gen.echo:
+                    echo_text, echo_lp = self._prompt_text(gen), self._echo_logprobs(gen, handle, rl)
+                n0 = detok.tokens_seen
+                delta = detok.feed(batch) if not gen.echo_only else Delta("")
+                lp = None
+                if rl is not None and not gen.echo_only:
+                    used = detok.tokens_seen - n0
+                    lp = rl.add(batch[:used], None if handle.batch_logprobs is None else handle.batch_logprobs[:used])
+                if echo_lp is not None:
+                    lp = lpf.merge_completion(echo_lp, lp) if lp is not None else echo_lp
+                last = delta.finished or handle.finished or gen.echo_only
                 finish = stop_reason = None
-                text = delta.text
+                text = delta.text if echo_text is None else echo_text + delta.text
                 if last:
                     text += detok.flush()
                     finish, stop_reason = self._finish(detok, handle)
+                    if gen.echo_only and finish != "error":
+                        finish, stop_reason = "length", None
                     if finish == "error":
                         break
                 usage = api.usage(n_prompt, detok.tokens_seen) if opts.continuous_usage else None
@@ -275,14 +370,15 @@ class GenerationService:
                     if ep.chat:   # the first chat chunk carries the role
                         out += api.sse(chunk(gen.rid, gen.created, self.model, {"role": "assistant", "content": ""},
                                              usage_=usage))
-                if not last and usage is None:   # the common case: pre-encoded chunk, only the text encoded
+                if not last and usage is None and lp is None and echo_text is None:
+                    # the common case: pre-encoded chunk, only the text encoded
                     if self.expose_backend_timing:
                         out += fast.encode_timed(text, handle.t_last_ns, t_batch_ns, len(batch))
                     else:
                         out += fast.encode(text)
                 else:
                     payload = ({"content": text} if text or not last else {}) if ep.chat else text
-                    body = chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage)
+                    body = chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage, logprobs=lp)
                     if self.expose_backend_timing:
                         body["blink_timing"] = self._timing(handle, batch, t_batch_ns)
                     out += api.sse(body)

@@ -5,9 +5,12 @@
     tokens/text -> completion_chunk / chat_chunk / usage_chunk -> sse() bytes
                 -> completion_body / chat_body for non-streaming replies
 
-Parameters we cannot honour (n > 1, logprobs, tools, echo, penalties, ...) are
-rejected with a 400 that names them, never ignored; their no-op values (n=1,
-logprobs=null, presence_penalty=0, ...) are accepted so stock clients work.
+The sampling surface (penalties, logit_bias, min_p, min_tokens, allowed ids, bad
+words, logprobs, prompt_logprobs, echo) is read with vLLM's names, ranges and
+defaults; the daemon applies it (it travels in the slot). Parameters we cannot
+honour (tools, beam search, guided decoding, ...) are rejected with a 400 that
+names them, never ignored; their no-op values (tools=[], use_beam_search=false,
+...) are accepted so stock clients work.
 Keys nobody knows are rejected the way OpenAI does ("Unrecognized request
 argument"). `null` means "not given" for every optional parameter.
 """
@@ -26,6 +29,9 @@ MAX_SEED = (1 << 64) - 1
 MIN_SEED = -(1 << 63)
 MAX_I32 = (1 << 31) - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/completions
+MAX_LOGPROBS = 20                     # logprobs / top_logprobs / prompt_logprobs at most (vLLM's max_logprobs)
+MAX_LOGIT_BIAS = 1024                 # logit_bias entries at most
+MAX_BAD_WORDS = 64
 
 
 class ApiError(Exception):
@@ -78,6 +84,16 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()     # strings; tokenized by the service (completions.py)
+    logprobs: int | None = None         # top entries per generated token; None: no logprobs
+    prompt_logprobs: int | None = None  # top entries per prompt token (echo with logprobs asks for them too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +110,7 @@ class CompletionRequest:
     sampling: SamplingOptions
     stream: StreamOptions
     add_special_tokens: bool = True
+    echo: bool = False                  # the prompt opens the reply (with its logprobs when asked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +158,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "best_of > 1 is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported"),
-    "presence_penalty": ((0, 0.0), "presence_penalty is not supported"),
-    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported"),
-    "repetition_penalty": ((1, 1.0), "repetition_penalty is not supported"),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "min_tokens": ((0,), "min_tokens is not supported"),
-    "min_p": ((0, 0.0), "min_p is not supported"),
-    "prompt_logprobs": ((), "prompt_logprobs is not supported"),
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
     "priority": ((0,), "request priorities are not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not supported"),
@@ -157,19 +167,16 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_choice": ((), "guided decoding is not supported"),
     "guided_grammar": ((), "guided decoding is not supported"),
     "structured_outputs": ((), "structured outputs are not supported"),
-    "echo": ((False,), "echo is not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "return_token_ids": ((False,), "return_token_ids is not supported"),
     "store": ((False,), "store=true is not supported"),
     "detokenize": ((True,), "detokenize=false is not supported"),
 }
 _UNSUPPORTED_COMPLETION = {
-    "logprobs": ((), "logprobs are not supported"),
     "suffix": (("",), "suffix is not supported"),
 }
 _UNSUPPORTED_CHAT = {
-    "logprobs": ((False,), "logprobs are not supported"),
-    "top_logprobs": ((0,), "top_logprobs is not supported"),
+    "echo": ((False,), "echo is not supported on chat completions"),
     "tools": (([],), "tools are not supported"),
     "tool_choice": (("none",), "tool_choice is not supported (no tools)"),
     "functions": (([],), "functions are not supported"),
@@ -293,10 +300,29 @@ def _token_ids(v: Any, name: str, limits: ApiLimits, allow_empty: bool) -> tuple
     return tuple(v)
 
 
-def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None) -> SamplingOptions:
+def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: int | None,
+              echo: bool = False) -> SamplingOptions:
     top_k = f.int("top_k", -1, MAX_I32, 0)
     stop_ids = f.get("stop_token_ids")
+    allowed = f.get("allowed_token_ids")
+    min_tokens = f.int("min_tokens", 0, MAX_I32, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    prompt_logprobs = f.int("prompt_logprobs", 0, MAX_LOGPROBS)
+    if echo and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs   # echo + logprobs: the prompt's tokens come with theirs (vLLM)
     return SamplingOptions(
+        presence_penalty=f.float("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_p=f.float("min_p", 0.0, 0.0, 1.0),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(f.get("logit_bias"), limits),
+        allowed_token_ids=() if allowed is None else tuple(dict.fromkeys(
+            _token_ids(allowed, "allowed_token_ids", limits, allow_empty=False))),
+        bad_words=_bad_words(f.get("bad_words")),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         max_tokens=max_tokens,
         temperature=f.float("temperature", 1.0, 0.0, 1e4),
         top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -309,6 +335,41 @@ def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None) -> Sampling
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
     )
+
+
+def _logit_bias(v: Any, limits: ApiLimits) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} -> ((id, bias), ...); ids in the vocabulary, biases in [-100, 100]."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad_request(f"'logit_bias' must be an object mapping token ids to biases, got {_show(v)}", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' has {len(v)} entries, at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(f"'logit_bias' key {_show(key)} is not a token id", "logit_bias") from None
+        if not 0 <= tid < limits.vocab_size:
+            raise bad_request(f"'logit_bias' key {tid} is outside the vocabulary [0, {limits.vocab_size})",
+                              "logit_bias")
+        if not _is_number(bias) or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' value for token {tid} must be a number in [-100, 100], got "
+                              f"{_show(bias)}", "logit_bias")
+        out[tid] = float(bias)
+    return tuple(out.items())
+
+
+def _bad_words(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(w, str) and w.strip() for w in items):
+        raise bad_request("'bad_words' must be a list of non-empty strings", "bad_words")
+    if len(items) > MAX_BAD_WORDS:
+        raise bad_request(f"'bad_words' has {len(items)} words, at most {MAX_BAD_WORDS} are allowed", "bad_words")
+    return tuple(dict.fromkeys(items))
 
 
 def _stream(f: _Fields) -> StreamOptions:
@@ -338,13 +399,19 @@ def parse_completion(body: Any, limits: ApiLimits) -> CompletionRequest:
     f.unsupported(_UNSUPPORTED)
     f.unsupported(_UNSUPPORTED_COMPLETION)
     prompt = _prompt(f.get("prompt"), limits)
-    max_tokens = f.int("max_tokens", 1, MAX_I32)
-    mct = f.int("max_completion_tokens", 1, MAX_I32)
+    echo = f.bool("echo", False)
+    max_tokens = f.int("max_tokens", 0, MAX_I32)
+    mct = f.int("max_completion_tokens", 0, MAX_I32)
+    mt = mct if mct is not None else max_tokens
+    if mt == 0 and not echo:
+        name = "max_completion_tokens" if mct is not None else "max_tokens"
+        raise bad_request(f"'{name}' must be at least 1 (0 only with echo, which returns the prompt alone)", name)
     req = CompletionRequest(
         model=model, prompt=prompt,
-        sampling=_sampling(f, limits, mct if mct is not None else max_tokens),
+        sampling=_sampling(f, limits, mt, f.int("logprobs", 0, MAX_LOGPROBS), echo),
         stream=_stream(f),
         add_special_tokens=f.bool("add_special_tokens", True),
+        echo=echo,
     )
     f.finish()
     return req
@@ -384,6 +451,10 @@ def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
     messages = _messages(f.get("messages"))
     max_tokens = f.int("max_tokens", 1, MAX_I32)
     mct = f.int("max_completion_tokens", 1, MAX_I32)
+    want_logprobs = f.bool("logprobs", False)
+    top_logprobs = f.int("top_logprobs", 0, MAX_LOGPROBS)
+    if top_logprobs and not want_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     kwargs = f.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -401,7 +472,8 @@ def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
     req = ChatRequest(
         model=model, messages=messages,
         # max_completion_tokens is the current name; max_tokens the deprecated one.
-        sampling=_sampling(f, limits, mct if mct is not None else max_tokens),
+        sampling=_sampling(f, limits, mct if mct is not None else max_tokens,
+                           (top_logprobs or 0) if want_logprobs else None),
         stream=_stream(f),
         add_generation_prompt=add_generation_prompt and not continue_final,
         continue_final_message=continue_final,
@@ -506,9 +578,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     stop_reason: int | str | None = None, usage_: dict | None = None) -> dict:
+                     stop_reason: int | str | None = None, usage_: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -516,9 +589,10 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               stop_reason: int | str | None = None, usage_: dict | None = None) -> dict:
+               stop_reason: int | str | None = None, usage_: dict | None = None,
+               logprobs: dict | None = None) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -531,19 +605,26 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, usage_: dict) -> d
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    stop_reason: int | str | None, usage_: dict) -> dict:
+                    stop_reason: int | str | None, usage_: dict, logprobs: dict | None = None,
+                    prompt_logprobs: list | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs     # vLLM's extension, on the choice
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": stop_reason}],
-            "usage": usage_}
+            "choices": [choice], "usage": usage_}
 
 
 def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str,
-              stop_reason: int | str | None, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+              stop_reason: int | str | None, usage_: dict, logprobs: dict | None = None,
+              prompt_logprobs: list | None = None) -> dict:
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                         "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage_}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs       # vLLM's extension, on the response
+    return body
 
 
 def models_body(model: str, max_model_len: int | None, created: int | None = None) -> dict:

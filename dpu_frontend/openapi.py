@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import FrontendConfig
-from .openai_api import MAX_I32, MAX_SEED, MIN_SEED
+from .openai_api import MAX_BAD_WORDS, MAX_I32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
@@ -59,13 +59,23 @@ def _sampling(config: FrontendConfig, vocab_size: int, max_model_len: int | None
             "type": "object", "additionalProperties": False,
             "description": "only with stream: true",
             "properties": {"include_usage": _nullable(_BOOL), "continuous_usage_stats": _nullable(_BOOL)}}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 2}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_I32,
+                                 "description": "at most max_tokens"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "token id (in the vocabulary) -> bias added to its logit"}),
+        "allowed_token_ids": _nullable(_token_ids(vocab_size, 1)),
+        "bad_words": _nullable({"type": "array", "maxItems": MAX_BAD_WORDS,
+                                "items": {"type": "string", "minLength": 1, "pattern": "\\S"}}),
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         # Accepted only at their no-op values (openai_api._UNSUPPORTED).
         "n": _nullable({"const": 1}),
         "best_of": _nullable({"const": 1}),
-        "presence_penalty": _nullable({"const": 0}),
-        "frequency_penalty": _nullable({"const": 0}),
-        "repetition_penalty": _nullable({"const": 1}),
-        "min_tokens": _nullable({"const": 0}),
         "user": {"description": "accepted and ignored"},
         "metadata": {"description": "accepted and ignored"},
     }
@@ -79,7 +89,11 @@ def _completion_request(config: FrontendConfig, vocab_size: int, max_model_len: 
                                              "items": {"anyOf": [text, ids]}}],
                        "description": "text, token ids, or a one-element list of either"}
     props["suffix"] = _nullable({"const": ""})
-    props["echo"] = _nullable({"const": False})
+    props["echo"] = _nullable(_BOOL)
+    props["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
+    for name in ("max_tokens", "max_completion_tokens"):
+        zero_ok = dict(props[name]["anyOf"][0], minimum=0, description="0 only with echo: the prompt alone")
+        props[name] = _nullable(zero_ok)
     return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": props}
 
 
@@ -96,7 +110,9 @@ def _chat_request(config: FrontendConfig, vocab_size: int, max_model_len: int | 
     props["add_generation_prompt"] = _nullable(_BOOL)
     props["continue_final_message"] = _nullable(_BOOL)
     props["chat_template_kwargs"] = _nullable({"type": "object"})
-    props["logprobs"] = _nullable({"const": False})
+    props["logprobs"] = _nullable(_BOOL)
+    props["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                       "description": "needs logprobs: true"})
     props["tools"] = _nullable({"type": "array", "maxItems": 0})
     return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": props}
 

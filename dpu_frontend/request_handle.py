@@ -1,7 +1,9 @@
 """One accepted request as the HTTP layer sees it: a stream of token batches.
 
-    TokenReader -> handle._deliver(tokens) / handle._end(reason, error)
+    TokenReader -> handle._deliver(tokens, records) / handle._end(reason, error)
                 -> `async for batch in handle` (HTTP layer) -> SSE chunks
+                   (`batch_logprobs`: the batch's logprob records, [n, words] int32, when the
+                   request asked for them; `prompt_logprobs`: the prompt's, set with the first batch)
                    or, while the consumer is parked with nothing buffered, handle.sink(tokens)
                    (stream_push.DirectSink: the chunk written at once, the consumer left asleep)
 
@@ -15,7 +17,10 @@ import asyncio
 import dataclasses
 from typing import Callable
 
+import numpy as np
+
 from shared_layout import now_ns
+from shared_layout.extra import SamplingExtra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +33,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None          # top entries per generated token's record; None: no records
+    prompt_logprobs: int | None = None   # top entries per prompt token's record
+    extra: SamplingExtra = SamplingExtra()   # logit_bias, allowed ids, bad words (token ids)
 
 
 class RequestHandle:
@@ -57,6 +70,9 @@ class RequestHandle:
         self._on_cancel = on_cancel
         self._on_end = on_end
         self._pending: list[int] = []
+        self._pending_records: list[np.ndarray] = []   # logprob records of the tokens in _pending
+        self.batch_logprobs: np.ndarray | None = None  # [batch, words]: records of the batch just returned
+        self.prompt_logprobs: np.ndarray | None = None  # [prompt_len - 1, words], with the first batch
         self._ended = False
         self._wake: asyncio.Future | None = None
         # Takes a batch instead of the consumer when it returns True; tried only while the consumer
@@ -93,6 +109,9 @@ class RequestHandle:
             finally:
                 self._wake = None
         batch, self._pending = self._pending, []
+        if self._pending_records:
+            recs, self._pending_records = self._pending_records, []
+            self.batch_logprobs = recs[0] if len(recs) == 1 else np.concatenate(recs)
         return batch
 
     async def result(self) -> list[int]:
@@ -103,16 +122,19 @@ class RequestHandle:
         return out
 
     # -- reader side ----------------------------------------------------------
-    def _deliver(self, tokens: list[int], final: bool = False) -> None:
-        """New tokens; `final`: the request ends right after them (the consumer then sees both)."""
+    def _deliver(self, tokens: list[int], final: bool = False, records: np.ndarray | None = None) -> None:
+        """New tokens (with their logprob records when asked); `final`: the request ends right
+        after them (the consumer then sees both)."""
         if self._ended or not tokens:
             return
+        if records is not None:
+            self._pending_records.append(records)
         if self.t_first_token_ns is None:
             self.t_first_token_ns = now_ns()
         self.completion_tokens += len(tokens)
         sink, wake = self.sink, self._wake
-        if (sink is not None and not final and not self._pending and wake is not None and not wake.done()
-                and sink(tokens)):
+        if (sink is not None and records is None and not final and not self._pending and wake is not None
+                and not wake.done() and sink(tokens)):
             return
         self._pending += tokens
         if len(self._pending) > self._max_buffered:

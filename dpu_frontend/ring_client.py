@@ -24,6 +24,8 @@ import time
 import numpy as np
 
 from shared_layout import MAX_STOP_IDS, LayoutMismatch, SlotState, now_ns
+from shared_layout.extra import MAX_BAD_WORD_TOKENS
+from shared_layout.layout import MAX_LOGPROBS
 
 from .backend_health import BackendHealth, HealthMonitor
 from .request_handle import RequestHandle, SamplingParams
@@ -296,12 +298,39 @@ class RingClient:
             raise InvalidRequest(f"seed must be an integer, got {params.seed!r}")
         if not all(isinstance(t, (int, np.integer)) and 0 <= t < 2**31 for t in params.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers")
+        self._validate_sampling(params, limit)
         mt = int(mt)
         if max_len:
             mt = min(mt, max_len - plen)   # the daemon stops at the context limit anyway
         if mt > s.geom.output_arena_tokens:
             raise InvalidRequest(f"max_tokens {mt} exceeds the ring's output arena ({s.geom.output_arena_tokens} tokens)")
         return prompt.astype(np.int32), mt
+
+    @staticmethod
+    def _validate_sampling(p: SamplingParams, vocab: int) -> None:
+        """The ranges the daemon enforces (shared_layout.request_error, extra.decode_extra), checked
+        here so a bad value is an InvalidRequest, not a request that ends in error."""
+        def number(v) -> bool:
+            return isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and math.isfinite(v)
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 1e-30, 2.0), ("min_p", 0.0, 1.0)):
+            v = getattr(p, name)
+            if not number(v) or not lo <= v <= hi:
+                raise InvalidRequest(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}")
+        if not isinstance(p.min_tokens, (int, np.integer)) or not 0 <= p.min_tokens <= p.max_tokens:
+            raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {p.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(p, name)
+            if v is not None and (not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {v!r}")
+        e = p.extra
+        ids = [t for t, _ in e.logit_bias] + list(e.allowed_token_ids) + [t for w in e.bad_words for t in w]
+        if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"logit_bias, allowed_token_ids and bad_words hold token ids in [0, {vocab})")
+        if not all(number(b) and -100 <= b <= 100 for _, b in e.logit_bias):
+            raise InvalidRequest("logit_bias values must be in [-100, 100]")
+        if not all(1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in e.bad_words):
+            raise InvalidRequest(f"each bad word is 1 to {MAX_BAD_WORD_TOKENS} tokens")
 
     def _flush(self) -> None:
         """Move waiters into free slots, FIFO; all their writes go out as one batch."""
@@ -316,7 +345,7 @@ class RingClient:
             if w.fut.done():
                 self._waiters.popleft()
                 continue
-            flight = s.reserve(int(w.prompt.size), w.max_tokens)
+            flight = s.reserve(int(w.prompt.size), w.max_tokens, w.params)
             if flight is None:
                 break   # head of the queue waits for a slot or arena room; FIFO keeps fairness
             self._waiters.popleft()
@@ -325,7 +354,7 @@ class RingClient:
             writes += s.submission(flight, w.prompt, temperature=float(p.temperature), top_p=float(p.top_p),
                                    top_k=int(p.top_k), seed=None if p.seed is None else int(p.seed),
                                    ignore_eos=bool(p.ignore_eos), stop_ids=stops[:MAX_STOP_IDS],
-                                   t_submit_ns=w.t_submit_ns)
+                                   t_submit_ns=w.t_submit_ns, params=p)
             flight.extra_stops = frozenset(stops[MAX_STOP_IDS:])
             batch.append((w, flight))
         if not batch:

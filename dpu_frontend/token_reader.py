@@ -5,7 +5,8 @@
           -> health.observe(header) when its bytes changed, tracker.refresh(states) on full reads
           -> slots whose generated count, state or seq moved (one struct unpack per flight
              while few are in flight, numpy over the snapshot when many are)
-          -> read tokens [received, generated) per slot -> handle._deliver
+          -> read tokens [received, generated) per slot (and their logprob records, and once the
+             prompt's, when the request asked) -> handle._deliver
           -> DECODE_COMPLETED: re-read the record, last tokens, handle._end, reset to EMPTY
     pace (next_interval_s): poll finely for spin_s after progress (not when the step is known
           complete), and for first_token_spin_s after a submission while a request waits for its
@@ -323,6 +324,11 @@ class TokenReader:
         moved = False
         if gen > flight.received:
             tokens = s.read_tokens(flight, flight.received, gen) if h is not None else []
+            records = None
+            if h is not None and flight.logprobs is not None:
+                records = s.read_logprobs(flight, flight.received, gen)
+            if h is not None and flight.prompt_logprobs is not None and flight.received == 0:
+                h.prompt_logprobs = s.read_prompt_logprobs(flight)
             flight.received = gen
             s.received[flight.slot] = gen
             self.urgent.discard(flight.slot)
@@ -334,14 +340,15 @@ class TokenReader:
                 h.t_picked_ns, h.t_first_ns, h.t_last_ns = p.t_picked_ns, p.t_first_ns, p.t_last_ns
                 if flight.extra_stops:
                     tokens, stopped = _cut_at_stop(tokens, flight.extra_stops)
-                    h._deliver(tokens, final=completed or stopped)
+                    h._deliver(tokens, final=completed or stopped,
+                               records=None if records is None else records[:len(tokens)])
                     if stopped and not h.finished:
                         h._end("stop")
                         flight.handle = None
                         if not completed:
                             s.write_cancels([flight.slot])
                 else:
-                    h._deliver(tokens, final=completed)
+                    h._deliver(tokens, final=completed, records=records)
                 h = flight.handle   # None if the stop cut it or _deliver cancelled it (consumer too slow)
         if completed:
             if h is not None:

@@ -58,17 +58,29 @@ COMMON_BAD = [
     ({"n": 2}, 400, "n"),
     ({"n": True}, 400, "n"),
     ({"best_of": 3}, 400, "best_of"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"frequency_penalty": 1}, 400, "frequency_penalty"),
-    ({"repetition_penalty": 1.1}, 400, "repetition_penalty"),
-    ({"logit_bias": {"5": 1}}, 400, "logit_bias"),
-    ({"min_tokens": 3}, 400, "min_tokens"),
-    ({"min_p": 0.1}, 400, "min_p"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"repetition_penalty": 2.5}, 400, "repetition_penalty"),
+    ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, 400, "logit_bias"),
+    ({"logit_bias": {"1000": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    ({"logit_bias": [5, 1]}, 400, "logit_bias"),
+    ({"min_tokens": -1}, 400, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 3}, 400, "min_tokens"),
+    ({"min_p": 1.5}, 400, "min_p"),
+    ({"prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ({"allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"allowed_token_ids": [1000]}, 400, "allowed_token_ids"),
+    ({"bad_words": [""]}, 400, "bad_words"),
+    ({"bad_words": 5}, 400, "bad_words"),
+    ({"n": 0}, 400, "n"),
     ({"use_beam_search": True}, 400, "use_beam_search"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"guided_json": {}}, 400, "guided_json"),
-    ({"echo": True}, 400, "echo"),
-    ({"prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ({"spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens"),
     ({"include_stop_str_in_output": "no"}, 400, "include_stop_str_in_output"),
     ({"skip_special_tokens": 0}, 400, "skip_special_tokens"),
@@ -88,7 +100,11 @@ CMPL_BAD = [
     ({"prompt": [True]}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": {"text": "x"}}, 400, "prompt"),
-    ({"logprobs": 1}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"logprobs": -1}, 400, "logprobs"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"echo": "yes"}, 400, "echo"),
+    ({"max_tokens": 0, "echo": False}, 400, "max_tokens"),
     ({"suffix": "end"}, 400, "suffix"),
     ({"add_special_tokens": "yes"}, 400, "add_special_tokens"),
 ]
@@ -108,8 +124,11 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b", "tool_calls": [{}]}]},
      400, "messages[1].tool_calls"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"logprobs": 1}, 400, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ({"top_logprobs": 3}, 400, "top_logprobs"),
+    ({"echo": True}, 400, "echo"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"tool_choice": "auto"}, 400, "tool_choice"),
     ({"functions": [{"name": "f"}]}, 400, "functions"),
@@ -267,3 +286,30 @@ def test_delta_encoder_is_byte_identical_to_the_general_builder():
         timed = api.chat_chunk("chatcmpl-x", 7, "m", {"content": text})
         timed["blink_timing"] = {"t_last_ns": 12345, "t_frontend_ns": 12399, "n_tokens": 3}
         assert c.encode_timed(text, 12345, 12399, 3) == api.sse(timed)
+
+
+def test_sampling_surface_parsed_with_vllm_names():
+    r = cmpl(max_tokens=5, presence_penalty=-1.5, frequency_penalty=2, repetition_penalty=1.2, min_p=0.05,
+             min_tokens=5, logit_bias={"7": -100, "9": 2.5}, allowed_token_ids=[3, 4, 3], bad_words=["foo"],
+             logprobs=3, echo=True)
+    s = r.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == \
+        (-1.5, 2.0, 1.2, 0.05, 5)
+    assert s.logit_bias == ((7, -100.0), (9, 2.5)) and s.allowed_token_ids == (3, 4) and s.bad_words == ("foo",)
+    assert r.echo and s.logprobs == 3 and s.prompt_logprobs == 3    # echo + logprobs: the prompt's too
+    assert cmpl(logprobs=0).sampling.logprobs == 0 and cmpl().sampling.logprobs is None
+    assert cmpl(echo=True, max_tokens=0).sampling.max_tokens == 0    # lm-eval's echo alone
+    assert cmpl(prompt_logprobs=2).sampling.prompt_logprobs == 2
+    c = chat(logprobs=True, top_logprobs=20)
+    assert c.sampling.logprobs == 20
+    assert chat(logprobs=True).sampling.logprobs == 0 and chat(logprobs=False).sampling.logprobs is None
+
+
+def test_bodies_carry_logprobs_and_prompt_logprobs():
+    lp = {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5}], "text_offset": [0]}
+    b = api.completion_body("id", 1, "m", "a", "length", None, api.usage(1, 1), logprobs=lp,
+                            prompt_logprobs=[None])
+    assert b["choices"][0]["logprobs"] == lp and b["choices"][0]["prompt_logprobs"] == [None]
+    assert "prompt_logprobs" not in api.completion_body("id", 1, "m", "a", "length", None, api.usage(1, 1))["choices"][0]
+    c = api.chat_chunk("id", 1, "m", {"content": "a"}, logprobs={"content": []})
+    assert c["choices"][0]["logprobs"] == {"content": []}
