@@ -6,6 +6,10 @@
     apply: preempt victims (blocks freed, DECODE_PAUSED, back to the queue front),
            admit, allocate new KV blocks -> StepBatch (chunks of tokens per sequence)
     Runner.run(StepBatch) -> one sampled token per chunk that reaches its sequence's end
+    fork: a group leader whose prefill reached its held-back last prompt token gets its
+           members running beside it, sharing its full KV blocks (the partial last block
+           copied for each: Runner.copy_blocks); every choice then computes that token
+           and samples its own first token
     postprocess: publish tokens (BackendPort: the prompt's logprob records before the
            first token, each token with its logprob record, then the count), finish STOP /
            LENGTH, complete the slot, free its blocks
@@ -62,6 +66,9 @@ class Runner(Protocol):
         chunk with sample=True, in chunk order."""
         ...
 
+    # Optional: copy_blocks(pairs: list[tuple[int, int]]) -> None copies each src block's K/V
+    # into dst (a runner without a KV cache has nothing to copy and may leave it out).
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -112,12 +119,17 @@ class Engine:
         """One scheduling step; False when there was nothing to do."""
         if self.admitting:
             for s in self.intake.scan():
-                old = self.owned.get(s.slot)
-                if old is not None:      # the frontend reused a slot we still held: forget the old request
-                    log.error("slot %d resubmitted while its request %d ran; dropping that one", s.slot, old.seq)
-                    self._drop(old)
+                alone = [] if s.hold_last else s.forks   # a one-token prompt has no prefill to share
+                if alone:
+                    s.forks = []
+                for x in [s] + s.forks + alone:
+                    old = self.owned.get(x.slot)
+                    if old is not None:      # the frontend reused a slot we still held: forget the old request
+                        log.error("slot %d resubmitted while its request %d ran; dropping that one", x.slot, old.seq)
+                        self._drop(old)
+                    self.owned[x.slot] = x
                 self.waiting.append(s)
-                self.owned[s.slot] = s
+                self.waiting.extend(alone)
         self._reap()
         inp = self._policy_input()
         plan = plan_step(inp, self.config.policy)
@@ -149,7 +161,9 @@ class Engine:
         return PolicyInput(
             waiting=tuple(WaitingReq(s.slot, s.num_tokens) for s in self.waiting),
             running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
-            free_blocks=self.allocator.free_count, prev_kind=self.prev_kind)
+            # Shared blocks counted as held by each sharer: a preempted sharer frees fewer than the
+            # policy assumes, so the free count it sees is lowered by the extra references.
+            free_blocks=max(0, self.allocator.free_count - self.allocator.extra_refs), prev_kind=self.prev_kind)
 
     def _reap(self) -> None:
         """End cancelled requests and those of a restarted frontend (within one step)."""
@@ -195,7 +209,8 @@ class Engine:
                 by_slot[slot].blocks.extend(self.allocator.allocate(n))
         chunks = [(by_slot[slot], n) for slot, n in plan.prefill] + [(by_slot[slot], 1) for slot in plan.decode]
         return StepBatch(plan.kind, tuple(
-            ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens) for s, n in chunks))
+            ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens and not s.hold_last)
+            for s, n in chunks))
 
     def _postprocess(self, batch: StepBatch, tokens: list[int]) -> None:
         it = iter(tokens)
@@ -203,6 +218,33 @@ class Engine:
             c.seq.num_computed += c.num_tokens
             if c.sample:
                 self._emit(c.seq, int(next(it)))
+            elif c.seq.hold_last and c.seq.num_computed == c.seq.num_tokens and c.seq.slot in self.owned:
+                self._fork(c.seq)
+
+    def _fork(self, leader: Sequence) -> None:
+        """The leader computed its prompt but the last token: its members start beside it, sharing
+        its full blocks; each gets a copy of the partial last block (or, with no block free,
+        recomputes that block's tokens itself)."""
+        leader.hold_last = False
+        done = leader.num_computed                          # prompt_len - 1
+        bs = self.config.policy.block_size
+        full = done // bs
+        copies = []
+        for f in leader.forks:
+            if self.owned.get(f.slot) is not f:             # ended (cancelled) while it waited
+                continue
+            f.blocks = self.allocator.share(leader.blocks[:full])
+            f.num_computed = full * bs
+            if done % bs and self.allocator.can_allocate(1):
+                (b,) = self.allocator.allocate(1)
+                copies.append((leader.blocks[full], b))
+                f.blocks.append(b)
+                f.num_computed = done
+            self.running.append(f)
+        leader.forks = []
+        copy = getattr(self.runner, "copy_blocks", None)
+        if copies and copy is not None:
+            copy(copies)
 
     def _emit(self, s: Sequence, token: int) -> None:
         """Publish one new token, then finish the request or keep it decoding."""
@@ -228,16 +270,21 @@ class Engine:
             self._finish(s, FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
 
     def _finish(self, s: Sequence, finish: FinishReason, error: ErrorCode = ErrorCode.NONE) -> None:
-        try:
-            self.port.complete(s.slot, finish, error)
-        except IllegalTransition as e:
-            log.error("slot %d: %s; dropping its request", s.slot, e)
+        for f in [s] + [f for f in s.forks if self.owned.get(f.slot) is f]:   # a leader before its fork: its
+            try:                                                                # members end with it
+                self.port.complete(f.slot, finish, error)
+            except IllegalTransition as e:
+                log.error("slot %d: %s; dropping its request", f.slot, e)
         self._drop(s)
 
     def _drop(self, s: Sequence) -> None:
         self.allocator.free(s.blocks)
         s.blocks = []
         self.owned.pop(s.slot, None)
+        for f in s.forks:       # a leader dropped before its fork: so are its members
+            if self.owned.get(f.slot) is f:
+                del self.owned[f.slot]
+        s.forks = []
         if s in self.running:
             self.running.remove(s)
         else:

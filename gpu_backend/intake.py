@@ -9,12 +9,19 @@
       -> Sequence with the prompt and the sampling data copied out of the arena,
          or the slot completed at once (ABORT / ERROR with its ErrorCode).
 
+Groups (n choices of one prompt): the members are pending before their leader
+(the frontend writes the leader's state word last). A member is claimed with its
+leader, checked like any slot plus "same prompt as the leader", and handed over in
+the leader's `forks` (the engine forks it after the prefill); a member whose leader
+does not arrive within ORPHAN_TIMEOUT_S is ended INVALID_REQUEST.
+
 Every number read from a slot is range-checked before it indexes anything, so
 a corrupted slot ends with an error and never touches memory outside the ring.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -24,6 +31,9 @@ from shared_layout.layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS,
                                   extra_words)
 
 from .sequence import SamplingParams, Sequence
+
+
+ORPHAN_TIMEOUT_S = 1.0   # a group member pending this long without its leader ends INVALID_REQUEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,25 +46,66 @@ class IntakeConfig:
 class Intake:
     def __init__(self, ring: Ring, port: BackendPort, config: IntakeConfig):
         self.ring, self.port, self.config = ring, port, config
+        self._orphans: dict[tuple[int, int], float] = {}   # (slot, seq) of a waiting member -> first seen (s)
 
     def scan(self) -> list[Sequence]:
-        """Claim every pending slot; return the valid ones as Sequences, in FCFS order."""
+        """Claim every pending slot; return the valid ones as Sequences, in FCFS order (a group's
+        members inside their leader's `forks`)."""
         pending = self.port.pending()
         if pending.size == 0:
             return []
         frontend_epoch = self.ring.get("frontend_epoch")
-        out = []
+        slots = self.ring.slots
+        members: dict[int, list[int]] = {}    # group seq -> member slots pending
+        firsts = []
         for slot in pending.tolist():
-            try:
-                self.port.claim(slot)
-            except IllegalTransition:   # the frontend rewrote the state word since the scan
-                continue
-            seq, finish, error = self._read(slot, frontend_epoch)
-            if seq is None:
-                self.port.complete(slot, finish, error)
+            if int(slots[slot]["group_size"]) > 1 and int(slots[slot]["group_index"]) > 0:
+                members.setdefault(int(slots[slot]["group_seq"]), []).append(slot)
             else:
-                out.append(seq)
+                firsts.append(slot)
+        out = []
+        for slot in firsts:
+            seq = self._take(slot, frontend_epoch)
+            if seq is None:
+                continue
+            out.append(seq)
+            if int(slots[slot]["group_size"]) > 1:
+                for m in members.pop(seq.seq, []):
+                    fork = self._take(m, frontend_epoch, leader=seq)
+                    if fork is not None:
+                        seq.forks.append(fork)
+                seq.hold_last = bool(seq.forks) and len(seq.prompt) > 1
+        self._reap_orphans([m for ms in members.values() for m in ms])
         return out
+
+    def _take(self, slot: int, frontend_epoch: int, leader: Sequence | None = None) -> Sequence | None:
+        """Claim and read one slot; None when it was ended at once (or was not ours to claim)."""
+        try:
+            self.port.claim(slot)
+        except IllegalTransition:   # the frontend rewrote the state word since the scan
+            return None
+        seq, finish, error = self._read(slot, frontend_epoch)
+        if seq is not None and leader is not None and (seq.prompt != leader.prompt or seq.epoch != leader.epoch):
+            seq, finish, error = None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST   # cannot share its prefill
+        if seq is None:
+            self.port.complete(slot, finish, error)
+        return seq
+
+    def _reap_orphans(self, waiting: list[int]) -> None:
+        """Members pending without their leader: wait for it a while, then end them."""
+        now = time.monotonic()
+        seen = {}
+        for slot in waiting:
+            key = (slot, int(self.ring.seq[slot]))
+            seen[key] = t0 = self._orphans.get(key, now)
+            if now - t0 > ORPHAN_TIMEOUT_S:
+                try:
+                    self.port.claim(slot)
+                except IllegalTransition:
+                    continue
+                self.port.complete(slot, FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
+                del seen[key]
+        self._orphans = seen
 
     def _read(self, slot: int, frontend_epoch: int) -> tuple[Sequence | None, FinishReason, ErrorCode]:
         # A copy of the record and of the prompt: a hostile frontend rewriting them after

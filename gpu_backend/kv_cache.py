@@ -6,7 +6,11 @@
     that paged_attention.py writes and reads through the block tables.
 
 The allocator separates checking from committing (`can_allocate` / `allocate`)
-and is integer-only, so the engine and the policy agree on `free_count`.
+and is integer-only, so the engine and the policy agree on `free_count`. Blocks
+are reference-counted: the choices of one prompt (n > 1) share its full prefill
+blocks (`share`); a block returns to the free list when its last holder frees it.
+`extra_refs` (references beyond the first, summed) lets the engine tell the
+policy a free count that stays true whichever sharers it preempts.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out 0, 1, 2, ...
-        self._used = bytearray(num_blocks)                   # 1 where allocated
+        self._refs = [0] * num_blocks                         # holders of each block; 0 = free
+        self.extra_refs = 0                                   # sum over blocks of (holders - 1)
 
     @property
     def free_count(self) -> int:
@@ -43,17 +48,30 @@ class BlockAllocator:
             raise MemoryError(f"{n} KV blocks asked, {len(self._free)} free")
         out = [self._free.pop() for _ in range(n)]
         for b in out:
-            self._used[b] = 1
+            self._refs[b] = 1
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Give blocks back; a block that is not allocated raises ValueError (double free)."""
+    def share(self, blocks: list[int]) -> list[int]:
+        """One more holder for each of `blocks` (allocated ones); returns them for the new holder's table."""
         for b in blocks:
-            if not 0 <= b < self.num_blocks or not self._used[b]:
+            if not 0 <= b < self.num_blocks or not self._refs[b]:
+                raise ValueError(f"KV block {b} shared but not allocated")
+        for b in blocks:
+            self._refs[b] += 1
+        self.extra_refs += len(blocks)
+        return list(blocks)
+
+    def free(self, blocks: list[int]) -> None:
+        """One holder gives blocks back; a block that is not allocated raises ValueError (double free)."""
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or not self._refs[b]:
                 raise ValueError(f"KV block {b} freed but not allocated")
         for b in reversed(blocks):
-            self._used[b] = 0
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b]:
+                self.extra_refs -= 1
+            else:
+                self._free.append(b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +96,13 @@ class KVPool:
         shape = (config.num_layers, config.num_kv_heads, config.num_blocks, config.block_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
         self.v = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy K and V of block src into block dst, every layer, for each (src, dst): a fork's
+        copy of the prompt's last, partial block (copy-on-write)."""
+        for src, dst in pairs:
+            self.k[:, :, dst] = self.k[:, :, src]
+            self.v[:, :, dst] = self.v[:, :, src]
 
     @property
     def nbytes(self) -> int:

@@ -5,6 +5,11 @@
     block table, output tokens -> published back into the slot (tokens, and the
     logprob records the sampler left in `step_logprobs` / `prompt_logprobs`).
 
+A group (n choices of one prompt) is its leader Sequence holding the others in
+`forks`: the leader prefills the prompt but its last token (`hold_last`), then the
+engine forks the others from it (shared KV blocks) and every choice computes that
+last token and samples its own first token in the next step.
+
 Everything here lives in host memory; the ring sees only what the engine
 publishes (tokens, logprob records, counts, states).
 """
@@ -65,10 +70,12 @@ class Sequence:
     penalty_state: object = None      # logits_processors.PenaltyState, made on first use
     step_logprobs: np.ndarray | None = None     # [1, record words] for the token sampled this step
     prompt_logprobs: np.ndarray | None = None   # [prompt_len - 1, record words], filled during prefill
+    forks: list["Sequence"] = dataclasses.field(default_factory=list)   # group members not yet forked
+    hold_last: bool = False           # a group leader before its fork: the prompt's last token is held back
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) - self.hold_last
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output."""

@@ -19,6 +19,11 @@ prompt arena at the slot's `extra_offset`, `extra_words(record)` words laid out 
     logit_bias ids [n_logit_bias] i32 | logit_bias values [n_logit_bias] f32
     | allowed ids [n_allowed_ids] i32 | bad words [bad_words_words]: (length, ids...)*
 
+A request with n choices is a group of n slots with the same prompt: the
+members (group_index 1..n-1) are submitted before the leader (group_index 0),
+whose state word is written last, so the daemon that sees the leader pending
+sees the whole group; it prefills the prompt once and forks the members from it.
+
 Logprobs go the other way, daemon -> frontend, in the logprob arena: one record
 of `logprob_record_words(k)` words per token, where k is the slot's top count:
 
@@ -36,7 +41,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
 LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
@@ -119,6 +124,9 @@ SLOT_FIELDS = [
     ("n_logit_bias", "u32", 1, "logit_bias pairs at extra_offset"),
     ("n_allowed_ids", "u32", 1, "allowed token ids after the logit_bias pairs (0 = all allowed)"),
     ("bad_words_words", "u32", 1, "words of (length, ids...) bad-word sequences after the allowed ids"),
+    ("group_size", "u32", 1, "choices of one prompt (n): the slots of a group share its prefill; 0 or 1 = alone"),
+    ("group_index", "u32", 1, "this slot's choice in its group; 0 = the leader, written after the others"),
+    ("group_seq", "u64", 1, "seq of the group's leader (every member, the leader included)"),
     # -- progress: backend writes; tokens first, generated count after --
     ("generated", "u32", 1, "tokens published in the output arena"),
     ("finish_reason", "u32", 1, "FinishReason, valid in DECODE_COMPLETED"),

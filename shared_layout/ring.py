@@ -79,6 +79,9 @@ class SlotRequest:
     prompt_logprobs_offset: int = 0
     extra_offset: int = 0                 # prompt arena word of `extra`'s encoding
     extra: SamplingExtra = SamplingExtra()
+    group_size: int = 0                   # n choices of one prompt (0 / 1: alone)
+    group_index: int = 0                  # 0: the group's leader
+    group_seq: int = 0                    # the leader's seq
 
     def __post_init__(self):
         if len(self.stop_ids) > MAX_STOP_IDS:
@@ -98,7 +101,8 @@ class SlotRequest:
         for name in ("seq", "epoch", "prompt_offset", "prompt_len", "output_offset", "max_tokens",
                      "temperature", "top_p", "top_k", "t_submit_ns", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_p", "min_tokens",
-                     "logprobs_offset", "prompt_logprobs_offset", "extra_offset"):
+                     "logprobs_offset", "prompt_logprobs_offset", "extra_offset", "group_size", "group_index",
+                     "group_seq"):
             r[name] = getattr(self, name)
         r["n_logit_bias"], r["n_allowed_ids"], r["bad_words_words"] = self.extra.counts
         r["logprobs"], r["prompt_logprobs"] = max(self.logprobs, 0), max(self.prompt_logprobs, 0)
@@ -126,7 +130,8 @@ class SlotRequest:
                    min_tokens=int(r["min_tokens"]),
                    logprobs=int(r["logprobs"]) if flags & FLAG_LOGPROBS else LOGPROBS_OFF,
                    prompt_logprobs=int(r["prompt_logprobs"]) if flags & FLAG_PROMPT_LOGPROBS else LOGPROBS_OFF, logprobs_offset=int(r["logprobs_offset"]),
-                   prompt_logprobs_offset=int(r["prompt_logprobs_offset"]), extra_offset=int(r["extra_offset"]))
+                   prompt_logprobs_offset=int(r["prompt_logprobs_offset"]), extra_offset=int(r["extra_offset"]),
+                   group_size=int(r["group_size"]), group_index=int(r["group_index"]), group_seq=int(r["group_seq"]))
 
 
 def request_error(geom: RingGeometry, r: np.void) -> ErrorCode:
@@ -155,6 +160,9 @@ def request_error(geom: RingGeometry, r: np.void) -> ErrorCode:
         return ErrorCode.INVALID_REQUEST
     extra = extra_words(int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]))
     if int(r["extra_offset"]) + extra > geom.prompt_arena_tokens:
+        return ErrorCode.INVALID_REQUEST
+    gsize, gidx = int(r["group_size"]), int(r["group_index"])
+    if gsize > 1 and (gidx >= gsize or (gidx == 0 and int(r["group_seq"]) != int(r["seq"]))):
         return ErrorCode.INVALID_REQUEST
     flags = int(r["flags"])
     for flag, k_name, off_name, records in ((FLAG_LOGPROBS, "logprobs", "logprobs_offset", mt),

@@ -50,6 +50,7 @@ class CpuRunner:
 
     def __init__(self, model: LlamaModel, pool: KVPool, kernels: cpu_kernels.CpuKernels | None = None):
         self.model = model
+        self.pool = pool
         self.attn = PagedAttention(pool)
         self.block_size = pool.config.block_size
         # The fused-kernel layer where it applies (fused bf16/f32 model, kernels built); else PyTorch ops.
@@ -89,6 +90,10 @@ class CpuRunner:
         rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long)
         logits = self.model.compute_logits(hidden[rows])                                    # [N, vocab]
         return sample(logits, [batch.chunks[i].seq for i in sampled])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """A fork's copy-on-write of the prompt's partial last block (engine._fork)."""
+        self.pool.copy_blocks(pairs)
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row: int, start: int, n: int) -> None:
         """Records of prompt tokens start+1 .. start+n from hidden rows row .. row+n-1 (row p

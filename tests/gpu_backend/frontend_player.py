@@ -53,6 +53,18 @@ class FrontendPlayer:
         self.next_seq += 1
         return slot
 
+    def submit_group(self, prompt: list[int], max_tokens: int, n: int, seeds=None, **params) -> list[int]:
+        """n choices of one prompt as a slot group: the members first, the leader's state word last."""
+        seq0 = self.next_seq
+        slots = []
+        for i in list(range(1, n)) + [0]:
+            self.next_seq = seq0 + i
+            seed = {} if seeds is None else {"seed": seeds[i]}
+            slots.append((i, self.submit(prompt, max_tokens, group_size=n, group_index=i, group_seq=seq0,
+                                         **seed, **params)))
+        self.next_seq = seq0 + n
+        return [slot for _, slot in sorted(slots)]
+
     def done(self, slot: int) -> bool:
         return self.port.poll(slot)[0] == SlotState.DECODE_COMPLETED
 

@@ -120,3 +120,77 @@ def test_bad_sampling_data_ends_only_that_request(model):
     r = fe.collect(bad)
     assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
     assert fe.collect(good).finish == FinishReason.LENGTH
+
+
+class CountingRunner:
+    """The CPU runner, counting the tokens it computes."""
+
+    def __init__(self, runner):
+        self.runner, self.tokens = runner, 0
+
+    def run(self, batch):
+        self.tokens += sum(c.num_tokens for c in batch.chunks)
+        return self.runner.run(batch)
+
+    def copy_blocks(self, pairs):
+        self.runner.copy_blocks(pairs)
+
+
+@pytest.mark.parametrize("plen", [23, 24, 1])    # a partial last block (copied), whole blocks only, no prefill
+def test_a_group_prefills_once_and_each_choice_continues_alone(model, plen):
+    rng = random.Random(plen)
+    prompt = [rng.randrange(3, 500) for _ in range(plen)]
+    ref = greedy_generate(model, prompt, 5)
+    engine, fe = make_engine(model, max_prefill_tokens=64)
+    counter = CountingRunner(engine.runner)
+    engine.runner = counter
+    slots = fe.submit_group(prompt, 5, 3, ignore_eos=True)
+    engine.step()                                      # the prefill: the leader alone, its last token held
+    if plen > 1:
+        assert counter.tokens == plen - 1 and len(engine.running) == 3
+        shared = engine.running[1].blocks[:(plen - 1) // 4]
+        assert shared == engine.running[0].blocks[:(plen - 1) // 4]
+        assert engine.allocator.extra_refs == 2 * len(shared)
+    for s in slots:
+        run(engine, fe, s)
+    res = [fe.collect(s) for s in slots]
+    assert [r.tokens for r in res] == [ref] * 3        # greedy: every choice the reference
+    assert counter.tokens == (plen - 1 if plen > 1 else 0) + 3 * 5
+    assert engine.allocator.free_count == engine.allocator.num_blocks and engine.allocator.extra_refs == 0
+
+
+def test_seeded_choices_are_reproducible_and_differ_from_each_other(model):
+    prompt = list(range(10, 30))
+    engine, fe = make_engine(model)
+
+    def draw():
+        slots = fe.submit_group(prompt, 6, 3, seeds=[7, 8, 9], temperature=1.0, ignore_eos=True)
+        for s in slots:
+            run(engine, fe, s)
+        return [fe.collect(s).tokens for s in slots]
+
+    a, b = draw(), draw()
+    assert a == b and len({tuple(t) for t in a}) == 3
+    alone = fe.submit(prompt, 6, seed=8, temperature=1.0, ignore_eos=True)   # choice 1 alone: the same draw
+    run(engine, fe, alone)
+    assert fe.collect(alone).tokens == a[1]
+
+
+def test_a_member_cancelled_before_the_fork_ends_alone_and_the_leader_takes_its_members_along(model):
+    engine, fe = make_engine(model, max_prefill_tokens=4)
+    prompt = list(range(40, 60))
+    slots = fe.submit_group(prompt, 4, 3, ignore_eos=True)
+    engine.step()                                          # 4 of 19 prefill tokens: no fork yet
+    fe.cancel(slots[1])
+    for s in slots:
+        run(engine, fe, s)
+    res = [fe.collect(s) for s in slots]
+    assert res[1].finish == FinishReason.ABORT and res[1].tokens == []
+    assert res[0].finish == res[2].finish == FinishReason.LENGTH
+    slots = fe.submit_group(prompt, 4, 2, ignore_eos=True)
+    engine.step()
+    fe.cancel(slots[0])                                    # the leader, before the fork: both end
+    for s in slots:
+        run(engine, fe, s)
+    assert [fe.collect(s).finish for s in slots] == [FinishReason.ABORT] * 2
+    assert engine.allocator.free_count == engine.allocator.num_blocks and not engine.owned
