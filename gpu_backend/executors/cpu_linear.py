@@ -87,9 +87,13 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-# Rows of x up to which the quantized matmul runs on the blocks; above, one dequantization and
-# the float GEMM (oneDNN sgemm) are faster on this machine's AVX2 path (see bench.quant_matmul).
-QUANT_MAX_ROWS = 32
+# Rows of x up to which a projection runs on the blocks; above (prefill chunks), one
+# dequantization of the weight (~0.5 ns a value) and the float GEMM: on the 2-core AVX2 dev
+# machine quant.cc's AVX2 path does ~40-48 G int8 ops/s at 8-256 rows and oneDNN's sgemm
+# 50-79 GFLOP/s at 64-256 rows (Q4_1 3072 x 576, 1 thread, shared machine), so the dequantization
+# pays off from about 32-64 rows. Decode batches of up to 64 sequences stay on the blocks, and the
+# logits head (sampled rows only, 49152 x 576: 113 MB as float) always does.
+QUANT_MAX_ROWS = 64
 
 
 class QuantKernelLinear(nn.Module):
@@ -123,7 +127,7 @@ class QuantKernelLinear(nn.Module):
     def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:     # x: [M, K] contiguous f32/bf16
         m, k, n = x.shape[0], self.in_features, self.out_features
         out_dtype = torch.float32 if self.float32_out else x.dtype
-        if m > QUANT_MAX_ROWS:
+        if m > QUANT_MAX_ROWS and not self.float32_out:
             w = torch.cat([self.kernels.dequantize(s.wtype, s.blocks, k) for s in self.segments])
             return F.linear(x.float(), w, self.bias).to(out_dtype)
         qs = torch.empty((m, k), dtype=torch.int8)                      # the codes, scales d and d * sum
