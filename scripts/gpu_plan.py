@@ -171,8 +171,10 @@ CALLS: tuple[Call, ...] = (
           REAL_WEIGHTS),
          gguf_part=2),
     Call("load", "1,000 requests with mixed lengths, seeds and cancellations through the frontend's "
-         "RingClient and the cuda daemon on SmolLM2's shape: nothing lost",
-         (Stage("frontend_1000", 150, 300, _pytest(GRAPH_T, k="1000_requests"), pytest=True),),
+         "RingClient and the cuda daemon on SmolLM2's shape: nothing lost; whether TensorRT imports there "
+         "(the probe's one line; nothing needs it)",
+         (Stage("frontend_1000", 150, 300, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
+          Stage("tensorrt", 15, 90, (PY, "-m", "gpu_backend.graphs.tensorrt"))),
          gguf_part=3),
 )
 
