@@ -1,13 +1,16 @@
 """CPU executor benchmark: decode tokens/s at several batch sizes and TTFT for
 several prompt lengths, against the plain unbatched generate loop
 (gpu_backend.model.reference.greedy_generate) on the same model in the same run,
-and decode of the same executor without its fused C++ kernels (the PyTorch layer and
-oneDNN matmuls, on a second copy of the model), interleaved with it.
+decode of the same executor without its fused C++ kernels (the PyTorch layer and
+oneDNN matmuls, on a second copy of the model), and, for a GGUF source (the
+default model included), the executor serving the GGUF's quantized blocks
+(quant.cc; what `--dtype auto` serves), all interleaved.
 
     load_model(spec) -> baseline: greedy_generate timings
                      -> executor: Engine + CpuRunner over a real Ring (in memory),
                         requests submitted through FrontendPort, tokens read back
-    -> bench/results/<date>-<machine>-cpu_executor.json + .md
+                     -> the same over load_model(spec, quantized=True)
+    -> bench/results/<date>-<machine>-cpu_executor[-dtype].json + .md (CPU model and flags named)
 
     python -m bench.cpu_executor [--model default] [--threads N] [--machine cpu2]
 """
@@ -103,6 +106,31 @@ def executor_ttft(engine: Engine, sub: Submitter, rng, vocab, n: int) -> float:
     return (int(r["t_first_ns"]) - int(r["t_submit_ns"])) / 1e9
 
 
+def cpu_description() -> dict:
+    """The CPU model, its SIMD flags that matter here, and the quantized matmul's path."""
+    from gpu_backend import cpu_kernels
+    model, flags = platform.processor(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), model)
+        all_flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+        flags = [f for f in all_flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    except OSError:
+        pass
+    kernels = cpu_kernels.load()
+    isa = cpu_kernels.ISA_NAMES[kernels.quant_isa] if kernels else None
+    return {"model": model, "simd_flags": flags, "quant_isa": isa}
+
+
+def make_engine(model, args, max_batch: int, geom: RingGeometry, max_prompt: int, kernels: bool = True):
+    ex = CpuExecutor(ExecutorOptions(model=args.model, max_batch_size=max_batch, max_prefill_tokens=2048,
+                                     kv_cache_mb=1024, threads=args.threads), model=model, kernels=kernels)
+    ring = Ring.create(bytearray(geom.total_size), geom)
+    engine = ex.engine(ring)
+    return engine, Submitter(ring, max_prompt, args.decode_tokens + 1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -129,40 +157,49 @@ def main(argv=None) -> int:
     wall0, cpu0 = time.perf_counter(), time.process_time()
 
     max_batch = max(batches)
-    ex = CpuExecutor(ExecutorOptions(model=args.model, max_batch_size=max_batch, max_prefill_tokens=2048,
-                                     kv_cache_mb=1024, threads=args.threads), model=model)
     max_prompt = max(prompt_lens + [DECODE_PROMPT_TOKENS])
     geom = RingGeometry(max_batch, max_batch * max_prompt, max_batch * (args.decode_tokens + 1))
-    ring = Ring.create(bytearray(geom.total_size), geom)
-    engine = ex.engine(ring)
-    sub = Submitter(ring, max_prompt, args.decode_tokens + 1)
+    engine, sub = make_engine(model, args, max_batch, geom, max_prompt)
     # The same executor without the fused kernels, over its own copy of the model and its own ring.
-    ex_plain = CpuExecutor(ExecutorOptions(model=args.model, max_batch_size=max_batch, max_prefill_tokens=2048,
-                                           kv_cache_mb=1024, threads=args.threads),
-                           model=load_model(args.model, dtype=resolve_dtype(args.dtype)).model, kernels=False)
-    ring_plain = Ring.create(bytearray(geom.total_size), geom)
-    engine_plain, sub_plain = ex_plain.engine(ring_plain), Submitter(ring_plain, max_prompt, args.decode_tokens + 1)
+    engine_plain, sub_plain = make_engine(load_model(args.model, dtype=resolve_dtype(args.dtype)).model, args,
+                                          max_batch, geom, max_prompt, kernels=False)
+    # The same executor on the GGUF's quantized blocks (None: the source has none, or no kernels).
+    quant_model = load_model(args.model, dtype=resolve_dtype(args.dtype), quantized=True).model
+    quant = make_engine(quant_model, args, max_batch, geom, max_prompt) if any(
+        type(m).__name__ == "QuantLinear" for m in quant_model.modules()) else None
+    if quant is not None and quant[0].runner.kernel_forward is None:
+        quant = None
     kernels_used = engine.runner.kernel_forward is not None
     executor_ttft(engine, sub, rng, vocab, 16)                     # warm-up
+    if quant is not None:
+        executor_ttft(*quant, rng, vocab, 16)
     # Interleaved repetitions, best of each: the box is shared, so contention bursts hit
     # single measurements, not the best of several taken side by side.
     runs = {"baseline_decode": [], "baseline_ttft": {n: [] for n in prompt_lens},
             "decode": {b: [] for b in batches}, "decode_pytorch_layer": {b: [] for b in batches},
-            "ttft": {n: [] for n in prompt_lens}}
+            "ttft": {n: [] for n in prompt_lens},
+            "decode_quantized": {b: [] for b in batches}, "ttft_quantized": {n: [] for n in prompt_lens}}
     for _ in range(args.reps):
         runs["baseline_decode"].append(baseline_decode(model, rng, vocab, args.decode_tokens))
         for b in batches:
             runs["decode"][b].append(executor_decode(engine, sub, rng, vocab, b, args.decode_tokens))
             runs["decode_pytorch_layer"][b].append(
                 executor_decode(engine_plain, sub_plain, rng, vocab, b, args.decode_tokens))
+            if quant is not None:
+                runs["decode_quantized"][b].append(executor_decode(*quant, rng, vocab, b, args.decode_tokens))
         for n in prompt_lens:
             runs["baseline_ttft"][n].append(baseline_ttft(model, rng, vocab, n))
             runs["ttft"][n].append(executor_ttft(engine, sub, rng, vocab, n))
+            if quant is not None:
+                runs["ttft_quantized"][n].append(executor_ttft(*quant, rng, vocab, n))
     base = {"decode_tok_s": max(runs["baseline_decode"]),
             "ttft_s": {n: min(v) for n, v in runs["baseline_ttft"].items()}}
     decode = {b: max(v) for b, v in runs["decode"].items()}
     decode_plain = {b: max(v) for b, v in runs["decode_pytorch_layer"].items()}
     ttft = {n: min(v) for n, v in runs["ttft"].items()}
+    decode_q = {b: max(v) for b, v in runs["decode_quantized"].items()} if quant else {}
+    ttft_q = {n: min(v) for n, v in runs["ttft_quantized"].items()} if quant else {}
+    quant_kinds = sorted({s.type_name for mod in quant_model.modules() for s in getattr(mod, "segments", [])})
 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     argv_used = ["--threads", str(torch.get_num_threads()), "--dtype", args.dtype, "--batches", args.batches, "--prompts", args.prompts,
@@ -172,7 +209,7 @@ def main(argv=None) -> int:
         "host": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                  "python": platform.python_version(), "loadavg_before": load_before,
                  "loadavg_after": os.getloadavg(),
-                 "cpu_seconds_per_wall_second": cpu_share},
+                 "cpu_seconds_per_wall_second": cpu_share, "cpu": cpu_description()},
         "command": ".venv/bin/python -m bench.cpu_executor " + " ".join(argv_used),
         "model": args.model, "dtype": str(model.dtype), "decode_tokens_per_request": args.decode_tokens,
         "reps": args.reps,
@@ -181,16 +218,23 @@ def main(argv=None) -> int:
         "executor": {"decode_tok_s": {str(b): v for b, v in decode.items()},
                      "ttft_s": {str(k): v for k, v in ttft.items()}, "fused_kernels": kernels_used},
         "executor_pytorch_layer": {"decode_tok_s": {str(b): v for b, v in decode_plain.items()}},
+        "executor_quantized": None if not quant else {
+            "weights": quant_kinds, "decode_tok_s": {str(b): v for b, v in decode_q.items()},
+            "ttft_s": {str(k): v for k, v in ttft_q.items()}},
         "all_runs": {"baseline_decode_tok_s": runs["baseline_decode"],
                      "baseline_ttft_s": {str(k): v for k, v in runs["baseline_ttft"].items()},
                      "executor_decode_tok_s": {str(k): v for k, v in runs["decode"].items()},
                      "pytorch_layer_decode_tok_s": {str(k): v for k, v in runs["decode_pytorch_layer"].items()},
-                     "executor_ttft_s": {str(k): v for k, v in runs["ttft"].items()}},
+                     "executor_ttft_s": {str(k): v for k, v in runs["ttft"].items()},
+                     "quantized_decode_tok_s": {str(k): v for k, v in runs["decode_quantized"].items()},
+                     "quantized_ttft_s": {str(k): v for k, v in runs["ttft_quantized"].items()}},
         "ratios": {
             "decode_vs_batch1": {str(b): decode[b] / decode[batches[0]] for b in batches},
             "decode_vs_baseline": {str(b): decode[b] / base["decode_tok_s"] for b in batches},
             "decode_vs_pytorch_layer": {str(b): decode[b] / decode_plain[b] for b in batches},
             "ttft_baseline_over_executor": {str(n): base["ttft_s"][n] / ttft[n] for n in prompt_lens},
+            "decode_quantized_vs_executor": {str(b): decode_q[b] / decode[b] for b in decode_q},
+            "ttft_executor_over_quantized": {str(n): ttft[n] / ttft_q[n] for n in ttft_q},
         },
     }
     out = pathlib.Path(args.out)
@@ -228,7 +272,23 @@ def markdown(r: dict, batches, prompt_lens) -> str:
     for n in prompt_lens:
         lines.append(f"| {n} | {ex['ttft_s'][str(n)]:.3f} | {b0['ttft_s'][str(n)]:.3f} "
                      f"| {r['ratios']['ttft_baseline_over_executor'][str(n)]:.2f}x |")
-    lines += ["", f"Reproduce: `{r['command']}`", ""]
+    q = r.get("executor_quantized")
+    if q:
+        lines += ["", f"GGUF blocks served as such ({'+'.join(q['weights'])}; what `--dtype auto` serves), "
+                  f"the same executor, same run:", "",
+                  f"| decode batch | blocks tokens/s | {r['dtype']} tokens/s | blocks / {r['dtype']} |",
+                  "|---:|---:|---:|---:|"]
+        for b in batches:
+            lines.append(f"| {b} | {q['decode_tok_s'][str(b)]:.1f} | {ex['decode_tok_s'][str(b)]:.1f} "
+                         f"| {r['ratios']['decode_quantized_vs_executor'][str(b)]:.2f}x |")
+        lines += ["", f"| prompt tokens | TTFT blocks (s) | TTFT {r['dtype']} (s) | {r['dtype']} / blocks |",
+                  "|---:|---:|---:|---:|"]
+        for n in prompt_lens:
+            lines.append(f"| {n} | {q['ttft_s'][str(n)]:.3f} | {ex['ttft_s'][str(n)]:.3f} "
+                         f"| {r['ratios']['ttft_executor_over_quantized'][str(n)]:.2f}x |")
+    cpu = r["host"]["cpu"]
+    lines += ["", f"CPU: {cpu['model']} ({' '.join(cpu['simd_flags'])}); quantized matmul path: {cpu['quant_isa']}.",
+              "", f"Reproduce: `{r['command']}`", ""]
     return "\n".join(lines)
 
 

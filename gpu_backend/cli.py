@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-arena-tokens", type=_positive_int, default=None,
                    help=f"output arena capacity in tokens (default {DEFAULT_OUTPUT_ARENA_TOKENS})")
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
-                   help="requests decoding together at most (cpu default 32, null 256)")
+                   help="requests decoding together at most (cpu default: as many 256-token requests as the KV cache holds, at most 256; null 256)")
     p.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                    help="prompt tokens prefilled in one step at most (cpu default 2048); longer prompts are chunked")
     p.add_argument("--block-size", type=_positive_int, default=16, help="KV cache block size in tokens")

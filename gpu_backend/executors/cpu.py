@@ -40,7 +40,8 @@ from .cpu_linear import prepare_model
 
 log = logging.getLogger("blink.gpu_daemon")
 
-DEFAULT_MAX_BATCH_SIZE = 32
+MAX_BATCH_SIZE_CAP = 256         # seats at most when sized from the KV pool
+SEAT_TOKENS = 256                # prompt + output tokens a seat is sized for
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_KV_CACHE_MB = 1024
 
@@ -145,6 +146,14 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))
 
 
+def default_max_batch_size(num_blocks: int, block_size: int) -> int:
+    """Seats when --max-batch-size is not given: as many SEAT_TOKENS-token requests as the KV
+    pool holds, capped at MAX_BATCH_SIZE_CAP (1 GiB of float32 SmolLM2 KV: 89 seats; it was a
+    fixed 32, so 64 streams queued behind 32). Longer requests are still safe: the policy admits
+    only what the free blocks hold and preempts when a decode step runs out."""
+    return max(1, min(MAX_BATCH_SIZE_CAP, num_blocks // blocks_needed(SEAT_TOKENS, block_size)))
+
+
 def default_threads() -> int:
     """Torch threads when --threads is not given: every core this process may use but one.
 
@@ -206,7 +215,7 @@ class CpuExecutor:
         self.vocab_size = cfg.vocab_size
         self.max_model_len = max_len
         self.eos_ids = tuple(cfg.eos_token_ids)
-        self.policy = PolicyConfig(max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+        self.policy = PolicyConfig(max_batch_size=options.max_batch_size or default_max_batch_size(num_blocks, bs),
                                    max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
                                    block_size=bs)
         self.pool = KVPool(KVCacheConfig(num_blocks, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
