@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-DATE = "2026-11-22"
+DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKLOADS = ((64, 128, 32), (64, 512, 128), (256, 128, 128))
 INTERFERERS = ("stress-ng", "pbzip2", "compile", "pyhog")

@@ -35,7 +35,7 @@ from gpu_backend.cuda.driver import bindings, check
 from gpu_backend.cuda.runtime import KernelArgs, Module, PinnedMapped, SchedulerRuntime, calibrate_clock
 from shared_layout import Ring, RingGeometry, SlotRequest, SlotState
 
-DATE = "2026-11-22"
+DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
 
 

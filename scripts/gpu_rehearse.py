@@ -203,15 +203,15 @@ def stage_imports(ctx) -> str:
                         "gpu_backend.cuda.probe", "gpu_backend.cuda.child_env", "gguf", "cuda.bindings.driver")]
     sh([py, "-c", f"import importlib; [importlib.import_module(m) for m in {mods!r}]"], 120, env=ctx["device_env"],
        cwd=REPO)
-    missing = driver_names_missing(py, ctx["device_env"])
+    missing, n_names = driver_names_missing(py, ctx["device_env"])
     problems += [f"cuda.bindings.driver has no {n} (used by {f})" for n, f in missing]
     if problems:
         raise Failed("\n".join(problems))
     return f"{len(_device_sources())} files compile under 3.12; {len(mods)} torch-free modules import; " \
-           f"driver names all exist"
+           f"all {n_names} cuda.bindings.driver names the code uses exist"
 
 
-def driver_names_missing(py, env) -> list[tuple[str, str]]:
+def driver_names_missing(py, env) -> tuple[list[tuple[str, str]], int]:
     """Every cuda.bindings.driver attribute the code names (d.cuX, d.CUx.Y, attr.CU_DEVICE_ATTRIBUTE_X)."""
     uses = {}
     for path in [*(REPO / "gpu_backend").rglob("*.py"), REPO / "bench/cuda_scheduler.py", REPO / "bench/cuda_graphs.py"]:
@@ -229,7 +229,7 @@ def driver_names_missing(py, env) -> list[tuple[str, str]]:
             "        if o is None: bad.append(n); break\n"
             "print(json.dumps(bad))")
     bad = json.loads(sh([py, "-c", code, json.dumps(sorted(uses))], 60, env=env).strip().splitlines()[-1])
-    return [(n, uses[n]) for n in bad]
+    return [(n, uses[n]) for n in bad], len(uses)
 
 
 CHILD_CODE = ("import importlib, json, sys; mods = json.loads(sys.argv[1]); "

@@ -67,6 +67,19 @@ def test_stage_lines_are_what_the_runner_reads():
                 assert f"--timeout={s.budget_s - 15}" in words
 
 
+def test_benchmark_outputs_are_the_declared_files():
+    import fnmatch
+
+    from bench import cuda_graphs, cuda_scheduler
+    bench = plan.call("bench")
+    written = [f"{cuda_scheduler.DATE}-h100-cuda_scheduler.json", f"{cuda_scheduler.DATE}-h100-cuda_scheduler.md",
+               f"{cuda_graphs.DATE}-h100-cuda_graphs.json", f"{cuda_graphs.DATE}-h100-cuda_graphs.md"]
+    declared = bench.out_files()
+    assert all(any(fnmatch.fnmatch(w, d) for d in declared) for w in written)
+    assert all(plan.check_out_name(w) is None for w in written)
+    assert all(("--out", "{out}") == s.argv[s.argv.index("--out"):s.argv.index("--out") + 2] for s in bench.stages)
+
+
 def test_plan_prints_in_seconds():
     t0 = time.monotonic()
     res = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), "--plan"], capture_output=True, text=True,
