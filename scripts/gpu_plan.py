@@ -302,7 +302,7 @@ def render(tree: int) -> str:
                   f"   proves: {c.proves}"]
         for s in c.stages:
             lines.append(f"     - {s.name} ({s.expected_s} s, budget {s.budget_s} s): "
-                         f"{shlex.join(stage_argv(c, s, '$OUT'))[:150]}")
+                         f"{shlex.join(stage_argv(c, s, '$OUT'))}")
         lines.append("")
     problems = check_plan(tree)
     lines.append("plan limits: " + ("all kept" if not problems else "BROKEN:\n  " + "\n  ".join(problems)))
