@@ -31,6 +31,7 @@ from shared_layout import ErrorCode, now_ns
 
 from shared_layout.extra import MAX_BAD_WORD_TOKENS, SamplingExtra
 
+from . import choices
 from . import logprobs_format as lpf
 from . import openai_api as api
 from . import token_reader
@@ -203,6 +204,9 @@ class GenerationService:
                                 extra=SamplingExtra(s.logit_bias, s.allowed_token_ids, gen.bad_words_ids))
         loop = asyncio.get_running_loop()
         try:
+            if s.best_of > 1:
+                return await self.client.submit_group(gen.prompt_ids, choices.group_params(params, s),
+                                                      self.request_limits.queue_wait_s(loop, gen.deadline_s))
             return await self.client.submit(gen.prompt_ids, params,
                                             self.request_limits.queue_wait_s(loop, gen.deadline_s))
         except QueueFull as e:
@@ -221,8 +225,11 @@ class GenerationService:
                                           include_stop_str_in_output=s.include_stop_str_in_output,
                                           skip_special_tokens=s.skip_special_tokens)
 
-    async def respond(self, request: web.Request, gen: Generation, handle: RequestHandle) -> web.StreamResponse:
-        """Stream or collect the reply; always leaves the handle finished or cancelled."""
+    async def respond(self, request: web.Request, gen: Generation, handle: RequestHandle | list[RequestHandle]
+                      ) -> web.StreamResponse:
+        """Stream or collect the reply; always leaves the handle(s) finished or cancelled."""
+        if isinstance(handle, list):
+            return await choices.respond(self, request, gen, handle)
         timer = None
         if gen.deadline_s is not None:
             timer = asyncio.get_running_loop().call_at(gen.deadline_s, self._expire, gen, handle)

@@ -32,6 +32,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's (and vLLM's) default for /v1/co
 MAX_LOGPROBS = 20                     # logprobs / top_logprobs / prompt_logprobs at most (vLLM's max_logprobs)
 MAX_LOGIT_BIAS = 1024                 # logit_bias entries at most
 MAX_BAD_WORDS = 64
+MAX_CHOICES = 64                      # n and best_of at most
 
 
 class ApiError(Exception):
@@ -94,6 +95,8 @@ class SamplingOptions:
     bad_words: tuple[str, ...] = ()     # strings; tokenized by the service (completions.py)
     logprobs: int | None = None         # top entries per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # top entries per prompt token (echo with logprobs asks for them too)
+    n: int = 1                          # choices returned
+    best_of: int = 1                    # choices generated (>= n); the n with the highest cumulative logprob return
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +157,6 @@ def _is_number(v: Any) -> bool:
 
 # Parameters we understand but cannot honour: name -> (no-op values accepted, what is unsupported).
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 (one choice per request) is supported"),
-    "best_of": ((1,), "best_of > 1 is not supported"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty is not supported"),
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
@@ -309,6 +310,13 @@ def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: i
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
     prompt_logprobs = f.int("prompt_logprobs", 0, MAX_LOGPROBS)
+    n = f.int("n", 1, MAX_CHOICES, 1)
+    best_of = f.int("best_of", 1, MAX_CHOICES, n)
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    if best_of > n and f.body.get("stream") is True:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best choices are known at the end)",
+                          "best_of")
     if echo and logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = logprobs   # echo + logprobs: the prompt's tokens come with theirs (vLLM)
     return SamplingOptions(
@@ -323,6 +331,8 @@ def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: i
         bad_words=_bad_words(f.get("bad_words")),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        n=n,
+        best_of=best_of,
         max_tokens=max_tokens,
         temperature=f.float("temperature", 1.0, 0.0, 1e4),
         top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -579,9 +589,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
                      stop_reason: int | str | None = None, usage_: dict | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -590,9 +600,9 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish_reaso
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
                stop_reason: int | str | None = None, usage_: dict | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -604,23 +614,48 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, usage_: dict) -> d
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One finished choice of a reply."""
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: dict | None = None
+
+
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str,
                     stop_reason: int | str | None, usage_: dict, logprobs: dict | None = None,
                     prompt_logprobs: list | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-              "stop_reason": stop_reason}
-    if prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs     # vLLM's extension, on the choice
+    return completion_body_n(rid, created, model, [Choice(text, finish_reason, stop_reason, logprobs)], usage_,
+                             prompt_logprobs)
+
+
+def completion_body_n(rid: str, created: int, model: str, choices: list[Choice], usage_: dict,
+                      prompt_logprobs: list | None = None) -> dict:
+    out = []
+    for i, c in enumerate(choices):
+        choice = {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs     # vLLM's extension, on the choice
+        out.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_}
+            "choices": out, "usage": usage_}
 
 
 def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str,
               stop_reason: int | str | None, usage_: dict, logprobs: dict | None = None,
               prompt_logprobs: list | None = None) -> dict:
+    return chat_body_n(rid, created, model, [Choice(text, finish_reason, stop_reason, logprobs)], usage_,
+                       prompt_logprobs)
+
+
+def chat_body_n(rid: str, created: int, model: str, choices: list[Choice], usage_: dict,
+                prompt_logprobs: list | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        for i, c in enumerate(choices)],
             "usage": usage_}
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs       # vLLM's extension, on the response

@@ -2,6 +2,9 @@
 
     submit(prompt, params) -> wait queue (bounded, FIFO) -> flush: slots + arena ranges,
         one write_batch for every request of the burst -> RequestHandle
+    submit_group(prompt, [params] * n) -> the same for n choices of one prompt: n slots taken
+        together, the members' writes before the leader's (the daemon prefills once and forks)
+        -> one RequestHandle per choice
     background loop: attach / reattach the ring -> TokenReader.poll -> handles get tokens
         -> completed slots reset -> wait queue moves; health, backend-lost, ring-replaced checks
 
@@ -95,6 +98,7 @@ class _Waiter:
     max_tokens: int             # output capacity to reserve (clamped to the context)
     t_submit_ns: int
     fut: asyncio.Future
+    members: tuple[SamplingParams, ...] = ()   # a group's other choices (the leader's are `params`)
 
 
 class RingClient:
@@ -219,13 +223,24 @@ class RingClient:
         }
 
     # -- submit ---------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, queue_timeout_s: float = 30.0
-                     ) -> RequestHandle:
+    async def submit_group(self, prompt_ids: list[int], params: list[SamplingParams], queue_timeout_s: float = 30.0
+                           ) -> list[RequestHandle]:
+        """n choices of one prompt (params[i] for choice i, same max_tokens): one handle each, in order.
+        The slots are taken together; the daemon prefills the prompt once and forks the others."""
+        if len(params) == 1:
+            return [await self.submit(prompt_ids, params[0], queue_timeout_s)]
+        if len({p.max_tokens for p in params}) != 1:
+            raise InvalidRequest("the choices of a group share max_tokens")
+        handles = await self.submit(prompt_ids, params[0], queue_timeout_s, members=params[1:])
+        return handles
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, queue_timeout_s: float = 30.0,
+                     members: list[SamplingParams] = ()) -> RequestHandle:
         """Write one request into the ring; the handle streams its tokens.
 
         Waits up to `queue_timeout_s` for a slot and arena room (FIFO behind
         earlier waiters). Raises QueueFull, BackendUnavailable, PromptTooLong,
-        InvalidRequest.
+        InvalidRequest. With `members` (submit_group): a list of handles.
         """
         if self._closed or self._task is None:
             raise BackendUnavailable("ring client is not running")
@@ -234,11 +249,13 @@ class RingClient:
         if s is None or not h.healthy:
             raise BackendUnavailable(h.message or "backend unavailable")
         prompt, max_tokens = self._validate(s, prompt_ids, params)
+        for member in members:
+            self._validate(s, prompt_ids, member)
         if len(self._waiters) >= self.config.max_queue:
             raise QueueFull(f"wait queue full ({len(self._waiters)} requests waiting for a slot)",
                             self._retry_after_s())
         loop = asyncio.get_running_loop()
-        w = _Waiter(prompt, params, max_tokens, now_ns(), loop.create_future())
+        w = _Waiter(prompt, params, max_tokens, now_ns(), loop.create_future(), tuple(members))
         self._waiters.append(w)
         if queue_timeout_s <= 0:
             self._flush()
@@ -253,7 +270,9 @@ class RingClient:
             except asyncio.CancelledError:
                 self._remove_waiter(w)
                 if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
-                    w.fut.result().cancel()   # placed just before the caller gave up
+                    placed = w.fut.result()   # placed just before the caller gave up
+                    for h in placed if isinstance(placed, list) else [placed]:
+                        h.cancel()
                 raise
             finally:
                 if timer is not None:
@@ -345,38 +364,61 @@ class RingClient:
             if w.fut.done():
                 self._waiters.popleft()
                 continue
-            flight = s.reserve(int(w.prompt.size), w.max_tokens, w.params)
-            if flight is None:
-                break   # head of the queue waits for a slot or arena room; FIFO keeps fairness
+            flights = self._reserve(s, w)
+            if flights is None:
+                break   # head of the queue waits for slots or arena room; FIFO keeps fairness
             self._waiters.popleft()
-            p = w.params
-            stops = tuple(int(t) for t in p.stop_token_ids)
-            writes += s.submission(flight, w.prompt, temperature=float(p.temperature), top_p=float(p.top_p),
-                                   top_k=int(p.top_k), seed=None if p.seed is None else int(p.seed),
-                                   ignore_eos=bool(p.ignore_eos), stop_ids=stops[:MAX_STOP_IDS],
-                                   t_submit_ns=w.t_submit_ns, params=p)
-            flight.extra_stops = frozenset(stops[MAX_STOP_IDS:])
-            batch.append((w, flight))
+            group = (len(flights), flights[0].seq) if len(flights) > 1 else (0, 0)
+            for i in list(range(1, len(flights))) + [0]:   # the leader's state word last
+                writes += self._submission(s, flights[i], w, w.params if i == 0 else w.members[i - 1], group, i)
+            batch.append((w, flights))
         if not batch:
             return
         try:
             s.transport.write_batch(writes)
         except TransportError as e:
-            for w, flight in batch:
-                s.unreserve(flight)
+            for w, flights in batch:
+                for flight in flights:
+                    s.unreserve(flight)
                 w.fut.set_exception(BackendUnavailable(f"backend lost: {e}"))
             self._drop_session(f"backend lost: {e}")
             return
-        for w, flight in batch:
-            h = RequestHandle(seq=flight.seq, slot=flight.slot, prompt_tokens=int(w.prompt.size),
-                              max_tokens=flight.max_tokens, t_submit_ns=w.t_submit_ns,
-                              max_buffered_tokens=self.config.max_buffered_tokens,
-                              on_cancel=self._cancel, on_end=self._record_end)
-            flight.handle = h
-            self._reader.track(flight)
-            w.fut.set_result(h)
+        for w, flights in batch:
+            handles = []
+            for flight in flights:
+                h = RequestHandle(seq=flight.seq, slot=flight.slot, prompt_tokens=int(w.prompt.size),
+                                  max_tokens=flight.max_tokens, t_submit_ns=w.t_submit_ns,
+                                  max_buffered_tokens=self.config.max_buffered_tokens,
+                                  on_cancel=self._cancel, on_end=self._record_end)
+                flight.handle = h
+                self._reader.track(flight)
+                handles.append(h)
+            w.fut.set_result(handles if w.members else handles[0])
         self._submitted += len(batch)
         self._wake()
+
+    @staticmethod
+    def _reserve(s: RingSession, w: _Waiter) -> list | None:
+        """Slots and arena ranges for the waiter's request (every choice of a group, or none)."""
+        out = []
+        for p in (w.params,) + w.members:
+            flight = s.reserve(int(w.prompt.size), w.max_tokens, p)
+            if flight is None:
+                for f in out:
+                    s.unreserve(f)
+                return None
+            out.append(flight)
+        return out
+
+    @staticmethod
+    def _submission(s: RingSession, flight, w: _Waiter, p: SamplingParams, group: tuple[int, int], index: int
+                    ) -> list[tuple[int, bytes]]:
+        stops = tuple(int(t) for t in p.stop_token_ids)
+        flight.extra_stops = frozenset(stops[MAX_STOP_IDS:])
+        return s.submission(flight, w.prompt, temperature=float(p.temperature), top_p=float(p.top_p),
+                            top_k=int(p.top_k), seed=None if p.seed is None else int(p.seed),
+                            ignore_eos=bool(p.ignore_eos), stop_ids=stops[:MAX_STOP_IDS],
+                            t_submit_ns=w.t_submit_ns, params=p, group=(group[0], index, group[1]))
 
     def _expire(self, w: _Waiter, timeout_s: float) -> None:
         if not w.fut.done():

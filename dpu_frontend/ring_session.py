@@ -148,13 +148,15 @@ class RingSession:
 
     def submission(self, flight: Flight, prompt: np.ndarray, *, temperature: float, top_p: float, top_k: int,
                    seed: int | None, ignore_eos: bool, stop_ids: tuple[int, ...], t_submit_ns: int,
-                   params: SamplingParams | None = None) -> list[tuple[int, bytes]]:
-        """The ordered writes that submit `flight` (state word last); registers the flight."""
-        more = {}
+                   params: SamplingParams | None = None, group: tuple[int, int, int] = (0, 0, 0)
+                   ) -> list[tuple[int, bytes]]:
+        """The ordered writes that submit `flight` (state word last); registers the flight.
+        group: (size, this choice's index, the leader's seq) of a group of choices."""
+        more = dict(group_size=group[0], group_index=group[1], group_seq=group[2])
         if params is not None:
             gen_words, _ = flight.logprob_words()
             lp_off = flight.logprob_offset or 0
-            more = dict(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            more.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                         repetition_penalty=params.repetition_penalty, min_p=params.min_p,
                         min_tokens=params.min_tokens,
                         logprobs=LOGPROBS_OFF if params.logprobs is None else params.logprobs,

@@ -235,6 +235,7 @@ class Engine:
                 continue
             f.blocks = self.allocator.share(leader.blocks[:full])
             f.num_computed = full * bs
+            f.prompt_logprobs = leader.prompt_logprobs      # the prompt's records, computed once
             if done % bs and self.allocator.can_allocate(1):
                 (b,) = self.allocator.allocate(1)
                 copies.append((leader.blocks[full], b))

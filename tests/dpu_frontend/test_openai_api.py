@@ -55,9 +55,10 @@ COMMON_BAD = [
     ({"stream": True, "stream_options": {"include_usage": "y"}}, 400, "include_usage"),
     ({"stream": True, "stream_options": {"bogus": True}}, 400, "stream_options.bogus"),
     ({"stream": True, "stream_options": []}, 400, "stream_options"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 65}, 400, "n"),
     ({"n": True}, 400, "n"),
-    ({"best_of": 3}, 400, "best_of"),
+    ({"n": 3, "best_of": 2}, 400, "best_of"),
+    ({"best_of": 3, "stream": True}, 400, "best_of"),
     ({"presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"frequency_penalty": "1"}, 400, "frequency_penalty"),
     ({"repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -300,6 +301,7 @@ def test_sampling_surface_parsed_with_vllm_names():
     assert cmpl(logprobs=0).sampling.logprobs == 0 and cmpl().sampling.logprobs is None
     assert cmpl(echo=True, max_tokens=0).sampling.max_tokens == 0    # lm-eval's echo alone
     assert cmpl(prompt_logprobs=2).sampling.prompt_logprobs == 2
+    assert (cmpl(n=3).sampling.n, cmpl(n=3).sampling.best_of, cmpl(n=2, best_of=5).sampling.best_of) == (3, 3, 5)
     c = chat(logprobs=True, top_logprobs=20)
     assert c.sampling.logprobs == 20
     assert chat(logprobs=True).sampling.logprobs == 0 and chat(logprobs=False).sampling.logprobs is None

@@ -168,12 +168,12 @@ BAD_REQUESTS = [
     ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -212,8 +212,8 @@ async def test_invalid_input_gets_error_json_and_next_request_works(server, path
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model="null", messages=[{"role": "user", "content": "x"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="'n' must be in"):
+        client.chat.completions.create(model="null", messages=[{"role": "user", "content": "x"}], n=0)
 
 
 def test_unknown_route_and_method(server):

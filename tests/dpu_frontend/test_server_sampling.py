@@ -220,3 +220,42 @@ def test_bad_values_are_400_naming_the_parameter_and_disturb_nobody(client, kw, 
     assert e.value.status_code == 400 and e.value.body["param"] == param
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
+
+
+def test_n_choices_share_a_prefill_and_seeds_reproduce_them(client, server):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=11)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) > 1                                   # seeds 11, 12, 13: different draws
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == texts   # reproducible
+    assert client.completions.create(**dict(kw, seed=12)).choices[0].text == texts[1]  # choice i: seed + i
+    counted = client.completions.create(n=3, logprobs=0, **kw)           # usage counts every choice's tokens
+    assert [c.text for c in counted.choices] == texts
+    assert counted.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in counted.choices)
+    greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                            max_tokens=5, temperature=0, logprobs=True)
+    a, b = greedy.choices
+    assert a.message.content == b.message.content and [e.logprob for e in a.logprobs.content] == \
+        pytest.approx([e.logprob for e in b.logprobs.content], abs=1e-5)
+    assert greedy.usage.completion_tokens == 2 * len(a.logprobs.content)
+
+
+def test_streamed_choices_carry_their_index_and_best_of_keeps_the_likeliest(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=5)
+    whole = client.completions.create(n=2, **kw)
+    got = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            got[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert got == {c.index: c.text for c in whole.choices} and set(finishes) == {0, 1}
+    four = client.completions.create(n=4, logprobs=0, **kw).choices
+    best = client.completions.create(n=1, best_of=4, **kw)
+    scores = {c.text: sum(c.logprobs.token_logprobs) for c in four}
+    assert best.choices[0].text == max(scores, key=scores.get) and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens >= len(best.choices) and len(best.choices) == 1
