@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import FrontendConfig
-from .openai_api import MAX_BAD_WORDS, MAX_I32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MIN_SEED
+from .openai_api import MAX_BAD_WORDS, MAX_CHOICES, MAX_I32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MIN_SEED
 
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
@@ -73,9 +73,9 @@ def _sampling(config: FrontendConfig, vocab_size: int, max_model_len: int | None
         "bad_words": _nullable({"type": "array", "maxItems": MAX_BAD_WORDS,
                                 "items": {"type": "string", "minLength": 1, "pattern": "\\S"}}),
         "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
-        # Accepted only at their no-op values (openai_api._UNSUPPORTED).
-        "n": _nullable({"const": 1}),
-        "best_of": _nullable({"const": 1}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}),
+        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                              "description": "at least n; more than n only without stream"}),
         "user": {"description": "accepted and ignored"},
         "metadata": {"description": "accepted and ignored"},
     }

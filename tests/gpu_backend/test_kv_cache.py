@@ -46,3 +46,19 @@ def test_pool_sizing_from_budget():
     assert blocks_for_budget(1024 * 1024 * 1024, 30, 3, 64, 16, 4) == 1456
     pool = KVPool(KVCacheConfig(num_blocks=5, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8))
     assert tuple(pool.k.shape) == (2, 2, 5, 4, 8) and pool.nbytes == 2 * 2 * 5 * 4 * 2 * 8 * 4
+
+
+def test_shared_blocks_return_when_their_last_holder_frees_them():
+    from gpu_backend.kv_cache import BlockAllocator
+    a = BlockAllocator(4)
+    mine = a.allocate(2)
+    theirs = a.share(mine[:1])
+    assert a.free_count == 2 and a.extra_refs == 1
+    a.free(mine)
+    assert a.free_count == 3 and a.extra_refs == 0      # the shared one stays with its other holder
+    a.free(theirs)
+    assert a.free_count == 4
+    with pytest.raises(ValueError):
+        a.free(theirs)
+    with pytest.raises(ValueError):
+        a.share([1])
