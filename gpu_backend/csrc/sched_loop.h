@@ -489,13 +489,16 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     st->graph = graph;
     plat.fence_dev();   /* the step descriptor, rows, block tables and request copies before the child graph that reads them */
     const uint64_t t_launch = plat.now_ns(p);
-    for (uint32_t tries = 0; err == 0; ++tries) {
+    for (uint32_t tries = 0; err == 0; ++tries) {   /* err != 0 here: the step failed before its launch */
         sh->launches += 1;   /* every attempt counts toward the cap, refused ones included */
-        err = plat.launch_step(p, graph * BLINK_STEP_GRAPHS + st->step_no % BLINK_STEP_GRAPHS);
-        if (err == 0) break;
+        const int rc = plat.launch_step(p, graph * BLINK_STEP_GRAPHS + st->step_no % BLINK_STEP_GRAPHS);
+        if (rc == 0) break;
         stats->launch_retries += 1;
-        stats->last_launch_error = err;
-        if (tries >= p->launch_retry_limit || sh->launches >= BLINK_DEVICE_LAUNCH_CAP) break;
+        stats->last_launch_error = rc;
+        if (tries >= p->launch_retry_limit || sh->launches >= BLINK_DEVICE_LAUNCH_CAP) {
+            err = rc;   /* refused for good: the step's requests fail below */
+            break;
+        }
         plat.sleep_ns(200u << (tries < 9 ? tries : 9));   /* that graph's previous launch is still winding down */
     }
     if (sh->launches > stats->max_window_launches) stats->max_window_launches = sh->launches;

@@ -106,6 +106,64 @@ def test_default_window_rolls_over_well_inside_the_device_cap(twin_lib, shm_ring
     assert twin_lib.blink_twin_ring_rmw() == 0
 
 
+class RefusingEcho:
+    """A launch callback: refuses the first `refusals` attempts of every step (as the device
+    refuses a graph whose previous launch still winds down), then runs the echo step."""
+
+    def __init__(self, ring, refusals: int):
+        self.ring, self.refusals, self.tw = ring, refusals, None
+        self.pending = self.refused = self.steps = 0
+
+    def __call__(self, ctx, which) -> int:
+        if self.pending < self.refusals:
+            self.pending += 1
+            self.refused += 1
+            return 801                       # any cudaError_t but success
+        self.pending = 0
+        tw, st = self.tw, self.tw.state
+        reqs = (structs.Req * self.ring.geom.slot_count).from_address(tw.buffer("reqs").ctypes.data)
+        slots, sample, out = tw.buffer("chunk_slot"), tw.buffer("chunk_sample"), tw.buffer("step_tokens", np.int32)
+        for c in range(st.n_chunks):
+            if sample[c]:
+                r = reqs[int(slots[c])]
+                out[c] = self.ring.prompt_arena[r.prompt_offset + r.generated % r.prompt_len]
+        self.steps += 1
+        tw.buffer("done")[0] = st.step_no
+        return 0
+
+
+def _with_refusals(ring, refusals: int, n_requests: int):
+    launcher = RefusingEcho(ring, refusals)
+    tw = twin(ring, idle_sleep_ns=0, launch_cb=launcher)
+    launcher.tw = tw
+    tw.start()
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(5), {}
+    for _ in range(n_requests):
+        prompt = rng.integers(0, 49152, int(rng.integers(1, 20))).tolist()
+        n = int(rng.integers(20, 60))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    res = drain(fp)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    return tw, launcher, res, want
+
+
+def test_refused_launches_are_retried_and_counted_toward_the_window(twin_lib, shm_ring):
+    tw, launcher, res, want = _with_refusals(shm_ring(GEOM), 2, 24)
+    assert all(r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH for r in res.values())
+    s = tw.stats
+    assert s.launches == launcher.steps and s.launch_retries == launcher.refused == 2 * s.launches
+    assert s.windows - 1 >= (3 * s.launches) // 100        # three attempts a step fill a window of 100
+    assert s.max_window_launches <= 100 + 2
+
+
+def test_a_launch_refused_up_to_the_cap_fails_its_step_not_the_cap(twin_lib, shm_ring):
+    tw, launcher, res, _ = _with_refusals(shm_ring(GEOM), 10_000, 3)
+    assert {r.finish for r in res.values()} == {FinishReason.ERROR}
+    assert {r.error for r in res.values()} == {ErrorCode.INTERNAL}
+    assert tw.stats.max_window_launches == 120 and launcher.steps == 0
+
+
 def test_the_window_limits_mirror_the_header(twin_lib):
     from gpu_backend.cuda import config
     assert twin_lib.blink_device_launch_cap() == config.DEVICE_LAUNCH_LIMIT
