@@ -320,9 +320,11 @@ def test_stop_drains_in_flight_within_the_grace_period(twin_lib, shm_ring):
     ring = shm_ring(GEOM)
     tw = _slow_twin(ring, grace_s=5.0).start()
     fp = FrontendPlayer(ring)
-    for _ in range(4):
-        fp.submit([9, 8], 50)
-    time.sleep(0.02)
+    slots = [fp.submit([9, 8], 50) for _ in range(4)]
+    deadline = time.monotonic() + 10
+    while any(ring.state[s] == SlotState.PREFILL_PENDING for s in slots):   # claimed: in flight, not waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     tw.stop()
     assert tw.join(20)
     assert tw.exit_code == structs.EXIT_SHUTDOWN
