@@ -301,38 +301,21 @@ def _token_ids(v: Any, name: str, limits: ApiLimits, allow_empty: bool) -> tuple
     return tuple(v)
 
 
+# The sampling surface beyond the basics: read only when the request sends one of them (the
+# common request sends none, and then costs one set test here).
+_SURFACE = frozenset(("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                      "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "n", "best_of"))
+
+
 def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: int | None,
               echo: bool = False) -> SamplingOptions:
     top_k = f.int("top_k", -1, MAX_I32, 0)
     stop_ids = f.get("stop_token_ids")
-    allowed = f.get("allowed_token_ids")
-    min_tokens = f.int("min_tokens", 0, MAX_I32, 0)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
-    prompt_logprobs = f.int("prompt_logprobs", 0, MAX_LOGPROBS)
-    n = f.int("n", 1, MAX_CHOICES, 1)
-    best_of = f.int("best_of", 1, MAX_CHOICES, n)
-    if best_of < n:
-        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
-    if best_of > n and f.body.get("stream") is True:
-        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best choices are known at the end)",
-                          "best_of")
-    if echo and logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = logprobs   # echo + logprobs: the prompt's tokens come with theirs (vLLM)
+    more = {} if f.body.keys().isdisjoint(_SURFACE) else _surface(f, limits, max_tokens)
+    if echo and logprobs is not None and more.get("prompt_logprobs") is None:
+        more["prompt_logprobs"] = logprobs   # echo + logprobs: the prompt's tokens come with theirs (vLLM)
     return SamplingOptions(
-        presence_penalty=f.float("presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=f.float("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=f.float("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-        min_p=f.float("min_p", 0.0, 0.0, 1.0),
-        min_tokens=min_tokens,
-        logit_bias=_logit_bias(f.get("logit_bias"), limits),
-        allowed_token_ids=() if allowed is None else tuple(dict.fromkeys(
-            _token_ids(allowed, "allowed_token_ids", limits, allow_empty=False))),
-        bad_words=_bad_words(f.get("bad_words")),
         logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        n=n,
-        best_of=best_of,
         max_tokens=max_tokens,
         temperature=f.float("temperature", 1.0, 0.0, 1e4),
         top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -344,6 +327,36 @@ def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: i
             _token_ids(stop_ids, "stop_token_ids", limits, allow_empty=True))),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
+        **more,
+    )
+
+
+def _surface(f: _Fields, limits: ApiLimits, max_tokens: int | None) -> dict[str, Any]:
+    """The _SURFACE parameters as SamplingOptions fields."""
+    allowed = f.get("allowed_token_ids")
+    min_tokens = f.int("min_tokens", 0, MAX_I32, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    n = f.int("n", 1, MAX_CHOICES, 1)
+    best_of = f.int("best_of", 1, MAX_CHOICES, n)
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    if best_of > n and f.body.get("stream") is True:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best choices are known at the end)",
+                          "best_of")
+    return dict(
+        presence_penalty=f.float("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        min_p=f.float("min_p", 0.0, 0.0, 1.0),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(f.get("logit_bias"), limits),
+        allowed_token_ids=() if allowed is None else tuple(dict.fromkeys(
+            _token_ids(allowed, "allowed_token_ids", limits, allow_empty=False))),
+        bad_words=_bad_words(f.get("bad_words")),
+        prompt_logprobs=f.int("prompt_logprobs", 0, MAX_LOGPROBS),
+        n=n,
+        best_of=best_of,
     )
 
 

@@ -12,11 +12,13 @@ Layout (layout.py's docstring): logit_bias ids [n] | logit_bias values as float3
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 MAX_BAD_WORD_TOKENS = 64    # tokens of one bad-word sequence at most
+MAX_LOGIT_BIAS = 1024       # logit_bias pairs at most
+MAX_ALLOWED_IDS = 1 << 18   # allowed token ids at most
+MAX_BAD_WORDS_WORDS = 1 << 14   # words of the bad-word sequences at most (the backend checks all three)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +58,15 @@ def decode_extra(words: np.ndarray, n_logit_bias: int, n_allowed_ids: int, bad_w
     words = np.asarray(words, "<i4")
     if words.size != 2 * n_logit_bias + n_allowed_ids + bad_words_words:
         raise ValueError("sampling data length does not match its counts")
+    if n_logit_bias > MAX_LOGIT_BIAS or n_allowed_ids > MAX_ALLOWED_IDS or bad_words_words > MAX_BAD_WORDS_WORDS:
+        raise ValueError("sampling data larger than a slot may carry")
     ids = words[:n_logit_bias]
     biases = words[n_logit_bias:2 * n_logit_bias].view("<f4")
     allowed = words[2 * n_logit_bias:2 * n_logit_bias + n_allowed_ids]
     for name, arr in (("logit_bias", ids), ("allowed_token_ids", allowed)):
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
             raise ValueError(f"{name} holds a token id outside the vocabulary")
-    if biases.size and not all(math.isfinite(b) and -100.0 <= b <= 100.0 for b in biases.tolist()):
+    if biases.size and not bool((np.abs(biases) <= 100.0).all()):    # NaN fails the comparison too
         raise ValueError("logit_bias values must be finite, in [-100, 100]")
     bad, rest = [], words[2 * n_logit_bias + n_allowed_ids:].tolist()
     i = 0

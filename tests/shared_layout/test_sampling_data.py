@@ -111,3 +111,10 @@ def test_logprob_records_precede_the_count():
     assert ring.logprob_arena[200:200 + prompt.size].tolist() == prompt.reshape(-1).tolist()
     with pytest.raises(ValueError, match="stride"):
         port.publish(1, [7], logprob_records=rec[:, :4])
+
+
+def test_oversized_sampling_data_is_refused_before_it_is_parsed():
+    from shared_layout.extra import MAX_LOGIT_BIAS
+    n = MAX_LOGIT_BIAS + 1
+    with pytest.raises(ValueError, match="larger"):
+        decode_extra(np.zeros(2 * n, "<i4"), n, 0, 0, vocab_size=10)
