@@ -95,8 +95,12 @@ CASES = [
     ("one megabyte stop string", C, {"prompt": [5, 6], "max_tokens": 8, "stop": "z" * (1 << 20)}, OK | BAD),
     ("many chat messages", CHAT, {"messages": [{"role": "user", "content": "hi"}] * 5000, "max_tokens": 2},
      OK | BAD),
-    ("n = 2", C, {"prompt": "x", "n": 2}, BAD),
-    ("logprobs", C, {"prompt": "x", "logprobs": 5}, BAD),
+    ("n = 10**6", C, {"prompt": "x", "n": 10 ** 6}, BAD),
+    ("logprobs 10**6", C, {"prompt": "x", "logprobs": 10 ** 6}, BAD),
+    ("logit_bias of 10**5 entries", C, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(10 ** 5)}}, BAD),
+    ("logit_bias 1e308", C, {"prompt": "x", "logit_bias": {"1": 1e308}}, BAD),
+    ("bad_words of 10**4 words", C, {"prompt": "x", "bad_words": ["w"] * 10 ** 4}, BAD),
+    ("min_tokens over max_tokens", C, {"prompt": "x", "max_tokens": 2, "min_tokens": 10 ** 9}, BAD),
     ("model of another name", C, {"model": "gpt-4" * 1000, "prompt": "x"}, {404}),
 ]
 
