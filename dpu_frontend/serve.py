@@ -38,7 +38,7 @@ DAEMON_FLAGS = (
     ("--block-size", int, "KV cache block size in tokens"),
     ("--kv-cache-mb", int, "KV cache memory budget in MiB"),
     ("--max-model-len", int, "context length (prompt + output) to serve"),
-    ("--threads", int, "CPU threads for the cpu executor (default: all cores but one)"),
+    ("--threads", int, "CPU threads for the cpu executor (default: all cores)"),
     ("--dtype", str, "cpu executor weights/KV: auto | float32 | bfloat16 (auto: bf16 on CPUs with native bf16)"),
     ("--shutdown-grace-s", float, "on stop, in-flight requests get this long before they are aborted"),
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from shared_layout import RingGeometry
@@ -57,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache memory budget in MiB (cpu default 1024)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (prompt + output) to serve; default the model's, capped by the KV pool")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the cpu executor (default: all cores but one)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for the cpu executor (default: all cores; OpenMP waits are passive unless "
+                        "OMP_WAIT_POLICY is set)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights and KV cache of the cpu executor; auto: bfloat16 where the CPU computes it "
                         "natively (avx512_bf16 / amx), else float32")
@@ -73,7 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rdma_server.add_arguments(p)
 
 
+# OpenMP workers sleep at barriers instead of spinning, so a worker preempted by the frontend or
+# a neighbour costs its share of a step, not every parallel region of it (executors/cpu.py,
+# default_threads, has the measurements). Read when torch loads libgomp: set before that import.
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     from . import rdma_server
     from .daemon import DaemonConfig, run_daemon
     logging.basicConfig(level=args.log_level.upper(), format="blink gpu-daemon: %(message)s")

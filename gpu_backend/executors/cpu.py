@@ -155,13 +155,19 @@ def default_max_batch_size(num_blocks: int, block_size: int) -> int:
 
 
 def default_threads() -> int:
-    """Torch threads when --threads is not given: every core this process may use but one.
+    """Torch threads when --threads is not given: every core this process may use.
 
-    The frontend, the heartbeat and the OS need a core; torch's OpenMP workers
-    spin-wait, and on a 2-core box two of them beside a busy frontend run ~10x
-    slower than one (measured while building the CPU executor).
+    The frontend is mostly waiting, so cores-1 left one of two cores idle: on an idle 2-core
+    Xeon `--threads 2` served 61 / 332 / 473 tok/s at 1 / 8 / 16 streams against 38 / 206 / 311
+    with one (issue 21). What made two threads dangerous is OpenMP's spinning: with a worker
+    on every core, one preempted by the frontend or a neighbour stalls every parallel region
+    of the step (~300) until it runs again. On the shared 2-core AVX2 dev machine under load
+    (load average ~7, Q4_1 SmolLM2, bench in-process): 1 thread 18.4 / 57.2 tok/s at batch
+    1 / 8; 2 threads with libgomp's default waits 1.0 / 2.9; 2 threads with passive waits
+    18.6 / 37.7. So the daemon makes OpenMP's waits passive (gpu_backend/cli.py sets
+    OMP_WAIT_POLICY=PASSIVE unless the operator set it) and uses every core.
     """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, len(os.sched_getaffinity(0)))
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -14,3 +14,19 @@ def test_seats_come_from_the_kv_pool():
     assert seats * SEAT_TOKENS <= blocks * 16                     # each seat's typical request fits
     assert default_max_batch_size(10**7, 16) == MAX_BATCH_SIZE_CAP
     assert default_max_batch_size(3, 16) == 1
+
+
+def test_threads_default_to_every_core_with_passive_openmp_waits(monkeypatch):
+    import argparse
+    import os
+
+    from gpu_backend import cli
+    from gpu_backend.executors.cpu import default_threads
+    assert default_threads() == len(os.sched_getaffinity(0))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--step-ms", "1"])          # refused before anything starts (exit 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.run(args) == 2 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")          # an operator's setting wins
+    assert cli.run(args) == 2 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
