@@ -100,7 +100,7 @@ def request_for(kind: str, rng: np.random.Generator, max_out: int) -> tuple[str,
                                               b'{"prompt": "x", "max_tokens": NaN}']).tobytes(), None
     if kind == "bad_param":
         bad = [{"unknown_field": 1}, {"temperature": -1}, {"max_tokens": "many"}, {"stop": ["x"] * 5000},
-               {"top_p": 0}, {"n": 3}]
+               {"top_p": 0}, {"n": 0}]
         return "/v1/completions", {**base, **bad[int(rng.integers(len(bad)))]}, None
     if kind == "bad_token":
         return "/v1/completions", {**base, "prompt": [1, 2, 10 ** 9]}, None
