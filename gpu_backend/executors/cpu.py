@@ -148,7 +148,7 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
 
 def default_max_batch_size(num_blocks: int, block_size: int) -> int:
     """Seats when --max-batch-size is not given: as many SEAT_TOKENS-token requests as the KV
-    pool holds, capped at MAX_BATCH_SIZE_CAP (1 GiB of float32 SmolLM2 KV: 89 seats; it was a
+    pool holds, capped at MAX_BATCH_SIZE_CAP (1 GiB of float32 SmolLM2 KV: 91 seats; it was a
     fixed 32, so 64 streams queued behind 32). Longer requests are still safe: the policy admits
     only what the free blocks hold and preempts when a decode step runs out."""
     return max(1, min(MAX_BATCH_SIZE_CAP, num_blocks // blocks_needed(SEAT_TOKENS, block_size)))
