@@ -19,7 +19,8 @@
 # bench/results/gpu_check/. Exit status: non-zero if any stage failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-python3}"         # on the device: the image's python3
+HERE_PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"   # here: the project's
 PLAN=(scripts/gpu_plan.py)
 
 exclude() {     # keep a carried folder out of git (and so out of the tree that travels)
@@ -101,14 +102,14 @@ OUT_DIR="${OUT:-bench/results/gpu_check}"
 
 case "${1:-}" in
     --plan) exec "$PY" "${PLAN[@]}" plan ;;
-    --rehearse) shift; exec "$PY" scripts/gpu_rehearse.py "$@" ;;
+    --rehearse) shift; exec "$HERE_PY" scripts/gpu_rehearse.py "$@" ;;
     --prepare)
         exclude .whl; exclude .gpu_carry
         mkdir -p .whl
-        read -r -a wheels <<< "$("$PY" "${PLAN[@]}" wheels)"
-        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        read -r -a wheels <<< "$("$HERE_PY" "${PLAN[@]}" wheels)"
+        "$HERE_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "${wheels[@]}" \
-            && "$PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
+            && "$HERE_PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
         exit $? ;;
     --install-wheels) install_wheels "$2"; exit $? ;;
     --run-stage)    # --run-stage NAME BUDGET FLAGS ARGV...: one stage as a call runs it (the rehearsal's timeout check)
