@@ -255,6 +255,7 @@ class Engine:
             if p.prompt_logprobs is not None and len(s.output) == 1:
                 self.port.publish_prompt_logprobs(s.slot, _records_or_blank(s.prompt_logprobs, len(s.prompt) - 1,
                                                                             p.prompt_logprobs))
+                s.prompt_logprobs = None      # published: never needed again (members hold their own reference)
             records = None
             if p.logprobs is not None:
                 records = _records_or_blank(s.step_logprobs, 1, p.logprobs)

@@ -259,3 +259,14 @@ def test_streamed_choices_carry_their_index_and_best_of_keeps_the_likeliest(clie
     scores = {c.text: sum(c.logprobs.token_logprobs) for c in four}
     assert best.choices[0].text == max(scores, key=scores.get) and best.choices[0].logprobs is None
     assert best.usage.completion_tokens >= len(best.choices) and len(best.choices) == 1
+
+
+def test_streamed_echo_opens_with_the_prompt_and_its_logprobs(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text and whole.text.startswith(PROMPT)
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    lps = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert tokens == whole.logprobs.tokens and lps[0] is None
+    assert lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
