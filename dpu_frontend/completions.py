@@ -28,7 +28,6 @@ import traceback
 from aiohttp import web
 
 from shared_layout import ErrorCode, now_ns
-
 from shared_layout.extra import MAX_BAD_WORD_TOKENS, SamplingExtra
 
 from . import choices
