@@ -32,6 +32,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and (why := gpu_reason()):
             item.add_marker(pytest.mark.skip(reason=f"gpu test: {why}"))
         if "rdma" in item.keywords and (why := rdma_reason()):
+            if os.environ.get("BLINK_REQUIRE_RDMA") == "1":   # scripts/rdma_vm.sh guests: never skip
+                raise pytest.UsageError(f"BLINK_REQUIRE_RDMA=1 but rdma tests cannot run: {why}")
             item.add_marker(pytest.mark.skip(reason=f"rdma test: {why}"))
 
 

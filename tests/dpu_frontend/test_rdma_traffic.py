@@ -7,6 +7,7 @@ device and pyverbs (tests/conftest.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import time
 
@@ -170,3 +171,32 @@ def test_out_of_ring_access_is_refused_locally(players):
         assert not t.stale()
     finally:
         t.close()
+
+
+def test_a_bad_rkey_fails_that_connection_clearly_and_nothing_else(players):
+    good, bad = players.connect(), players.connect()
+    try:
+        bad.region = dataclasses.replace(bad.region, rkey=bad.region.rkey ^ 0x5A5A00)
+        before = bytes(players.buf)
+        with pytest.raises(TransportError, match="REM_ACCESS_ERR|REM_INV_REQ_ERR") as e:
+            bad.write(GEOM.prompt_arena_offset, b"\x01" * 64)
+            bad.read(0, 8)          # the WRITE's completion surfaces here at the latest
+        assert "RDMA connection to 127.0.0.1" in str(e.value)
+        assert bad.stale()
+        with pytest.raises(TransportError, match="lost"):
+            bad.read(0, 8)          # stays broken, with the same root cause
+        assert bytes(players.buf) == before   # the refused WRITE left no byte behind
+        session = RingSession.attach(good)    # the other connection never noticed
+        flights = _submit_all(session, 4, 20)
+        good.read(0, 8)
+        assert len(players.backend.pending()) == 4 and not good.stale()
+        for f, prompt in flights:
+            assert np.array_equal(players.ring.prompt_arena[f.prompt_offset:f.prompt_offset + prompt.size], prompt)
+    finally:
+        bad.close()
+        good.close()
+    again = players.connect()   # and the broken frontend reconnects as new
+    try:
+        assert again.read(0, 8) == bytes(players.buf[:8])
+    finally:
+        again.close()
