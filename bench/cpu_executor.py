@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from .bandwidth import triad_gb_s, weight_bytes_per_token
 from gpu_backend.engine import Engine
 from gpu_backend.executors import ExecutorOptions
 from gpu_backend.executors.cpu import CpuExecutor
@@ -170,6 +171,10 @@ def main(argv=None) -> int:
     if quant is not None and quant[0].runner.kernel_forward is None:
         quant = None
     kernels_used = engine.runner.kernel_forward is not None
+    bandwidth = triad_gb_s(args.threads)                            # before the runs: the box as they find it
+    weight_bytes = {"executor": weight_bytes_per_token(engine.runner.model)}
+    if quant is not None:
+        weight_bytes["executor_quantized"] = weight_bytes_per_token(quant[0].runner.model)
     executor_ttft(engine, sub, rng, vocab, 16)                     # warm-up
     if quant is not None:
         executor_ttft(*quant, rng, vocab, 16)
@@ -199,6 +204,12 @@ def main(argv=None) -> int:
     ttft = {n: min(v) for n, v in runs["ttft"].items()}
     decode_q = {b: max(v) for b, v in runs["decode_quantized"].items()} if quant else {}
     ttft_q = {n: min(v) for n, v in runs["ttft_quantized"].items()} if quant else {}
+    one = {"executor": decode.get(1), "executor_quantized": decode_q.get(1)}
+    bound = {"triad_gb_s": bandwidth, "threads": torch.get_num_threads(),
+             "weight_mb_per_token": {k: v / 2**20 for k, v in weight_bytes.items()},
+             "decode_bound_tok_s": {k: bandwidth * 1e9 / v for k, v in weight_bytes.items()},
+             "decode_1_fraction_of_bound": {k: one[k] / (bandwidth * 1e9 / v) for k, v in weight_bytes.items()
+                                            if one.get(k)}}
     quant_kinds = sorted({s.type_name for mod in quant_model.modules() for s in getattr(mod, "segments", [])})
 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -218,6 +229,7 @@ def main(argv=None) -> int:
         "executor": {"decode_tok_s": {str(b): v for b, v in decode.items()},
                      "ttft_s": {str(k): v for k, v in ttft.items()}, "fused_kernels": kernels_used},
         "executor_pytorch_layer": {"decode_tok_s": {str(b): v for b, v in decode_plain.items()}},
+        "bandwidth": bound,
         "executor_quantized": None if not quant else {
             "weights": quant_kinds, "decode_tok_s": {str(b): v for b, v in decode_q.items()},
             "ttft_s": {str(k): v for k, v in ttft_q.items()}},
@@ -286,6 +298,16 @@ def markdown(r: dict, batches, prompt_lens) -> str:
         for n in prompt_lens:
             lines.append(f"| {n} | {q['ttft_s'][str(n)]:.3f} | {ex['ttft_s'][str(n)]:.3f} "
                          f"| {r['ratios']['ttft_executor_over_quantized'][str(n)]:.2f}x |")
+    bw = r.get("bandwidth")
+    if bw:
+        lines += ["", f"Memory bandwidth (triad, {bw['threads']} threads): {bw['triad_gb_s']:.1f} GB/s. "
+                  "Weights a decode step reads, the 1-stream decode that bandwidth allows, and the "
+                  "measured 1-stream decode as a fraction of it:", "",
+                  "| executor | MiB / token | bound tok/s | batch 1 / bound |", "|---|---:|---:|---:|"]
+        for k, mb in bw["weight_mb_per_token"].items():
+            frac = bw["decode_1_fraction_of_bound"].get(k)
+            lines.append(f"| {k} | {mb:.1f} | {bw['decode_bound_tok_s'][k]:.0f} | "
+                         f"{'-' if frac is None else f'{frac:.2f}'} |")
     cpu = r["host"]["cpu"]
     lines += ["", f"CPU: {cpu['model']} ({' '.join(cpu['simd_flags'])}); quantized matmul path: {cpu['quant_isa']}.",
               "", f"Reproduce: `{r['command']}`", ""]

@@ -33,5 +33,22 @@ def test_the_quantized_executor_is_measured_beside_the_float_one(tmp_path):
     assert q["weights"] == ["Q4_1"] and q["decode_tok_s"]["2"] > 0 and q["ttft_s"]["8"] > 0
     assert r["ratios"]["decode_quantized_vs_executor"]["1"] > 0
     assert r["host"]["cpu"]["quant_isa"] in cpu_kernels.ISA_NAMES
+    bw = r["bandwidth"]
+    assert bw["triad_gb_s"] > 0
+    # the blocks are ~5/8 of a byte a weight (Q4_1: 20 bytes per 32), the float executor's 4 bytes
+    assert bw["weight_mb_per_token"]["executor_quantized"] < 0.5 * bw["weight_mb_per_token"]["executor"]
+    assert bw["decode_1_fraction_of_bound"]["executor_quantized"] > 0
     md = (tmp_path / "2000-01-01-t-cpu_executor.md").read_text()
-    assert "GGUF blocks served as such (Q4_1" in md and "CPU: " in md
+    assert "GGUF blocks served as such (Q4_1" in md and "CPU: " in md and "triad" in md
+
+
+def test_weight_bytes_count_blocks_floats_and_a_tied_head_once():
+    from bench.bandwidth import weight_bytes_per_token
+    from gpu_backend.model.quantized import QuantLinear, QuantWeight
+    model = LlamaModel.random(tiny_config(tie_word_embeddings=True), seed=0)
+    floats = sum(p.numel() * 4 for n, p in model.named_parameters() if "embed" not in n)
+    emb = model.embed_tokens.weight.numel() * 4
+    assert weight_bytes_per_token(model) == floats + emb                  # the tied head reads the table
+    blocks = torch.zeros(512, 40, dtype=torch.uint8)                       # 512 rows of 64 values, Q4_1
+    model.logits_head = QuantLinear([QuantWeight(int(Q.Q4_1), blocks, 64)])
+    assert weight_bytes_per_token(model) == floats + blocks.numel()

@@ -1,0 +1,78 @@
+"""Memory-bandwidth probe: a STREAM-style triad with the daemon's threads, and the decode
+speed it allows.
+
+    triad_gb_s(threads): a = b + s * c over float32 arrays far larger than the last-level
+    cache (torch's OpenMP threads, best of several passes; 3 arrays of bytes moved a pass)
+    weight_bytes_per_token(model): the bytes one decode step reads from its weights: every
+    projection (GGUF blocks, or float weights) and the logits head; embeddings read one row
+    -> decode_bound_tok_s = bandwidth / bytes: what one stream could reach if decode did
+       nothing but stream its weights once; a measured 1-stream decode / that bound is the
+       fraction of the bandwidth limit it reaches (issue 21 asks for >= 0.6)
+
+    python -m bench.bandwidth [--threads N] [--mb 256]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+
+def triad_gb_s(threads: int | None = None, mb: int = 256, passes: int = 5) -> float:
+    """Best-of-`passes` triad bandwidth in GB/s (1e9 bytes) over arrays of `mb` MiB each."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        n = mb * 2**20 // 4
+        b, c, a = torch.rand(n), torch.rand(n), torch.empty(n)
+        torch.add(b, c, alpha=3.0, out=a)                   # touch every page once
+        best = float("inf")
+        for _ in range(passes):
+            t = time.perf_counter()
+            torch.add(b, c, alpha=3.0, out=a)
+            best = min(best, time.perf_counter() - t)
+        return 3 * n * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights a decode step streams: each matmul's weight (quantized blocks count
+    their bytes) and the logits head; norms and biases are small and counted; the embedding
+    table is not (one row a token), unless it is also the (tied, float) logits head."""
+    total = 0
+    seen: set[int] = set()
+    head = getattr(model, "logits_head", None)
+    for mod in list(model.modules()) + ([head] if head is not None else []):
+        for seg in getattr(mod, "segments", []) or []:            # QuantLinear / QuantKernelLinear
+            if id(seg.blocks) not in seen:
+                seen.add(id(seg.blocks))
+                total += seg.blocks.numel()
+        if isinstance(mod, nn.Embedding):
+            continue
+        weight = getattr(mod, "weight", None)          # a PackedLinear without the kernels: its packed copy
+        for t in (weight if isinstance(weight, torch.Tensor) else getattr(mod, "packed", None),
+                  getattr(mod, "bias", None)):
+            if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    emb = getattr(model, "embed_tokens", None)
+    if emb is not None and head is None and getattr(model, "lm_head", None) is None:
+        total += emb.weight.numel() * emb.weight.element_size()      # tied float head: F.linear reads it all
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--mb", type=int, default=256, help="MiB per array (3 arrays)")
+    args = ap.parse_args(argv)
+    print(f"triad: {triad_gb_s(args.threads, args.mb):.1f} GB/s with {args.threads or torch.get_num_threads()} threads")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
