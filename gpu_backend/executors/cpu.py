@@ -1,8 +1,9 @@
 """The CPU reference executor: the engine (engine.py) with a PyTorch runner.
 
-    load_model(spec) -> LlamaModel (--dtype; bf16 where the CPU has it) -> prepare_model
-    (cpu_linear.py: fused q|k|v and gate|up, oneDNN-prepacked bf16 weights) + KVPool
-    sized from --kv-cache-mb -> Engine(ring, CpuRunner) -> per step:
+    load_model(spec) -> LlamaModel (--dtype; bf16 where the CPU has it; --dtype auto keeps a
+    GGUF's quantized matrices in their blocks) -> prepare_model (cpu_linear.py: fused q|k|v
+    and gate|up, quantized ones on quant.cc's integer matmul, oneDNN-prepacked bf16 weights)
+    + KVPool sized from --kv-cache-mb (and the seats from it) -> Engine(ring, CpuRunner) -> per step:
       StepBatch -> flat batch (single-token chunks first, then prefill chunks):
       input_ids [T], positions [T], PagedBatch -> KernelForward (cpu_forward.py: the
       fused C++ kernels of gpu_backend/cpu_kernels between the matmuls) where the model
