@@ -158,9 +158,11 @@ uint32_t blink_finish(const blink_policy_config_t *cfg, const blink_req_t *r, in
 }
 
 uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_tokens, uint64_t output_arena_tokens,
-                      uint64_t frontend_epoch, const blink_slot_t *s) {
-    return blink_intake_check(cfg, prompt_arena_tokens, output_arena_tokens, frontend_epoch, s);
+                      uint64_t logprob_arena_words, uint64_t frontend_epoch, const blink_slot_t *s) {
+    return blink_intake_check(cfg, prompt_arena_tokens, output_arena_tokens, logprob_arena_words, frontend_epoch, s);
 }
+
+uint32_t blink_unsupported(const blink_slot_t *s) { return blink_device_unsupported(s); }
 
 int blink_kv_init_c(const blink_kv_t *kv, uint32_t *free_count) {
     blink_kv_init(kv, free_count);
@@ -220,7 +222,10 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_req_t, num_blocks) X(blink_req_t, status) X(blink_req_t, ring_state)                            \
     X(blink_req_t, abort_finish) X(blink_req_t, abort_error) X(blink_req_t, intake_error)                   \
     X(blink_req_t, temperature) X(blink_req_t, top_p) X(blink_req_t, top_k) X(blink_req_t, reserved)         \
-    X(blink_req_t, seed)                                                                                    \
+    X(blink_req_t, seed) X(blink_req_t, min_p) X(blink_req_t, presence_penalty)                             \
+    X(blink_req_t, frequency_penalty) X(blink_req_t, repetition_penalty) X(blink_req_t, min_tokens)         \
+    X(blink_req_t, n_mask_stops) X(blink_req_t, mask_stops) X(blink_req_t, logprobs)                        \
+    X(blink_req_t, logprobs_offset) X(blink_req_t, seat) X(blink_req_t, reserved2)                          \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
@@ -241,7 +246,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
     X(blink_sched_params_t, slots_offset) X(blink_sched_params_t, prompt_arena_offset)                      \
-    X(blink_sched_params_t, output_arena_offset) X(blink_sched_params_t, reqs)                              \
+    X(blink_sched_params_t, output_arena_offset) X(blink_sched_params_t, logprob_arena_offset)              \
+    X(blink_sched_params_t, logprob_arena_words) X(blink_sched_params_t, reqs)                              \
     X(blink_sched_params_t, waiting) X(blink_sched_params_t, running) X(blink_sched_params_t, arrivals)     \
     X(blink_sched_params_t, chunk_slot) X(blink_sched_params_t, chunk_start)                                \
     X(blink_sched_params_t, chunk_len) X(blink_sched_params_t, chunk_sample)                                \
@@ -266,8 +272,12 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_step_io_t, input_ids) X(blink_step_io_t, positions) X(blink_step_io_t, slot_mapping)            \
     X(blink_step_io_t, block_tables) X(blink_step_io_t, q_lens) X(blink_step_io_t, temperature)             \
     X(blink_step_io_t, top_p) X(blink_step_io_t, top_k) X(blink_step_io_t, seeds)                           \
-    X(blink_step_io_t, token_index) X(blink_step_io_t, tokens) X(blink_step_io_t, block_size)               \
-    X(blink_step_io_t, sink_block)
+    X(blink_step_io_t, token_index) X(blink_step_io_t, tokens) X(blink_step_io_t, min_p)                    \
+    X(blink_step_io_t, presence) X(blink_step_io_t, frequency) X(blink_step_io_t, repetition)               \
+    X(blink_step_io_t, min_tokens) X(blink_step_io_t, stop_ids) X(blink_step_io_t, seat)                    \
+    X(blink_step_io_t, lp_token) X(blink_step_io_t, lp_rank) X(blink_step_io_t, lp_top_ids)                 \
+    X(blink_step_io_t, lp_top_vals) X(blink_step_io_t, block_size) X(blink_step_io_t, sink_block)           \
+    X(blink_step_io_t, sink_seat) X(blink_step_io_t, reserved)
 
 long blink_struct_offset(const char *strct, const char *field) {
 #define X(S, F) if (!strcmp(strct, #S) && !strcmp(field, #F)) return (long)offsetof(S, F);

@@ -9,7 +9,18 @@
  *   ... the captured forward + in-graph sampling (gpu_backend/graphs/step.py)
  *       reads those tensors and writes io->tokens[row] ...
  *   blink_finish_rows (last node) each sampling row's token -> step_tokens[chunk];
- *                     then the kernel stores step_no into *done (the last write)
+ *                     with BLINK_FLAG_LOGPROBS in the request copy (the device
+ *                     scheduler's; the host loop publishes its own) the row's
+ *                     logprob record -> the ring's logprob arena at the record of
+ *                     the token being published; then the kernel stores step_no
+ *                     into *done (the last write)
+ *
+ * Sampling data per row (graphs/sampler.RowParams): temperature, top_p, top_k,
+ * seed, token index, min_p, penalties, min_tokens and the ids it masks, and the
+ * request's sampler seat, on the sampling row only (every other row, padding
+ * included, gets the sink seat, whose in-graph update is a no-op). What a seat
+ * holds (bias row, counts, bad words) is filled when the request gets it
+ * (graphs/hostloop.py), not here.
  *
  * The contract with the scheduler is the stand-in echo's (echo_step.h): read the
  * step descriptor, write one token per sampled chunk into step_tokens, then the
@@ -28,6 +39,8 @@
 #ifndef BLINK_MODEL_STEP_H
 #define BLINK_MODEL_STEP_H
 
+#include <string.h>
+
 #include "sched_types.h"
 
 typedef struct BLINK_ALIGN8 blink_step_io {
@@ -42,9 +55,36 @@ typedef struct BLINK_ALIGN8 blink_step_io {
     int64_t *seeds;               /* [rows] */
     int64_t *token_index;         /* [rows] tokens generated before the one a sampling row draws */
     int64_t *tokens;              /* [rows] written by the graph: each row's sampled token */
+    float *min_p;                 /* [rows] */
+    float *presence;              /* [rows] */
+    float *frequency;             /* [rows] */
+    float *repetition;            /* [rows] 1 = off */
+    int64_t *min_tokens;          /* [rows] */
+    int64_t *stop_ids;            /* [rows * BLINK_ROW_STOPS] masked before min_tokens; -1 = unused */
+    int64_t *seat;                /* [rows] sampler seat; sink_seat for rows without one */
+    float *lp_token;              /* [rows] written by the graph: the token's logprob (raw logits) */
+    int64_t *lp_rank;             /* [rows] its rank, 1 = most likely */
+    int64_t *lp_top_ids;          /* [rows * BLINK_TOP_LOGPROBS] most likely first */
+    float *lp_top_vals;           /* [rows * BLINK_TOP_LOGPROBS] */
     uint32_t block_size;
     uint32_t sink_block;          /* == the pool's block count: padding's K/V lands there */
+    uint32_t sink_seat;           /* == the seats the graph holds: the neutral seat */
+    uint32_t reserved;
 } blink_step_io_t;
+
+/* Row r's sampling parameters beyond temperature / top_p / top_k / seed (q 0: a padding row, neutral). */
+static inline BLINK_HD void blink_stage_sampling(const blink_step_io_t *io, uint32_t r, const blink_req_t *q,
+                                                 uint32_t seat) {
+    int64_t *stops = io->stop_ids + (uint64_t)r * BLINK_ROW_STOPS;
+    const uint32_t n_stops = q ? (q->n_mask_stops < BLINK_ROW_STOPS ? q->n_mask_stops : BLINK_ROW_STOPS) : 0;
+    for (uint32_t k = 0; k < BLINK_ROW_STOPS; ++k) stops[k] = k < n_stops ? (int64_t)q->mask_stops[k] : -1;
+    io->min_p[r] = q ? q->min_p : 0.0f;
+    io->presence[r] = q ? q->presence_penalty : 0.0f;
+    io->frequency[r] = q ? q->frequency_penalty : 0.0f;
+    io->repetition[r] = q && q->repetition_penalty != 0.0f ? q->repetition_penalty : 1.0f;
+    io->min_tokens[r] = q ? (int64_t)q->min_tokens : 0;
+    io->seat[r] = seat;
+}
 
 /* Row r of a graph of shape (R, S, C); threads tid of nt share the row. */
 template <class P>
@@ -69,6 +109,7 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
             io->top_k[r] = 0;
             io->seeds[r] = 0;
             io->token_index[r] = 0;
+            blink_stage_sampling(io, r, 0, io->sink_seat);
         }
         return;
     }
@@ -102,18 +143,44 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
         io->top_k[r] = q->top_k;
         io->seeds[r] = (int64_t)q->seed;
         io->token_index[r] = (int64_t)(start + n) - (int64_t)plen;
+        const int samples = (p->row_flags[r] & BLINK_ROW_SAMPLE) != 0;
+        blink_stage_sampling(io, r, q, samples && q->seat < io->sink_seat ? q->seat : io->sink_seat);
     }
 }
 
-/* Each sampling row's token into its chunk's step_tokens entry. */
+/* Row r's logprob record (shared_layout's layout: logprob, rank, k ids, k logprobs) into the
+ * ring at the record of the token the scheduler publishes next (q->generated: not yet counted).
+ * Intake checked that max_tokens records from logprobs_offset fit the arena and k <= 20. */
+template <class P>
+BLINK_DEV void blink_write_logprobs(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io,
+                                    const blink_req_t *q, uint32_t r) {
+    const uint32_t k = q->logprobs < BLINK_TOP_LOGPROBS ? q->logprobs : BLINK_TOP_LOGPROBS;
+    const uint32_t stride = BLINK_LOGPROB_RECORD_WORDS(k);
+    if (q->generated >= q->max_tokens) return;
+    int32_t *w = blink_logprob_arena(p) + q->logprobs_offset + (uint64_t)q->generated * stride;
+    uint32_t bits;
+    memcpy(&bits, &io->lp_token[r], 4);
+    plat.st32(&w[0], bits);
+    plat.st32(&w[1], (uint32_t)io->lp_rank[r]);
+    for (uint32_t j = 0; j < k; ++j) {
+        plat.st32(&w[2 + j], (uint32_t)io->lp_top_ids[(uint64_t)r * BLINK_TOP_LOGPROBS + j]);
+        memcpy(&bits, &io->lp_top_vals[(uint64_t)r * BLINK_TOP_LOGPROBS + j], 4);
+        plat.st32(&w[2 + k + j], bits);
+    }
+}
+
+/* Each sampling row's token into its chunk's step_tokens entry (and its logprob record). */
 template <class P>
 BLINK_DEV void blink_finish_rows(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io, unsigned tid,
                                  unsigned nt) {
-    (void)plat;
     const uint32_t n_rows = p->state->n_rows;
     for (uint32_t r = tid; r < n_rows; r += nt) {
         const uint32_t f = p->row_flags[r];
-        if (f & BLINK_ROW_SAMPLE) p->step_tokens[f & BLINK_ROW_CHUNK] = (int32_t)io->tokens[r];
+        if (!(f & BLINK_ROW_SAMPLE)) continue;
+        const uint32_t chunk = f & BLINK_ROW_CHUNK;
+        p->step_tokens[chunk] = (int32_t)io->tokens[r];
+        const blink_req_t *q = &p->reqs[p->chunk_slot[chunk]];
+        if (q->flags & BLINK_FLAG_LOGPROBS) blink_write_logprobs(plat, p, io, q, r);
     }
 }
 

@@ -45,6 +45,15 @@ typedef struct blink_sched_shared {
     uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
 } blink_sched_shared_t;
 
+/* A float ring word, read through the platform's volatile 32-bit load. */
+template <class P>
+BLINK_DEV float blink_ld_f32(P &plat, const float *w) {
+    const uint32_t bits = plat.ld32(w);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Ring writes that end a request: finish reason and error, then the state word. */
 template <class P>
 BLINK_DEV void blink_complete_slot(P &plat, const blink_sched_params_t *p, uint32_t slot, uint32_t finish,
@@ -216,6 +225,22 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         v.flags = plat.ld32(&s->flags);
         v.seed = plat.ld64(&s->seed);
         v.n_stop_ids = plat.ld32(&s->n_stop_ids);
+        v.presence_penalty = blink_ld_f32(plat, &s->presence_penalty);
+        v.frequency_penalty = blink_ld_f32(plat, &s->frequency_penalty);
+        v.repetition_penalty = blink_ld_f32(plat, &s->repetition_penalty);
+        v.min_p = blink_ld_f32(plat, &s->min_p);
+        v.min_tokens = plat.ld32(&s->min_tokens);
+        v.logprobs = plat.ld32(&s->logprobs);
+        v.prompt_logprobs = plat.ld32(&s->prompt_logprobs);
+        v.logprobs_offset = plat.ld32(&s->logprobs_offset);
+        v.prompt_logprobs_offset = plat.ld32(&s->prompt_logprobs_offset);
+        v.extra_offset = plat.ld32(&s->extra_offset);
+        v.n_logit_bias = plat.ld32(&s->n_logit_bias);
+        v.n_allowed_ids = plat.ld32(&s->n_allowed_ids);
+        v.bad_words_words = plat.ld32(&s->bad_words_words);
+        v.group_size = plat.ld32(&s->group_size);
+        v.group_index = plat.ld32(&s->group_index);
+        v.group_seq = plat.ld64(&s->group_seq);
         blink_req_t *r = &p->reqs[slot];
         r->seq = v.seq;
         r->epoch = v.epoch;
@@ -231,11 +256,26 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->top_p = v.top_p;
         r->top_k = v.top_k;
         r->seed = (v.flags & BLINK_FLAG_HAS_SEED) ? v.seed : blink_derive_seed(v.seq, v.epoch, slot, plat.now_ns(p));
+        r->min_p = v.min_p;
+        r->presence_penalty = v.presence_penalty;
+        r->frequency_penalty = v.frequency_penalty;
+        r->repetition_penalty = v.repetition_penalty;
+        r->min_tokens = v.min_tokens;
+        r->n_mask_stops = 0;   /* the sampler's min_tokens mask: the stop ids, then EOS unless ignore_eos */
+        for (uint32_t k = 0; k < r->n_stop; ++k) r->mask_stops[r->n_mask_stops++] = r->stop_ids[k];
+        if (!(v.flags & BLINK_FLAG_IGNORE_EOS))
+            for (uint32_t k = 0; k < cfg->n_eos && k < BLINK_MAX_EOS_IDS; ++k)
+                r->mask_stops[r->n_mask_stops++] = cfg->eos_ids[k];
+        r->logprobs = v.logprobs;
+        r->logprobs_offset = v.logprobs_offset;
+        r->seat = BLINK_NO_SEAT;
         r->generated = r->num_computed = r->num_blocks = 0;
         r->status = BLINK_REQ_FREE;
         r->ring_state = BLINK_PREFILL_PROCESSING;
         r->abort_finish = r->abort_error = 0;
-        r->intake_error = blink_intake_check(cfg, p->prompt_arena_tokens, p->output_arena_tokens, sh->fe_epoch, &v);
+        r->intake_error = blink_intake_check(cfg, p->prompt_arena_tokens, p->output_arena_tokens,
+                                             p->logprob_arena_words, sh->fe_epoch, &v);
+        if (!r->intake_error) r->intake_error = blink_device_unsupported(&v);
     }
     plat.sync();
     /* Prompt token ids: few arrivals -> the block strides over each prompt; many -> one thread per prompt. */

@@ -164,8 +164,8 @@ static inline BLINK_HD int blink_is_finite(float x) {
  * Returns FinishReason << 16 | ErrorCode; 0 when the request is acceptable
  * so far (its token ids are checked separately: blink_token_ok). */
 static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *cfg, uint64_t prompt_arena_tokens,
-                                                   uint64_t output_arena_tokens, uint64_t frontend_epoch,
-                                                   const blink_slot_t *s) {
+                                                   uint64_t output_arena_tokens, uint64_t logprob_arena_words,
+                                                   uint64_t frontend_epoch, const blink_slot_t *s) {
     if (s->epoch != frontend_epoch) return BLINK_FINISH_ABORT << 16 | BLINK_ERR_STALE_EPOCH;
     if (s->cancel) return BLINK_FINISH_ABORT << 16 | BLINK_ERR_NONE;
     const uint32_t invalid = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
@@ -174,7 +174,43 @@ static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *
     if (!blink_is_finite(s->temperature) || s->temperature < 0.0f) return invalid;
     if (!(s->top_p > 0.0f && s->top_p <= 1.0f) || s->top_k < 0) return invalid;
     if (s->n_stop_ids > BLINK_MAX_STOP_IDS) return invalid;
+    const float pres = s->presence_penalty, freq = s->frequency_penalty, rep = s->repetition_penalty;
+    if (!blink_is_finite(pres) || !blink_is_finite(freq) || !blink_is_finite(rep) || !blink_is_finite(s->min_p))
+        return invalid;
+    if (!(pres >= -2.0f && pres <= 2.0f && freq >= -2.0f && freq <= 2.0f && rep >= 0.0f && rep <= 2.0f &&
+          s->min_p >= 0.0f && s->min_p <= 1.0f))
+        return invalid;
+    if (s->min_tokens > s->max_tokens) return invalid;
+    const uint64_t extra = 2ull * s->n_logit_bias + s->n_allowed_ids + s->bad_words_words;
+    if ((uint64_t)s->extra_offset + extra > prompt_arena_tokens) return invalid;
+    if (s->group_size > 1 && (s->group_index >= s->group_size || (s->group_index == 0 && s->group_seq != s->seq)))
+        return invalid;
+    if (s->flags & BLINK_FLAG_LOGPROBS &&
+        (s->logprobs > BLINK_MAX_LOGPROBS ||
+         (uint64_t)s->logprobs_offset + (uint64_t)s->max_tokens * BLINK_LOGPROB_RECORD_WORDS(s->logprobs) >
+             logprob_arena_words))
+        return invalid;
+    if (s->flags & BLINK_FLAG_PROMPT_LOGPROBS &&
+        (s->prompt_logprobs > BLINK_MAX_LOGPROBS ||
+         (uint64_t)s->prompt_logprobs_offset +
+                 (uint64_t)(s->prompt_len - 1) * BLINK_LOGPROB_RECORD_WORDS(s->prompt_logprobs) >
+             logprob_arena_words))
+        return invalid;
     if (s->prompt_len >= cfg->max_model_len) return BLINK_FINISH_ERROR << 16 | BLINK_ERR_PROMPT_TOO_LONG;
+    return 0;
+}
+
+/* What the persistent scheduler's graphs cannot serve yet, refused rather than ignored
+ * (docs/cuda.md, "Sampling in the graph"): a request that needs a sampler seat (penalties,
+ * logit_bias, allowed ids, bad words: the device has no seat allocator or arena fill yet)
+ * or prompt logprobs (the graphs compute the logits of each row's last token only).
+ * Returns FinishReason << 16 | ErrorCode, 0 when the device serves it. */
+static inline BLINK_HD uint32_t blink_device_unsupported(const blink_slot_t *s) {
+    const int penalized = s->presence_penalty != 0.0f || s->frequency_penalty != 0.0f ||
+                          (s->repetition_penalty != 0.0f && s->repetition_penalty != 1.0f);
+    if (penalized || s->n_logit_bias || s->n_allowed_ids || s->bad_words_words ||
+        (s->flags & BLINK_FLAG_PROMPT_LOGPROBS))
+        return BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     return 0;
 }
 

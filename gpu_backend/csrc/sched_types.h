@@ -31,6 +31,9 @@
 #endif
 
 #define BLINK_MAX_EOS_IDS 8
+#define BLINK_ROW_STOPS (BLINK_MAX_STOP_IDS + BLINK_MAX_EOS_IDS)   /* ids the sampler masks before min_tokens */
+#define BLINK_TOP_LOGPROBS BLINK_MAX_LOGPROBS   /* top entries the graph computes for every row */
+#define BLINK_NO_SEAT 0xffffffffu    /* blink_req_t.seat: the request holds no sampler seat */
 #define BLINK_STEP_GRAPHS 2          /* instances of each step graph, launched alternately */
 /* Fire-and-forget launches one graph execution may make (CUDA programming guide, device
  * graph launch). The scheduler counts every launch attempt, refused ones included (the
@@ -93,6 +96,17 @@ typedef struct BLINK_ALIGN8 blink_req {
     int32_t top_k;
     uint32_t reserved;
     uint64_t seed;                /* the slot's seed, or one derived at intake when it has none */
+    float min_p;                  /* the rest of the sampling surface, copied at intake (staged per row) */
+    float presence_penalty;
+    float frequency_penalty;
+    float repetition_penalty;     /* 0 or 1: off */
+    uint32_t min_tokens;          /* mask_stops are masked while fewer tokens were generated */
+    uint32_t n_mask_stops;        /* used entries of mask_stops */
+    int32_t mask_stops[BLINK_ROW_STOPS];   /* stop ids + EOS ids unless ignore_eos (the sampler's min_tokens mask) */
+    uint32_t logprobs;            /* top entries of each generated token's record (with BLINK_FLAG_LOGPROBS) */
+    uint32_t logprobs_offset;     /* first word of its records in the logprob arena */
+    uint32_t seat;                /* sampler seat (graphs/sampler.SeatState) or BLINK_NO_SEAT */
+    uint32_t reserved2;
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {
@@ -148,6 +162,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint8_t *ring;                /* ring base as the scheduler sees it (header at 0) */
     uint64_t slot_count, prompt_arena_tokens, output_arena_tokens;
     uint64_t slots_offset, prompt_arena_offset, output_arena_offset;
+    uint64_t logprob_arena_offset, logprob_arena_words;
     blink_req_t *reqs;            /* [slot_count] */
     uint32_t *waiting;            /* [slot_count] deque of slot ids */
     uint32_t *running;            /* [max_batch_size] slot ids, admission order */
@@ -194,6 +209,9 @@ static inline BLINK_HD int32_t *blink_prompt_arena(const blink_sched_params_t *p
 }
 static inline BLINK_HD int32_t *blink_output_arena(const blink_sched_params_t *p) {
     return (int32_t *)(p->ring + p->output_arena_offset);
+}
+static inline BLINK_HD int32_t *blink_logprob_arena(const blink_sched_params_t *p) {
+    return (int32_t *)(p->ring + p->logprob_arena_offset);
 }
 static inline BLINK_HD blink_kv_t blink_kv_of(const blink_sched_params_t *p) {
     blink_kv_t kv = {p->kv_free_stack, p->kv_owner, p->kv_tables, p->policy.num_blocks, p->kv_max_blocks,

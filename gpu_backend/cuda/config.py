@@ -87,6 +87,7 @@ class SchedulerConfig:
             ring=ring_addr, slot_count=geom.slot_count, prompt_arena_tokens=geom.prompt_arena_tokens,
             output_arena_tokens=geom.output_arena_tokens, slots_offset=geom.slots_offset,
             prompt_arena_offset=geom.prompt_arena_offset, output_arena_offset=geom.output_arena_offset,
+            logprob_arena_offset=geom.logprob_arena_offset, logprob_arena_words=geom.logprob_arena_words,
             control=control_addr, policy=self.policy(), window_limit=self.window_limit,
             idle_sleep_ns=self.idle_sleep_ns,
             launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import ctypes
 
-from shared_layout.layout import MAX_STOP_IDS
+from shared_layout.layout import MAX_LOGPROBS, MAX_STOP_IDS
 
 MAX_EOS_IDS = 8
+ROW_STOPS = MAX_STOP_IDS + MAX_EOS_IDS     # csrc BLINK_ROW_STOPS (= graphs.sampler.ROW_STOPS)
+TOP_LOGPROBS = MAX_LOGPROBS                # csrc BLINK_TOP_LOGPROBS
+NO_SEAT = 0xFFFF_FFFF                      # csrc BLINK_NO_SEAT
 STEP_GRAPHS = 2               # instances of each step graph, launched alternately
 
 ROW_SAMPLE, ROW_CHUNK = 0x8000_0000, 0x7FFF_FFFF
@@ -44,7 +47,11 @@ class Req(_Struct):
                 ("stop_ids", i32 * MAX_STOP_IDS), ("generated", u32), ("num_computed", u32),
                 ("num_blocks", u32), ("status", u32), ("ring_state", u32), ("abort_finish", u32),
                 ("abort_error", u32), ("intake_error", u32), ("temperature", ctypes.c_float),
-                ("top_p", ctypes.c_float), ("top_k", i32), ("reserved", u32), ("seed", u64)]
+                ("top_p", ctypes.c_float), ("top_k", i32), ("reserved", u32), ("seed", u64),
+                ("min_p", ctypes.c_float), ("presence_penalty", ctypes.c_float),
+                ("frequency_penalty", ctypes.c_float), ("repetition_penalty", ctypes.c_float),
+                ("min_tokens", u32), ("n_mask_stops", u32), ("mask_stops", i32 * ROW_STOPS),
+                ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("reserved2", u32)]
 
 
 class SchedState(_Struct):
@@ -88,13 +95,16 @@ class StepIO(_Struct):
     """csrc/model_step.h blink_step_io_t: the static tensors of the model step graphs."""
     _fields_ = [("input_ids", ptr), ("positions", ptr), ("slot_mapping", ptr), ("block_tables", ptr),
                 ("q_lens", ptr), ("temperature", ptr), ("top_p", ptr), ("top_k", ptr), ("seeds", ptr),
-                ("token_index", ptr), ("tokens", ptr), ("block_size", u32), ("sink_block", u32)]
+                ("token_index", ptr), ("tokens", ptr), ("min_p", ptr), ("presence", ptr), ("frequency", ptr),
+                ("repetition", ptr), ("min_tokens", ptr), ("stop_ids", ptr), ("seat", ptr), ("lp_token", ptr),
+                ("lp_rank", ptr), ("lp_top_ids", ptr), ("lp_top_vals", ptr), ("block_size", u32),
+                ("sink_block", u32), ("sink_seat", u32), ("reserved", u32)]
 
 
 class SchedParams(_Struct):
     _fields_ = [("ring", ptr), ("slot_count", u64), ("prompt_arena_tokens", u64), ("output_arena_tokens", u64),
                 ("slots_offset", u64), ("prompt_arena_offset", u64), ("output_arena_offset", u64),
-                ("reqs", ptr), ("waiting", ptr), ("running", ptr), ("arrivals", ptr), ("chunk_slot", ptr),
+                ("logprob_arena_offset", u64), ("logprob_arena_words", u64), ("reqs", ptr), ("waiting", ptr), ("running", ptr), ("arrivals", ptr), ("chunk_slot", ptr),
                 ("chunk_start", ptr), ("chunk_len", ptr), ("chunk_sample", ptr), ("step_tokens", ptr),
                 ("done", ptr), ("plan_scratch", ptr), ("row_slot", ptr), ("row_start", ptr), ("row_len", ptr),
                 ("row_flags", ptr), ("kv_free_stack", ptr), ("kv_owner", ptr), ("kv_tables", ptr),

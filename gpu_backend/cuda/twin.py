@@ -39,7 +39,10 @@ def lib() -> ctypes.CDLL:
     so.blink_max_window.restype = ctypes.c_uint32
     so.blink_finish.restype = ctypes.c_uint32
     so.blink_intake.restype = ctypes.c_uint32
-    so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
+    so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+                                ctypes.c_void_p]
+    so.blink_unsupported.restype = ctypes.c_uint32
+    so.blink_unsupported.argtypes = [ctypes.c_void_p]
     vp, u32 = ctypes.c_void_p, ctypes.c_uint32
     for name, args in (("blink_kv_init_c", [vp, vp]), ("blink_kv_alloc_c", [vp, vp, u32, u32, u32]),
                        ("blink_kv_free_c", [vp, vp, u32, u32]), ("blink_kv_check_c", [vp, u32]),
@@ -111,7 +114,15 @@ def intake_check(cfg: SchedulerConfig, geom, frontend_epoch: int, record: np.nda
     rec = np.ascontiguousarray(record, dtype=SLOT_DTYPE)
     pc = cfg.policy()
     code = int(lib().blink_intake(ctypes.byref(pc), geom.prompt_arena_tokens, geom.output_arena_tokens,
-                                  frontend_epoch, rec.ctypes.data))
+                                  geom.logprob_arena_words, frontend_epoch, rec.ctypes.data))
+    return code >> 16, code & 0xFFFF
+
+
+def device_unsupported(record: np.ndarray) -> tuple[int, int]:
+    """(FinishReason, ErrorCode) of the persistent scheduler's refusal of a slot record
+    (blink_device_unsupported: sampling the device's graphs cannot serve yet); (0, 0): served."""
+    rec = np.ascontiguousarray(record, dtype=SLOT_DTYPE)
+    code = int(lib().blink_unsupported(rec.ctypes.data))
     return code >> 16, code & 0xFFFF
 
 

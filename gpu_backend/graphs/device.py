@@ -9,7 +9,8 @@
         GraphCache: the StepBlock in pinned host memory, its device copy, a
         parameter block pointing at that copy (captured against at start, filled
         by bind(ring)); per step: copy the used extents host -> device,
-        cuGraphLaunch from the host, copy the sampled tokens back, synchronise
+        cuGraphLaunch from the host, copy the sampled tokens back, synchronise;
+        `buffers` gives the host loop the sampler seats to fill and the logprob outputs
     load_graph_model(spec, dtype): the model on the GPU (a spec "random:<hf config
         folder or 'smollm2'>" builds random weights of that shape: benchmarks on
         machines the real weights cannot reach)
@@ -65,6 +66,7 @@ class CudaLauncher:
         Captures the graphs against this launcher's parameter block; bind() fills it."""
         d = bindings()
         self.cache, self.block, self.stream = cache, block, stream
+        self.buffers = cache.buffers if cache is not None else None    # seats and logprob outputs
         self.dev = device_block_addr
         self.params_addr = int(check(d.cuMemAlloc(ctypes.sizeof(structs.SchedParams)),
                                      "cuMemAlloc(host-loop params)"))

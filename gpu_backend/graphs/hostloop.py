@@ -4,13 +4,19 @@ batch reassembled on the host (paper Fig. 3's CPU-resident baseline).
     Engine (gpu_backend/engine.py: intake, policy.plan_step, KV BlockAllocator,
     publishing, all on the host) -> StepBatch -> HostLoopRunner.run:
       chunks -> step key -> BucketTable.lookup (O(1)) -> rows (fill_rows)
-      -> StepBlock, compact: chunk i's request copy in reqs[i], its block table in
-         tables[i], rows naming chunk i (so the graph's staging kernel reads them
-         exactly as it reads the scheduler's per-slot arrays)
+      -> StepBlock, compact: chunk i's request copy in reqs[i] (with the sampling
+         surface: min_p, penalties, min_tokens and the ids it masks, the sampler seat),
+         its block table in tables[i], rows naming chunk i (so the graph's staging
+         kernel reads them exactly as it reads the scheduler's per-slot arrays)
+      -> SeatTable: a request with penalties, logit_bias, allowed ids or bad words gets
+         a sampler seat at its first step, filled then from its parameters, prompt and
+         output (sampler.SeatState.fill; the graph updates it after each sample)
       -> Launcher: copy the used parts to the device, launch the graph, copy the
          sampled tokens back, wait (the per-step PCIe round trip and host
          synchronisation the persistent scheduler removes)
-      -> one token per sampling chunk, back to the Engine, which publishes them
+      -> one token per sampling chunk, back to the Engine, which publishes them; the
+         logprob record of each sampling row that asks for one goes into its
+         sequence's step_logprobs (the Engine publishes it with the token)
 
 The StepBlock layout is one contiguous region so the device copy has the same
 offsets. `table=None` runs the stand-in echo graph (the null model).
@@ -28,7 +34,7 @@ from shared_layout import Ring
 
 from ..engine import StepBatch
 from ..policy import StepKind
-from .buckets import KIND_DECODE, KIND_PREFILL, BucketTable
+from .buckets import KIND_DECODE, KIND_PREFILL, ROW_CHUNK, ROW_SAMPLE, BucketTable
 
 
 def _align(x: int, a: int = 64) -> int:
@@ -88,7 +94,8 @@ class StepBlock:
         p = structs.SchedParams(ring=ring_addr, slot_count=self.max_chunks,
                                 prompt_arena_tokens=g.prompt_arena_tokens, output_arena_tokens=g.output_arena_tokens,
                                 slots_offset=g.slots_offset, prompt_arena_offset=g.prompt_arena_offset,
-                                output_arena_offset=g.output_arena_offset, kv_max_blocks=self.max_blocks)
+                                output_arena_offset=g.output_arena_offset, logprob_arena_offset=g.logprob_arena_offset,
+                                logprob_arena_words=g.logprob_arena_words, kv_max_blocks=self.max_blocks)
         p.policy.vocab_size = ring.get("model_vocab_size") or 0xFFFF_FFFF
         for name, off in self.layout.items():
             setattr(p, name, base_addr + off)
@@ -105,10 +112,47 @@ class StepBlock:
 
 
 class Launcher(Protocol):
+    buffers: object      # the graphs' step.StaticBuffers (seats, logprob outputs); None for the echo stand-in
+
     def launch(self, graph: int, n_chunks: int) -> None:
         """Make the block's inputs visible to graph `graph`, run it, and leave the sampled
         tokens in block.step_tokens[:n_chunks] when this returns."""
         ...
+
+
+def needs_seat(params) -> bool:
+    """Whether a request's sampling keeps state on the device (sampler.SeatState)."""
+    return bool(params.penalized or params.logit_bias or params.allowed_token_ids or params.bad_words)
+
+
+class SeatTable:
+    """The host loop's sampler seats: seat i belongs to at most one live Sequence. A seat
+    comes back once its sequence holds no KV blocks (finished, aborted, or preempted: it
+    is filled again from its output when it returns) or is gone; the engine runs at most
+    max_batch_size sequences, one seat each, so a step always finds one."""
+
+    def __init__(self, seats):
+        self.state = seats                                   # sampler.SeatState (the graphs')
+        self._owner: list[weakref.ref | None] = [None] * seats.seats
+        self._of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Sequence -> seat
+        self.fills = 0
+
+    def seat(self, seq) -> int:
+        """seq's seat, taken and filled now if it holds none."""
+        got = self._of.get(seq)
+        if got is not None and self._owner[got] is not None and self._owner[got]() is seq:
+            return got
+        for i, ref in enumerate(self._owner):
+            owner = ref() if ref is not None else None
+            if owner is None or (not owner.blocks and owner is not seq):
+                if owner is not None:
+                    self._of.pop(owner, None)
+                p = seq.params
+                self.state.fill(i, seq.prompt, seq.output, p.logit_bias, p.allowed_token_ids, p.bad_words)
+                self._owner[i], self._of[seq] = weakref.ref(seq), i
+                self.fills += 1
+                return i
+        raise RuntimeError(f"all {len(self._owner)} sampler seats are held by running sequences")
 
 
 class HostLoopRunner:
@@ -119,6 +163,8 @@ class HostLoopRunner:
         self._seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # Sequence -> derived seed
         self._offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> arena offsets
         self.graph_steps = np.zeros(len(table.shapes) if table else 1, np.int64)
+        buffers = getattr(launcher, "buffers", None)
+        self.seats = SeatTable(buffers.seats) if buffers is not None else None
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:
@@ -141,6 +187,7 @@ class HostLoopRunner:
         return got
 
     def run(self, batch: StepBatch) -> list[int]:
+        from ..cuda import structs
         b, chunks = self.block, batch.chunks
         n = len(chunks)
         if n > b.max_chunks:
@@ -158,7 +205,14 @@ class HostLoopRunner:
             r.prompt_offset, r.output_offset = self._arena_offsets(s)
             r.prompt_len, r.generated = len(s.prompt), len(s.output)
             r.num_computed, r.num_blocks = s.num_computed, len(s.blocks)
-            r.temperature, r.top_p, r.top_k = s.params.temperature, s.params.top_p, s.params.top_k
+            p = s.params
+            r.temperature, r.top_p, r.top_k, r.min_p = p.temperature, p.top_p, p.top_k, p.min_p
+            r.presence_penalty, r.frequency_penalty = p.presence_penalty, p.frequency_penalty
+            r.repetition_penalty, r.min_tokens = p.repetition_penalty, p.min_tokens
+            stops = sorted(s.stop_ids)[:structs.ROW_STOPS]       # the slot's stop ids + EOS unless ignore_eos
+            r.n_mask_stops = len(stops)
+            r.mask_stops[:len(stops)] = stops
+            r.seat = self.seats.seat(s) if self.seats is not None and c.sample and needs_seat(p) else structs.NO_SEAT
             r.seed = self._seed(s)
             if self.table is not None:              # the echo stand-in reads no block tables
                 if len(s.blocks) > b.max_blocks:
@@ -172,7 +226,27 @@ class HostLoopRunner:
         st.step_no += 1
         self.launcher.launch(graph, n)
         self.graph_steps[graph] += 1
+        self._logprobs(chunks, rows)
         return [int(b.step_tokens[i]) for i, c in enumerate(chunks) if c.sample]
+
+    def _logprobs(self, chunks, rows) -> None:
+        """Each sampling chunk that asks for logprobs: its row's record (the graph computed
+        every row's) into seq.step_logprobs, [1, 2 + 2k] int32 words."""
+        for c in chunks:
+            c.seq.step_logprobs = None
+        want = {flags & ROW_CHUNK: j for j, (_, _, _, flags) in enumerate(rows)
+                if flags & ROW_SAMPLE and chunks[flags & ROW_CHUNK].seq.params.logprobs is not None}
+        if not want:
+            return
+        lp, rank, ids, vals = self.launcher.buffers.logprob_rows(list(want.values()))
+        for j, i in enumerate(want):
+            k = chunks[i].seq.params.logprobs
+            rec = np.empty((1, 2 + 2 * k), "<i4")
+            rec[0, 0] = lp[j:j + 1].astype("<f4").view("<i4")[0]
+            rec[0, 1] = rank[j]
+            rec[0, 2:2 + k] = ids[j, :k]
+            rec[0, 2 + k:] = vals[j, :k].astype("<f4").view("<i4")
+            chunks[i].seq.step_logprobs = rec
 
 
 class CpuLauncher:
@@ -180,6 +254,7 @@ class CpuLauncher:
 
     def __init__(self, graphs, block: StepBlock, ring: Ring):
         self.graphs = graphs
+        self.buffers = graphs.buffers
         ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
         self.params = block.params(block.addr, ring_addr, ring)
 

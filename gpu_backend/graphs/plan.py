@@ -2,7 +2,8 @@
 
     BucketTable (graph shapes) + ModelConfig + dtype
       -> StaticSizes: one set of static buffers sized for the largest shape
-         (tokens = max rows x len, rows, block-table entries = max rows x ctx / block)
+         (tokens = max rows x len, rows, block-table entries = max rows x ctx / block,
+         sampler seats = max batch size, each [vocab] wide)
       -> attention row groups per shape (the scores of one group stay under a
          workspace budget, so the largest prefill graph does not need gigabytes)
       -> capture order: largest activation first, so every later graph fits in
@@ -11,7 +12,7 @@
          shared pool) + per-graph instantiation overhead, to compare with what
          capture.py measures on the device
 
-Pure Python; no torch, no CUDA.
+Pure Python; no CUDA (StaticSizes.nbytes reads the sampler's constants).
 """
 from __future__ import annotations
 
@@ -31,9 +32,14 @@ class StaticSizes:
     tokens: int          # input_ids, positions, slot_mapping: [rows * len] of the largest graph
     rows: int            # per-row tensors
     table: int           # block_tables: [rows * ctx / block_size] of the widest graph
+    seats: int = 1       # sampler seats (one per running request at most) besides the sink
+    vocab: int = 1       # the seats' rows: [seats + 1, vocab]
 
     def nbytes(self) -> int:
-        return 8 * (3 * self.tokens + self.table) + self.rows * (4 * 2 + 8 * 5)
+        from .sampler import ROW_STOPS, TOP_LOGPROBS, SeatState
+        per_row = 4 * 7 + 8 * 8 + 8 * ROW_STOPS + 12 * TOP_LOGPROBS      # parameters and logprob outputs
+        return (8 * (3 * self.tokens + self.table) + self.rows * per_row
+                + SeatState.nbytes_for(self.seats, self.vocab))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,8 @@ class CapturePlan:
     def static_sizes(self) -> StaticSizes:
         shapes = self.table.shapes
         return StaticSizes(tokens=max(g.tokens for g in shapes), rows=max(g.rows for g in shapes),
-                           table=max(g.rows * (g.ctx // self.block_size) for g in shapes))
+                           table=max(g.rows * (g.ctx // self.block_size) for g in shapes),
+                           seats=self.table.config.max_batch_size, vocab=self.model.vocab_size)
 
     def row_group(self, g: GraphShape) -> int:
         """Rows whose attention runs together: scores and probabilities of a group
@@ -81,7 +88,7 @@ class CapturePlan:
         attn = group * (2 * m.num_kv_heads * g.ctx * m.head_dim * b + 2 * 4 * m.num_heads * g.len * g.ctx)
         mlp = 3 * t * m.intermediate_size * b
         residual = 4 * t * m.hidden_size * b
-        sampling = g.rows * m.vocab_size * (5 * 4 + 8)
+        sampling = g.rows * m.vocab_size * (14 * 4 + 2 * 8)    # processors, filtering, logprobs: [R, V] each
         return residual + max(qkv + attn, mlp) + sampling
 
     def capture_order(self) -> list[int]:

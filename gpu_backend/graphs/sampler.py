@@ -197,6 +197,8 @@ class SeatState:
         self.bad_prefix[seat].copy_(prefix.to(dev))
         self.bad_len[seat].copy_(plen.to(dev))
         self.bad_last[seat].copy_(last.to(dev))
+        if self.bias.is_cuda:       # the graph runs on another stream: the seat is complete before it launches
+            torch.cuda.current_stream(self.bias.device).synchronize()
 
 
 def _hits(rows: int, vocab: int, ids: torch.Tensor, on: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,20 @@
     GraphKVPool [L, blocks + 1, block_size, KV, D] K and V (the last block: the padding sink)
     StaticBuffers (one set, sized for the largest shape; csrc/model_step.h stages them)
       input_ids, positions, slot_mapping [rows * len]   block_tables [rows * ctx / bs]
-      q_lens, temperature, top_p, top_k, seeds, token_index [rows] -> tokens [rows]
+      q_lens [rows]; the sampling parameters of each row (sampler.RowParams: temperature,
+      top_p, top_k, seeds, token_index, min_p, penalties, min_tokens, stop ids, seat)
+      -> tokens [rows] and each row's logprob record (lp_token, lp_rank, lp_top_ids,
+         lp_top_vals: [rows] / [rows, TOP_LOGPROBS])
+      seats (sampler.SeatState [seats + 1, V]: what a request keeps between steps; filled
+      when it gets a seat, updated by the graph after each sample)
     StepFunction(shape):  views of the buffers for (R rows, S len, C ctx)
       -> LlamaModel.forward over R * S tokens with GraphAttention:
            K/V of every token into the pool at slot_mapping (padding -> the sink block)
            per row group: gather the rows' blocks [g, C] -> masked GQA attention
            (key j is visible to the query at position p when j <= p)
       -> hidden of each row's last real token [R, hidden] -> logits [R, V]
-      -> sampler.sample -> tokens [R]
+      -> sampler.sample_step (processors, filtering, draw, logprobs, seat update)
+         -> tokens [R] and logprob records [R]
 
 Shapes depend on the graph's (R, S, C) only, never on data; no host sync, no
 allocation outside the capture pool that outlives the step (the output is
@@ -28,7 +34,7 @@ from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from .buckets import GraphShape
 from .plan import CapturePlan, StaticSizes
-from .sampler import sample
+from .sampler import ROW_STOPS, TOP_LOGPROBS, RowParams, SeatState, sample_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,20 +86,42 @@ class StaticBuffers:
         self.seeds = torch.zeros(sizes.rows, **i64)             # [rows]
         self.token_index = torch.zeros(sizes.rows, **i64)       # [rows]
         self.tokens = torch.zeros(sizes.rows, **i64)            # [rows] the step's output
+        self.min_p = torch.zeros(sizes.rows, **f32)             # [rows]
+        self.presence = torch.zeros(sizes.rows, **f32)          # [rows]
+        self.frequency = torch.zeros(sizes.rows, **f32)         # [rows]
+        self.repetition = torch.ones(sizes.rows, **f32)         # [rows]
+        self.min_tokens = torch.zeros(sizes.rows, **i64)        # [rows]
+        self.stop_ids = torch.full((sizes.rows, ROW_STOPS), -1, **i64)   # [rows, ROW_STOPS]
+        self.seats = SeatState(sizes.seats, sizes.vocab, device)
+        self.seat = torch.full((sizes.rows,), self.seats.sink, **i64)    # [rows]
+        self.lp_token = torch.zeros(sizes.rows, **f32)          # [rows] outputs: the token's logprob
+        self.lp_rank = torch.zeros(sizes.rows, **i64)           # [rows]
+        self.lp_top_ids = torch.zeros(sizes.rows, TOP_LOGPROBS, **i64)   # [rows, TOP_LOGPROBS]
+        self.lp_top_vals = torch.zeros(sizes.rows, TOP_LOGPROBS, **f32)  # [rows, TOP_LOGPROBS]
+        self.row_params = RowParams(self.temperature, self.top_p, self.top_k, self.seeds, self.token_index,
+                                    self.min_p, self.presence, self.frequency, self.repetition, self.min_tokens,
+                                    self.stop_ids, self.seat)
 
     def io(self, block_size: int, sink_block: int):
         """structs.StepIO: where the staging kernels write and the finish kernel reads."""
         from ..cuda import structs
-        return structs.StepIO(
-            input_ids=self.input_ids.data_ptr(), positions=self.positions.data_ptr(),
-            slot_mapping=self.slot_mapping.data_ptr(), block_tables=self.block_tables.data_ptr(),
-            q_lens=self.q_lens.data_ptr(), temperature=self.temperature.data_ptr(), top_p=self.top_p.data_ptr(),
-            top_k=self.top_k.data_ptr(), seeds=self.seeds.data_ptr(), token_index=self.token_index.data_ptr(),
-            tokens=self.tokens.data_ptr(), block_size=block_size, sink_block=sink_block)
+        ptrs = {name: getattr(self, name).data_ptr() for name in (
+            "input_ids", "positions", "slot_mapping", "block_tables", "q_lens", "temperature", "top_p", "top_k",
+            "seeds", "token_index", "tokens", "min_p", "presence", "frequency", "repetition", "min_tokens",
+            "stop_ids", "seat", "lp_token", "lp_rank", "lp_top_ids", "lp_top_vals")}
+        return structs.StepIO(**ptrs, block_size=block_size, sink_block=sink_block, sink_seat=self.seats.sink)
+
+    def logprob_rows(self, rows: list[int]):
+        """The logprob outputs of the given rows of the last step, on the host:
+        (logprob [n] f32, rank [n] i64, top ids [n, TOP_LOGPROBS] i64, top logprobs [n, TOP_LOGPROBS] f32)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.lp_token.device)
+        return tuple(t.index_select(0, idx).cpu().numpy()
+                     for t in (self.lp_token, self.lp_rank, self.lp_top_ids, self.lp_top_vals))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        own = sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        return own + self.seats.nbytes
 
 
 class GraphAttention:
@@ -152,5 +180,10 @@ class StepFunction:
         hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)                    # [R*S, hidden]
         last = torch.arange(r, device=hidden.device) * s + (b.q_lens[:r] - 1).clamp(min=0)     # [R]
         logits = self.model.compute_logits(hidden.index_select(0, last))                       # [R, V]
-        tokens = sample(logits, b.temperature[:r], b.top_p[:r], b.top_k[:r], b.seeds[:r], b.token_index[:r])
-        b.tokens[:r].copy_(tokens)
+        out = sample_step(logits, b.row_params.view(r), b.seats)
+        b.tokens[:r].copy_(out.tokens)
+        b.lp_token[:r].copy_(out.logprob)
+        b.lp_rank[:r].copy_(out.rank)
+        k = out.top_ids.shape[1]                    # TOP_LOGPROBS, or the vocabulary when smaller
+        b.lp_top_ids[:r, :k].copy_(out.top_ids)
+        b.lp_top_vals[:r, :k].copy_(out.top_logprobs)
