@@ -18,8 +18,8 @@ from gpu_backend import policy as P
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors.null import EchoRunner
 from gpu_backend.intake import Intake, IntakeConfig
-from shared_layout import BackendPort, Ring, RingGeometry, SlotRequest, SlotState
-from shared_layout.layout import SLOT_DTYPE
+from shared_layout import BackendPort, ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState
+from shared_layout.layout import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SLOT_DTYPE
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from frontend_player import FrontendPlayer  # noqa: E402
@@ -119,13 +119,27 @@ def test_intake_checks_match_python(twin_lib):
                           output_offset=rng.randint(0, 100), max_tokens=rng.randint(1, 50), epoch=7).record()
         r = rec[0]
         field = rng.choice(["none", "prompt_len", "prompt_offset", "max_tokens", "output_offset", "temperature",
-                            "top_p", "top_k", "n_stop_ids", "epoch", "cancel"])
+                            "top_p", "top_k", "n_stop_ids", "epoch", "cancel", "presence_penalty",
+                            "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "extra_offset",
+                            "logprobs", "prompt_logprobs", "group_index"])
+        nan, inf = float("nan"), float("inf")
         bad = {"prompt_len": [0, 600, 5000], "prompt_offset": [4090, 2**32 - 1], "max_tokens": [0, 5000],
-               "output_offset": [4095, 2**31], "temperature": [-1.0, float("nan"), float("inf"), 0.7],
-               "top_p": [0.0, 1.5, float("nan"), 0.3], "top_k": [-1, 5], "n_stop_ids": [9, 8],
-               "epoch": [6, 8], "cancel": [1]}.get(field)
+               "output_offset": [4095, 2**31], "temperature": [-1.0, nan, inf, 0.7],
+               "top_p": [0.0, 1.5, nan, 0.3], "top_k": [-1, 5], "n_stop_ids": [9, 8],
+               "epoch": [6, 8], "cancel": [1], "presence_penalty": [2.5, -2.01, nan, inf, 1.5],
+               "frequency_penalty": [-3.0, nan, -2.0], "repetition_penalty": [2.5, -0.5, nan, 1.3, 0.0],
+               "min_p": [1.5, -0.1, nan, 0.2], "min_tokens": [5000, 1], "extra_offset": [4000, 2**32 - 1, 10],
+               "logprobs": [0, 20, 21, 2**31], "prompt_logprobs": [0, 5, 21],
+               "group_index": [0, 1, 7]}.get(field)
         if bad:
             r[field] = rng.choice(bad)
+        if field == "extra_offset":        # some sampling data, so the offset's range matters
+            r["n_logit_bias"], r["bad_words_words"] = rng.choice([(0, 0), (40, 0), (3, 100)])
+        if field in ("logprobs", "prompt_logprobs"):
+            r["flags"] |= FLAG_LOGPROBS if field == "logprobs" else FLAG_PROMPT_LOGPROBS
+            r[field + "_offset"] = rng.choice([0, 1000, 4000])
+        if field == "group_index":
+            r["group_size"], r["group_seq"] = 3, rng.choice([1, 2])
         ring.slots[0] = r
         ring.prompt_arena[:] = 1
         _, want_finish, want_error = intake._read(0, 7)
@@ -134,3 +148,19 @@ def test_intake_checks_match_python(twin_lib):
         seen.add(got)
     assert len(seen) >= 5
     assert ring.slots.dtype == SLOT_DTYPE and SlotState.EMPTY == 0
+
+
+def test_device_refuses_only_what_its_graphs_cannot_serve(twin_lib):
+    """blink_device_unsupported: a sampler seat (penalties, logit_bias, allowed ids, bad words)
+    or prompt logprobs -> ERROR/INVALID_REQUEST; min_p, min_tokens, logprobs, top-k/p pass."""
+    from gpu_backend.cuda import twin
+    from shared_layout.extra import SamplingExtra
+    ok = [dict(), dict(min_p=0.3, min_tokens=2, logprobs=5, top_k=4, top_p=0.5, temperature=0.7),
+          dict(repetition_penalty=1.0), dict(repetition_penalty=0.0)]
+    refused = [dict(presence_penalty=0.1), dict(frequency_penalty=-0.5), dict(repetition_penalty=1.1),
+               dict(extra=SamplingExtra(logit_bias=((3, 1.0),))), dict(extra=SamplingExtra(allowed_token_ids=(4,))),
+               dict(extra=SamplingExtra(bad_words=((5, 6),))), dict(prompt_logprobs=0)]
+    for kw, want in [(k, (0, 0)) for k in ok] + [(k, (int(FinishReason.ERROR), int(ErrorCode.INVALID_REQUEST)))
+                                                  for k in refused]:
+        rec = SlotRequest(seq=1, prompt_offset=0, prompt_len=4, output_offset=0, max_tokens=8, **kw).record()
+        assert twin.device_unsupported(rec) == want, kw
