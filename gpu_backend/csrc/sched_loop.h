@@ -9,7 +9,8 @@
  *                        plain store (one thread owns each slot in a scan; the
  *                        frontend never writes a PENDING slot's state), mark
  *                        cancelled or stale requests for the reap
- *   intake   (all)       copy + validate the claimed requests, queue them FCFS by seq
+ *   intake   (all)       copy + validate the claimed requests (the sampling surface too;
+ *                        what the graphs cannot serve yet is refused), queue them FCFS by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
  *   schedule (thread 0)  drop finished, reap aborted (their KV blocks back to the

@@ -4,8 +4,10 @@
                    context) and the O(1) lookup tables that pick one per step
     plan.py        capture planning: static buffer sizes for the largest shape, capture
                    order, the graph cache's memory estimate
-    sampler.py     in-graph sampling (temperature, top-k, top-p) with a counter-based
-                   per-request RNG: no host sync, no data-dependent shapes
+    sampler.py     in-graph sampling: the OpenAI sampling surface (penalties from per-seat
+                   counts updated in the graph, logit_bias / allowed ids / bad words,
+                   min_tokens, min_p, temperature, top-k, top-p, raw-logit logprobs) with a
+                   counter-based per-request RNG: no host sync, no data-dependent shapes
     step.py        the step function every graph captures: static buffers -> paged
                    attention forward -> logits of each row's last token -> tokens
     cpu_graphs.py  the graphs on the CPU: the C++ staging kernels + the step function
