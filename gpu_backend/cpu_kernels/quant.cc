@@ -383,6 +383,19 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
             scales_at<T>(w + n * rb, b, &d, &m);
             const Codes c = codes_at<T>(w + n * rb, b);
             float* __restrict o = out + n * K + b * QK;
+#if BLINK_Q_AVX2
+            const __m256i q = load_codes<T>(c);              // 32 codes, unpacked as the matmul does
+            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            for (int h = 0; h < 2; ++h) {
+                for (int j = 0; j < 2; ++j) {
+                    const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
+                    const __m256i wide = T == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+                    _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
+                }
+            }
+            continue;
+#endif
             if constexpr (T == Q8_0) {
                 for (int i = 0; i < QK; ++i) o[i] = d * float(int8_t(c.qs[i]));
             } else if constexpr (T == Q4_K) {

@@ -19,8 +19,9 @@ auto dtype picks bf16 wherever the CPU has native bf16 math.
 Quantized models (loader quantized=True: QuantLinear modules over GGUF blocks) keep
 their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
 QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks,
-isa from BLINK_CPU_ISA); batches above QUANT_MAX_ROWS rows (prefill chunks) dequantize
-the weight once per call and take the float GEMM, which is faster there. Without the
+isa from BLINK_CPU_ISA); batches above QUANT_MAX_ROWS rows (larger decode batches,
+prefill chunks) dequantize the weight slice by slice into the float GEMM, which is
+faster there. Without the
 kernels every QuantLinear is dequantized to a float nn.Linear once, with a log line.
 """
 from __future__ import annotations
@@ -29,7 +30,6 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
@@ -87,13 +87,16 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-# Rows of x up to which a projection runs on the blocks; above (prefill chunks), one
-# dequantization of the weight (~0.5 ns a value) and the float GEMM: on the 2-core AVX2 dev
-# machine quant.cc's AVX2 path does ~40-48 G int8 ops/s at 8-256 rows and oneDNN's sgemm
-# 50-79 GFLOP/s at 64-256 rows (Q4_1 3072 x 576, 1 thread, shared machine), so the dequantization
-# pays off from about 32-64 rows. Decode batches of up to 64 sequences stay on the blocks, and the
-# logits head (sampled rows only, 49152 x 576: 113 MB as float) always does.
-QUANT_MAX_ROWS = 64
+# Rows of x up to which a projection runs on the blocks; above, its weight is dequantized a
+# slice of DEQUANT_ROWS rows at a time (the float slice stays in L2) into oneDNN's float32 GEMM.
+# Measured on the 2-core AVX2 EPYC (bench.cpu_executor, the same run): the blocks decode 2.25x /
+# 1.36x / 0.99x / 0.71x the float32 executor's tokens/s at batch 1 / 8 / 16 / 64: quant.cc's AVX2
+# path does ~40-48 G int8 ops/s a core and oneDNN's sgemm 50-79 GFLOP/s from ~16 rows on. The
+# slices' dequantization (AVX2, into L2) adds ~0.3 ns a weight: Q4_1 3072 x 576, 1 thread, the
+# blocks against slices + sgemm took 1.2 / 1.5 ms at 16 rows, 2.4 / 2.3 at 32, 4.7 / 3.6 at 64,
+# 18.6 / 11.3 at 256. The logits head (sampled rows only; 49152 x 576) always runs on its blocks.
+QUANT_MAX_ROWS = 32
+DEQUANT_ROWS = 256          # 256 x 576 floats: 576 KiB
 
 
 class QuantKernelLinear(nn.Module):
@@ -128,8 +131,7 @@ class QuantKernelLinear(nn.Module):
         m, k, n = x.shape[0], self.in_features, self.out_features
         out_dtype = torch.float32 if self.float32_out else x.dtype
         if m > QUANT_MAX_ROWS and not self.float32_out:
-            w = torch.cat([self.kernels.dequantize(s.wtype, s.blocks, k) for s in self.segments])
-            return F.linear(x.float(), w, self.bias).to(out_dtype)
+            return self._dequantized_gemm(x, out_dtype)
         qs = torch.empty((m, k), dtype=torch.int8)                      # the codes, scales d and d * sum
         d, s = torch.empty((m, k // 32)), torch.empty((m, k // 32))
         self._quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qs.data_ptr(), d.data_ptr(),
@@ -141,6 +143,19 @@ class QuantKernelLinear(nn.Module):
             self._matmul(wtype, ptr, qs.data_ptr(), d.data_ptr(), s.data_ptr(), bias, y.data_ptr() + size * col,
                          int(out_dtype == torch.bfloat16), n, m, cols, k, self.isa, threads)
         return y
+
+
+    def _dequantized_gemm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y = x @ W^T (+ bias) in float32, W dequantized DEQUANT_ROWS rows at a time."""
+        xf = x.float()
+        y = torch.empty((x.shape[0], self.out_features))
+        for seg, (_, _, col, _) in zip(self.segments, self._plan):
+            for r0 in range(0, seg.n, DEQUANT_ROWS):
+                w = self.kernels.dequantize(seg.wtype, seg.blocks[r0:r0 + DEQUANT_ROWS], self.in_features)
+                y[:, col + r0:col + r0 + w.shape[0]] = torch.mm(xf, w.t())
+        if self.bias is not None:
+            y += self.bias
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) -> int:
