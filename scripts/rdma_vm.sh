@@ -240,8 +240,107 @@ run() {
 
 RECIPE_HASH="$( { echo "$SUITE $GUEST_PACKAGES"; declare -f write_init build; } | sha256sum | cut -c1-16)"
 IMAGE_DIR="$CACHE_ROOT/rdma-vm/$RECIPE_HASH"
+# What the two guests of `pair` run (MODEL comes first in their cmd.sh).
+pair_gpu_cmd() {
+    cat <<'EOF'
+echo "== gpu guest: $(hostname); $(ip -br addr | grep -v '^lo' | tr -s ' ' | tr '\n' ';')"
+rdma link
+.venv/bin/blink gpu-daemon --model "$MODEL" --ring blink-pair --transport verbs \
+    --rdma-listen 10.78.0.1:7470 --slots 16 >/tmp/daemon.log 2>&1 &
+pid=$!
+while [ ! -e /blink/ctl/stop ] && kill -0 $pid 2>/dev/null; do sleep 1; done
+kill -TERM $pid 2>/dev/null; wait $pid; rc=$?
+echo "== daemon log (exit $rc)"; cat /tmp/daemon.log
+exit $rc
+EOF
+}
+
+pair_dpu_cmd() {
+    cat <<'EOF'
+echo "== dpu guest: $(hostname); $(ip -br addr | grep -v '^lo' | tr -s ' ' | tr '\n' ';')"
+.venv/bin/blink frontend --model "$MODEL" --transport verbs --daemon 10.78.0.1:7470 --port 8000 \
+    --startup-timeout-s 1200 >/tmp/frontend.log 2>&1 &
+pid=$!
+.venv/bin/python - <<'PY'
+import json, time, urllib.request
+import openai
+deadline = time.monotonic() + 1200
+while True:
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=5) as r:
+            if r.status == 200:
+                break
+    except Exception:
+        pass
+    assert time.monotonic() < deadline, "frontend never healthy"
+    time.sleep(1)
+c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", max_retries=0, timeout=600)
+model = c.models.list().data[0].id
+question = "What is the capital of France?"
+t0 = time.monotonic()
+r = c.chat.completions.create(model=model, max_tokens=16, temperature=0,
+                              messages=[{"role": "user", "content": question}])
+print("== request: chat.completions", json.dumps({"model": model, "max_tokens": 16, "content": question}))
+print("== response after %.1f s (under emulation): %s" % (time.monotonic() - t0, r.model_dump_json()))
+assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+PY
+rc=$?
+kill -TERM $pid; wait $pid
+echo "== frontend log"; cat /tmp/frontend.log
+exit $rc
+EOF
+}
+
+# Two guests, one link: "gpu" runs the daemon, "dpu" the frontend and one OpenAI request.
+pair() {
+    local timeout_s="${BLINK_VM_TIMEOUT_S:-1800}" model=null log=""
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --timeout) timeout_s=$2; shift 2 ;;
+            --model) model=$2; shift 2 ;;
+            --log) log=$2; shift 2 ;;
+            *) die "usage: scripts/rdma_vm.sh pair [--timeout S] [--model null|default] [--log FILE]" ;;
+        esac
+    done
+    build >/dev/null
+    local gpu dpu t0=$SECONDS port rc
+    gpu="$(mktemp -d /tmp/blink-rdma-gpu.XXXXXX)"; dpu="$(mktemp -d /tmp/blink-rdma-dpu.XXXXXX)"
+    CLEANUP_DIRS+=("$gpu" "$dpu")
+    port=$(( 20000 + RANDOM % 20000 ))
+    { echo "MODEL=$model"; pair_gpu_cmd; } >"$gpu/cmd.sh"
+    { echo "MODEL=$model"; pair_dpu_cmd; } >"$dpu/cmd.sh"
+    : >"$gpu/console.log"; : >"$dpu/console.log"
+    log "two guests joined by a socket netdev on 127.0.0.1:$port: gpu (daemon, --model $model) and dpu (frontend)"
+    boot_guest blink-gpu "$gpu" "" 10.78.0.1/24 \
+        -netdev "socket,id=link,listen=127.0.0.1:$port" -device virtio-net-pci,netdev=link,mac=52:54:00:78:00:01
+    local gpid=${QEMU_PIDS[-1]}
+    sleep 1
+    boot_guest blink-dpu "$dpu" "" 10.78.0.2/24 \
+        -netdev "socket,id=link,connect=127.0.0.1:$port" -device virtio-net-pci,netdev=link,mac=52:54:00:78:00:02
+    local dpid=${QEMU_PIDS[-1]}
+    follow "$gpu/console.log" "$gpid" gpu &
+    follow "$dpu/console.log" "$dpid" dpu &
+    if wait_guests "$timeout_s" "$dpid"; then rc=0; else rc=$?; fi
+    touch "$gpu/stop"                            # the daemon guest stops once the frontend is done
+    wait_guests 180 "$gpid" || true
+    wait
+    local drc grc
+    drc=$(cat "$dpu/rc" 2>/dev/null || echo none); grc=$(cat "$gpu/rc" 2>/dev/null || echo none)
+    log "pair done in $((SECONDS - t0)) s: dpu status $drc, gpu status $grc"
+    if [ -n "$log" ]; then
+        { echo "# scripts/rdma_vm.sh pair --model $model ($(date -u +%FT%TZ), host $(hostname), $(nproc) cores, qemu TCG)"
+          echo "## gpu guest console"; sed 's/\r$//' "$gpu/console.log"
+          echo "## dpu guest console"; sed 's/\r$//' "$dpu/console.log"
+          echo "## result: dpu status $drc, gpu status $grc, $((SECONDS - t0)) s wall"; } >"$log"
+    fi
+    [ "$rc" = 124 ] && return 124
+    [ "$drc" = 0 ] && [ "$grc" = 0 ] || return 1
+}
+
 case "${1:-}" in
     build) shift; build ;;
     run) shift; run "$@" ;;
-    *) echo "usage: scripts/rdma_vm.sh build | run [--timeout S] -- COMMAND..." >&2; exit 2 ;;
+    pair) shift; pair "$@" ;;
+    *) echo "usage: scripts/rdma_vm.sh build | run [--timeout S] -- COMMAND... | pair [--model M] [--log F]" >&2
+       exit 2 ;;
 esac
