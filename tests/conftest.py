@@ -29,9 +29,10 @@ def rdma_reason() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu" in item.keywords and (why := gpu_reason()):
+        # markers, not keywords: a test under tests/shared_layout/rdma/ has "rdma" among its keywords
+        if item.get_closest_marker("gpu") and (why := gpu_reason()):
             item.add_marker(pytest.mark.skip(reason=f"gpu test: {why}"))
-        if "rdma" in item.keywords and (why := rdma_reason()):
+        if item.get_closest_marker("rdma") and (why := rdma_reason()):
             if os.environ.get("BLINK_REQUIRE_RDMA") == "1":   # scripts/rdma_vm.sh guests: never skip
                 raise pytest.UsageError(f"BLINK_REQUIRE_RDMA=1 but rdma tests cannot run: {why}")
             item.add_marker(pytest.mark.skip(reason=f"rdma test: {why}"))
