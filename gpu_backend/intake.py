@@ -5,7 +5,8 @@
       -> checks: frontend epoch, cancel flag, shared_layout.request_error
          (offsets, lengths, parameters), prompt_len < max_model_len, every
          prompt token id < vocab, the sampling data (logit_bias, allowed ids,
-         bad words: shared_layout.extra.decode_extra) well formed and in the vocabulary
+         bad words, the structured-output automaton: shared_layout.extra.decode_extra)
+         well formed and in the vocabulary
       -> Sequence with the prompt and the sampling data copied out of the arena,
          or the slot completed at once (ABORT / ERROR with its ErrorCode).
 
@@ -26,7 +27,7 @@ import time
 import numpy as np
 
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, request_error
-from shared_layout.extra import decode_extra
+from shared_layout.extra import decode_automaton, decode_extra
 from shared_layout.layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, MAX_STOP_IDS,
                                   extra_words)
 
@@ -124,11 +125,13 @@ class Intake:
         prompt = self.ring.prompt_arena[poff:poff + plen].copy()      # bounds checked by request_error
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.config.vocab_size:
             return None, FinishReason.ERROR, ErrorCode.INVALID_TOKEN
-        counts = int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"])
+        counts = (int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]),
+                  int(r["automaton_words"]))
         eoff = int(r["extra_offset"])
         try:   # bounds checked by request_error
-            extra = decode_extra(self.ring.prompt_arena[eoff:eoff + extra_words(*counts)].copy(), *counts,
-                                 vocab_size=self.config.vocab_size)
+            extra = decode_extra(self.ring.prompt_arena[eoff:eoff + extra_words(*counts)].copy(), *counts[:3],
+                                 vocab_size=self.config.vocab_size, automaton_words=counts[3])
+            automaton = decode_automaton(extra, self.config.vocab_size)
         except ValueError:
             return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
         flags = int(r["flags"])
@@ -142,9 +145,9 @@ class Intake:
                                 logprobs=int(r["logprobs"]) if flags & FLAG_LOGPROBS else None,
                                 prompt_logprobs=int(r["prompt_logprobs"]) if flags & FLAG_PROMPT_LOGPROBS else None,
                                 logit_bias=extra.logit_bias, allowed_token_ids=extra.allowed_token_ids,
-                                bad_words=extra.bad_words)
+                                bad_words=extra.bad_words, automaton=automaton)
         stop = {int(t) for t in r["stop_ids"][:min(int(r["n_stop_ids"]), MAX_STOP_IDS)]}
-        if not flags & FLAG_IGNORE_EOS:
+        if not flags & FLAG_IGNORE_EOS or automaton is not None:   # a finished structure ends with EOS
             stop.update(self.config.eos_ids)
         return Sequence(slot=slot, seq=int(r["seq"]), epoch=int(r["epoch"]),
                         prompt=np.asarray(prompt, np.int64).tolist(), max_tokens=int(r["max_tokens"]),

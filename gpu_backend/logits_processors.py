@@ -1,6 +1,8 @@
 """Logits processors: the per-request rules that reshape a batch's logits before sampling.
 
     raw logits [N, vocab] float32 (one row per sequence sampling this step)
+      -> structured output: the token automaton's current state (every token it does not
+         allow -inf; at an accepting state the stop ids, EOS among them, are allowed too)
       -> allowed_token_ids (every other token -inf)
       -> bad words (a sequence's last token -inf where the output ends with its prefix)
       -> min_tokens (stop ids, EOS included unless ignore_eos, -inf while output < min_tokens)
@@ -15,7 +17,10 @@ apply_penalties). Each rule is one tensor op over the batch: the per-sequence
 work is only collecting (row, token) index pairs from short lists (bias pairs,
 bad words, stop ids) and, for penalties, each sequence's output-count vector
 ([vocab] int32, kept up to date incrementally in its PenaltyState) stacked into
-[R, vocab]. A batch with no such request returns its logits untouched.
+[R, vocab]. A batch with no such request returns its logits untouched. An
+automaton state's mask ([vocab] bool, from its token runs by a difference array)
+is built once per sequence and state and reused; the sampler steps the state
+(`advance`) after it draws the token.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ def apply(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not any(s.params.processed for s in seqs):
         return logits
     x = logits.clone()
+    _automaton(x, seqs)
     _allowed(x, seqs)
     neg_rows, neg_cols = [], []       # (row, token) pairs set to -inf: bad words and min_tokens
     for i, s in enumerate(seqs):
@@ -64,6 +70,41 @@ def apply(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     _bias(x, seqs)
     _penalties(x, seqs)
     return x
+
+
+def _automaton(x: torch.Tensor, seqs: list[Sequence]) -> None:
+    rows = [i for i, s in enumerate(seqs) if s.params.automaton is not None]
+    if not rows:
+        return
+    keep = torch.stack([automaton_mask(seqs[i], x.shape[1]) for i in rows])      # [R, vocab] bool
+    idx = torch.tensor(rows)
+    x[idx] = x[idx].masked_fill(~keep, float("-inf"))
+
+
+def automaton_mask(s: Sequence, vocab: int) -> torch.Tensor:
+    """[vocab] bool: the tokens s's automaton allows in its current state (stop ids at an accepting
+    state, or at a dead one, so a finished structure can only end)."""
+    a = s.params.automaton
+    state = a.initial if s.automaton_state < 0 else s.automaton_state
+    mask = s.automaton_masks.get(state)
+    if mask is None:
+        allowed = a.allowed(state, vocab)
+        if a.accepting(state) or not allowed.any():
+            stops = [t for t in s.stop_ids if t < vocab]
+            allowed[stops] = True
+        mask = s.automaton_masks[state] = torch.from_numpy(allowed)
+    return mask
+
+
+def advance(seqs: list[Sequence], tokens: list[int]) -> None:
+    """Step each constrained sequence's automaton over the token it sampled (a stop token ends
+    the request, so a token with no transition leaves the state as it is)."""
+    for s, t in zip(seqs, tokens):
+        a = s.params.automaton
+        if a is not None:
+            state = a.initial if s.automaton_state < 0 else s.automaton_state
+            nxt = a.next_state(state, t)
+            s.automaton_state = state if nxt < 0 else nxt
 
 
 def _allowed(x: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -1,10 +1,12 @@
 """Sampling: logits of the sequences that emit a token this step -> token ids (+ logprob records).
 
     raw logits [N, vocab] float32 + each sequence's SamplingParams and generator
-      -> logits_processors.apply (allowed ids, bad words, min_tokens, logit_bias, penalties)
+      -> logits_processors.apply (structured-output automaton, allowed ids, bad words, min_tokens,
+         logit_bias, penalties)
       -> greedy rows: argmax of the processed logits
       -> other rows, batched: / temperature -> min_p -> top-k -> top-p (nucleus) -> softmax
          -> one multinomial draw per row with the sequence's own torch.Generator
+      -> constrained rows: their automaton steps over the drawn token (logits_processors.advance)
       -> rows that ask for logprobs: logprobs.records of the *raw* logits for the sampled
          token (vLLM's default raw_logprobs), left in seq.step_logprobs for the engine
 
@@ -88,6 +90,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         for j, i in enumerate(rows):
             if finite[j]:                 # a degenerate row keeps argmax rather than fail the batch
                 out[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seqs[i])))
+    if x is not raw:
+        logits_processors.advance(seqs, out)
     _logprobs(raw, seqs, out)
     return out
 

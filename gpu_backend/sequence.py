@@ -1,7 +1,8 @@
 """Sequence: the engine's copy of one claimed request and its progress.
 
     ring slot (validated by intake.py) -> Sequence (prompt copied out of the
-    arena, sampling parameters and data, stop ids) -> engine: num_computed, KV
+    arena, sampling parameters and data, stop ids, a structured output's token
+    automaton and its current state) -> engine: num_computed, KV
     block table, output tokens -> published back into the slot (tokens, and the
     logprob records the sampler left in `step_logprobs` / `prompt_logprobs`).
 
@@ -36,6 +37,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()          # empty: all
     bad_words: tuple[tuple[int, ...], ...] = ()      # token sequences never completed
+    automaton: object = None   # shared_layout.automaton.TokenAutomaton: structured output; None = free text
 
     @property
     def greedy(self) -> bool:
@@ -50,7 +52,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether any logits processor (logits_processors.py) applies to this request."""
         return bool(self.penalized or self.min_tokens or self.logit_bias or self.allowed_token_ids
-                    or self.bad_words)
+                    or self.bad_words or self.automaton is not None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,6 +74,8 @@ class Sequence:
     prompt_logprobs: np.ndarray | None = None   # [prompt_len - 1, record words], filled during prefill
     forks: list["Sequence"] = dataclasses.field(default_factory=list)   # group members not yet forked
     hold_last: bool = False           # a group leader before its fork: the prompt's last token is held back
+    automaton_state: int = -1         # params.automaton's current state (-1: its initial state, not yet stepped)
+    automaton_masks: dict = dataclasses.field(default_factory=dict)   # state -> [vocab] bool tensor, made on use
 
     @property
     def num_tokens(self) -> int:

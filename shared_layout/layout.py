@@ -18,6 +18,7 @@ prompt arena at the slot's `extra_offset`, `extra_words(record)` words laid out 
 
     logit_bias ids [n_logit_bias] i32 | logit_bias values [n_logit_bias] f32
     | allowed ids [n_allowed_ids] i32 | bad words [bad_words_words]: (length, ids...)*
+    | token automaton [automaton_words] (automaton.py; docs/structured_outputs.md)
 
 A request with n choices is a group of n slots with the same prompt: the
 members (group_index 1..n-1) are submitted before the leader (group_index 0),
@@ -41,7 +42,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
 LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
@@ -124,6 +125,7 @@ SLOT_FIELDS = [
     ("n_logit_bias", "u32", 1, "logit_bias pairs at extra_offset"),
     ("n_allowed_ids", "u32", 1, "allowed token ids after the logit_bias pairs (0 = all allowed)"),
     ("bad_words_words", "u32", 1, "words of (length, ids...) bad-word sequences after the allowed ids"),
+    ("automaton_words", "u32", 1, "words of the structured-output token automaton after the bad words (0 = none)"),
     ("group_size", "u32", 1, "choices of one prompt (n): the slots of a group share its prefill; 0 or 1 = alone"),
     ("group_index", "u32", 1, "this slot's choice in its group; 0 = the leader, written after the others"),
     ("group_seq", "u64", 1, "seq of the group's leader (every member, the leader included)"),
@@ -213,9 +215,9 @@ def decode_logprob_records(words: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
             np.ascontiguousarray(w[:, 2 + k:]).view("<f4"))
 
 
-def extra_words(n_logit_bias: int, n_allowed_ids: int, bad_words_words: int) -> int:
+def extra_words(n_logit_bias: int, n_allowed_ids: int, bad_words_words: int, automaton_words: int = 0) -> int:
     """Words of a slot's variable sampling data in the prompt arena."""
-    return 2 * n_logit_bias + n_allowed_ids + bad_words_words
+    return 2 * n_logit_bias + n_allowed_ids + bad_words_words + automaton_words
 
 
 class LayoutMismatch(ValueError):

@@ -116,6 +116,7 @@ class SlotRequest:
                      extra_offset=self.extra_offset, group_size=self.group_size, group_index=self.group_index,
                      group_seq=self.group_seq)
             v["n_logit_bias"], v["n_allowed_ids"], v["bad_words_words"] = self.extra.counts
+            v["automaton_words"] = self.extra.automaton_words
         v.update(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                  repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens)
         return _SLOT_PACK(*_slot_values(v))
@@ -192,7 +193,8 @@ def request_error(geom: RingGeometry, r: np.void) -> ErrorCode:
         return ErrorCode.INVALID_REQUEST
     if int(r["min_tokens"]) > mt:
         return ErrorCode.INVALID_REQUEST
-    extra = extra_words(int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]))
+    extra = extra_words(int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]),
+                        int(r["automaton_words"]))
     if int(r["extra_offset"]) + extra > geom.prompt_arena_tokens:
         return ErrorCode.INVALID_REQUEST
     gsize, gidx = int(r["group_size"]), int(r["group_index"])

@@ -19,7 +19,7 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 4u
+#define BLINK_LAYOUT_VERSION 5u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
@@ -154,20 +154,22 @@ typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t n_logit_bias;  /* @140: logit_bias pairs at extra_offset */
     uint32_t n_allowed_ids;  /* @144: allowed token ids after the logit_bias pairs (0 = all allowed) */
     uint32_t bad_words_words;  /* @148: words of (length, ids...) bad-word sequences after the allowed ids */
-    uint32_t group_size;  /* @152: choices of one prompt (n): the slots of a group share its prefill; 0 or 1 = alone */
-    uint32_t group_index;  /* @156: this slot's choice in its group; 0 = the leader, written after the others */
-    uint64_t group_seq;  /* @160: seq of the group's leader (every member, the leader included) */
-    uint32_t generated;  /* @168: tokens published in the output arena */
-    uint32_t finish_reason;  /* @172: FinishReason, valid in DECODE_COMPLETED */
-    uint32_t error_code;  /* @176: ErrorCode, valid in DECODE_COMPLETED */
+    uint32_t automaton_words;  /* @152: words of the structured-output token automaton after the bad words (0 = none) */
+    uint32_t group_size;  /* @156: choices of one prompt (n): the slots of a group share its prefill; 0 or 1 = alone */
+    uint32_t group_index;  /* @160: this slot's choice in its group; 0 = the leader, written after the others */
     uint8_t _pad0[4];
-    uint64_t t_submit_ns;  /* @184: frontend clock at submit */
-    uint64_t t_picked_ns;  /* @192: backend clock at the claim */
-    uint64_t t_first_ns;  /* @200: backend clock at the first token */
-    uint64_t t_last_ns;  /* @208: backend clock at the latest token */
+    uint64_t group_seq;  /* @168: seq of the group's leader (every member, the leader included) */
+    uint32_t generated;  /* @176: tokens published in the output arena */
+    uint32_t finish_reason;  /* @180: FinishReason, valid in DECODE_COMPLETED */
+    uint32_t error_code;  /* @184: ErrorCode, valid in DECODE_COMPLETED */
+    uint8_t _pad1[4];
+    uint64_t t_submit_ns;  /* @192: frontend clock at submit */
+    uint64_t t_picked_ns;  /* @200: backend clock at the claim */
+    uint64_t t_first_ns;  /* @208: backend clock at the first token */
+    uint64_t t_last_ns;  /* @216: backend clock at the latest token */
 } blink_slot_t;
 
-BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 216, "blink_slot size");
+BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 224, "blink_slot size");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, state) == 0, "blink_slot.state offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, cancel) == 4, "blink_slot.cancel offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, seq) == 8, "blink_slot.seq offset");
@@ -196,16 +198,17 @@ BLINK_STATIC_ASSERT(offsetof(blink_slot_t, extra_offset) == 136, "blink_slot.ext
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, n_logit_bias) == 140, "blink_slot.n_logit_bias offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, n_allowed_ids) == 144, "blink_slot.n_allowed_ids offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, bad_words_words) == 148, "blink_slot.bad_words_words offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_size) == 152, "blink_slot.group_size offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_index) == 156, "blink_slot.group_index offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_seq) == 160, "blink_slot.group_seq offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 168, "blink_slot.generated offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 172, "blink_slot.finish_reason offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 176, "blink_slot.error_code offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 184, "blink_slot.t_submit_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 192, "blink_slot.t_picked_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 200, "blink_slot.t_first_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 208, "blink_slot.t_last_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, automaton_words) == 152, "blink_slot.automaton_words offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_size) == 156, "blink_slot.group_size offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_index) == 160, "blink_slot.group_index offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_seq) == 168, "blink_slot.group_seq offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 176, "blink_slot.generated offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 180, "blink_slot.finish_reason offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 184, "blink_slot.error_code offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 192, "blink_slot.t_submit_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 200, "blink_slot.t_picked_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 208, "blink_slot.t_first_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 216, "blink_slot.t_last_ns offset");
 
 /* Legal state changes and the side that may make each (states.TRANSITIONS). */
 static inline BLINK_HD int blink_transition_allowed(uint32_t from, uint32_t to, uint32_t side) {

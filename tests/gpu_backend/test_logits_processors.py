@@ -98,3 +98,28 @@ def test_rows_asking_different_top_counts_get_their_own_record_width():
     full = records(logits[2:], torch.tensor([int(logits[2].argmax())]), 4)
     assert (c.step_logprobs == full).all()
     assert decode_logprob_records(a.step_logprobs.reshape(-1), 0)[1][0] == 1   # argmax: rank 1
+
+
+def test_automaton_masks_steps_and_ends_with_eos():
+    """A constrained row only ever samples what its automaton allows, whatever the logits favour;
+    its state steps with each token; a finished structure allows only the stop ids."""
+    import numpy as np
+    from shared_layout.automaton import decode, from_transitions
+    eos = 49
+    # "7" then one or two of {3, 4}, then done
+    a = decode(from_transitions({0: {7: 1}, 1: {3: 2, 4: 2}, 2: {3: 3, 4: 3}, 3: {}}, 0, {2, 3}), V)
+    free = seq(stop=(eos,), temperature=1.0, seed=5)
+    s = seq(stop=(eos,), automaton=a, temperature=1.0, seed=5)
+    logits = torch.zeros(2, V)
+    logits[:, 20] = 30.0                      # a token no automaton state allows
+    out = []
+    for _ in range(4):
+        t = sample(logits.clone(), [free, s])
+        assert t[0] == 20
+        out.append(t[1])
+        s.output.append(t[1])
+        if t[1] == eos:
+            break
+    assert out[0] == 7 and all(t in (3, 4) for t in out[1:-1]) and out[-1] == eos and len(out) in (3, 4)
+    allowed = np.flatnonzero(logits_processors.automaton_mask(s, V).numpy()).tolist()
+    assert allowed == ([eos] if len(out) == 4 else [3, 4, eos])    # state 3 (no transitions) or state 2
