@@ -2,7 +2,8 @@
 
     create_app(config) -> web.Application
         POST /v1/completions, /v1/chat/completions -> completions.GenerationService
-        GET  /v1/models, /health (200 | 503), /metrics (Prometheus text),
+        GET  /v1/models, /health (200 | 503), /metrics (Prometheus text; with
+             `blink serve`, its restart counts from supervisor_state.py),
              /openapi.json (the API as an OpenAPI 3.1 document, openapi.py)
         header deadline middleware (outermost; http_server.py): tells the connection
             its request's headers arrived, so a slow-header client is cut off
@@ -25,10 +26,10 @@ import time
 from aiohttp import web
 
 from . import openai_api as api
-from . import openapi
+from . import openapi, supervisor_state
 from .auth import api_key_middleware
 from .completions import CHAT, COMPLETIONS, STREAM_STARTED, Endpoint, GenerationService, code_trace, handle_generation
-from .config import FrontendConfig
+from .config import FrontendConfig, supervisor_state_path
 from .http_server import header_deadline_middleware
 from .limits import RequestLimits
 from .metrics import FrontendMetrics
@@ -44,6 +45,7 @@ CLIENT = web.AppKey("client", RingClient)
 METRICS = web.AppKey("metrics", FrontendMetrics)
 OWNS_CLIENT = web.AppKey("owns_client", bool)
 STARTED_AT = web.AppKey("started_at", int)
+SUPERVISOR_STATE = web.AppKey("supervisor_state", object)   # pathlib.Path | None
 
 _ENDPOINT_BY_PATH = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _OUTCOME_BY_STATUS = {400: "invalid", 401: "unauthorized", 404: "invalid", 405: "invalid", 408: "timeout",
@@ -75,6 +77,7 @@ def create_app(config: FrontendConfig, *, client: RingClient | None = None,
     app[OWNS_CLIENT] = owns
     app[METRICS] = metrics
     app[STARTED_AT] = int(time.time())
+    app[SUPERVISOR_STATE] = supervisor_state_path()
     app[SERVICE] = GenerationService(client, tokenizer, metrics, model, config.queue_timeout_s,
                                      config.max_tokens_default, config.max_stop_strings,
                                      config.expose_backend_timing, RequestLimits.from_config(config),
@@ -137,7 +140,7 @@ async def _openapi(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     app = request.app
     client = app[CLIENT]
-    text = app[METRICS].render(client.stats(), client.health())
+    text = app[METRICS].render(client.stats(), client.health(), supervisor_state.read(app[SUPERVISOR_STATE]))
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

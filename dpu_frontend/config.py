@@ -7,7 +7,8 @@ request may wait for a slot, defaults for omitted parameters, the limits that
 keep an overloaded or hostile client from exhausting the server, and the API key.
 
 Environment: BLINK_CACHE_DIR (prepared models), BLINK_API_KEY (the API key when
-no --api-key is given; preferred, since a command line shows in `ps`).
+no --api-key is given; preferred, since a command line shows in `ps`),
+BLINK_SUPERVISOR_STATE (set by `blink serve`: its restart counts, supervisor_state.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "BLINK_API_KEY"
+SUPERVISOR_STATE_ENV = "BLINK_SUPERVISOR_STATE"
 DEFAULT_MAX_BODY_BYTES = 4 << 20   # a 128k-token prompt as JSON text fits many times over
 
 
@@ -30,6 +32,12 @@ def cache_dir() -> pathlib.Path:
 def api_key_from_env() -> str | None:
     """$BLINK_API_KEY, or None when unset or empty."""
     return os.environ.get(API_KEY_ENV) or None
+
+
+def supervisor_state_path() -> pathlib.Path | None:
+    """$BLINK_SUPERVISOR_STATE: the file where `blink serve` keeps its restart counts (None: unsupervised)."""
+    value = os.environ.get(SUPERVISOR_STATE_ENV)
+    return pathlib.Path(value) if value else None
 
 
 def default_model_dir() -> pathlib.Path:

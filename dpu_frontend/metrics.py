@@ -2,7 +2,7 @@
 
     handlers -> FrontendMetrics.observe_*(...) (counters, histograms; O(buckets))
     finished request -> observe_stages(slot timestamps) -> queue wait / prefill / decode
-    GET /metrics -> render(ring stats, backend health) -> text
+    GET /metrics -> render(ring stats, backend health, supervisor restarts) -> text
 
 Counters and histograms live here; gauges (slots by state, queue depth,
 in-flight requests, backend heartbeat age) are sampled from the ring client
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from typing import Iterable
 
 # Buckets in seconds, vLLM's choices for the same quantities.
@@ -158,8 +159,9 @@ class FrontendMetrics:
         if t_last_ns >= t_first_ns:
             self.decode.observe((t_last_ns - t_first_ns) / 1e9)
 
-    def render(self, stats: dict | None, health) -> str:
-        """Prometheus text; `stats` from RingClient.stats(), `health` a BackendHealth (or None)."""
+    def render(self, stats: dict | None, health, supervisor: dict | None = None) -> str:
+        """Prometheus text; `stats` from RingClient.stats(), `health` a BackendHealth (or None),
+        `supervisor` {process name: supervisor_state.ChildState} from `blink serve` (or None)."""
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens,
                        self.ttft, self.tpot, self.e2e, self.tokenize, self.queue_wait, self.prefill,
@@ -191,4 +193,20 @@ class FrontendMetrics:
                             [({}, age if age is not None else math.inf)])
             lines += _gauge("blink_backend_epoch", "Daemon restarts seen (backend_epoch).",
                             [({}, float(health.backend_epoch))])
+        if supervisor:
+            lines += _restarts(supervisor)
         return "\n".join(lines) + "\n"
+
+
+def _restarts(children: dict) -> list[str]:
+    """`blink serve`'s restart counters, and seconds since each child's latest (re)start."""
+    lines = []
+    for process, name in (("gpu-daemon", "blink_daemon_restarts_total"), ("frontend", "blink_frontend_restarts_total")):
+        if process in children:
+            lines += [f"# HELP {name} Restarts of the {process} by blink serve after it died.",
+                      f"# TYPE {name} counter", f"{name} {children[process].restarts}"]
+    now = time.time()
+    lines += _gauge("blink_seconds_since_last_restart",
+                    "Seconds since blink serve last started this process (its first start counts).",
+                    [({"process": p}, max(0.0, now - c.started_unix_s)) for p, c in sorted(children.items())])
+    return lines

@@ -1,4 +1,5 @@
-"""`blink serve`: the GPU daemon and the frontend as two child processes, one command.
+"""`blink serve`: the GPU daemon and the frontend as two child processes, one command,
+each restarted when it dies while the other keeps running.
 
     prepare the default model (once, in a child: the torch side stays out of this
     process) -> spawn `blink gpu-daemon ...` and `blink frontend ...` (the `blink`
@@ -7,7 +8,16 @@
     print the URL -> supervise:
         Ctrl-C / SIGTERM -> stop the frontend, then the daemon (SIGTERM, then
             SIGKILL after a grace period) -> exit 0
-        a child exits   -> stop the other -> one line naming it -> exit 1
+        a child exits before the first ready -> stop the other -> one line -> exit 1
+        a child exits after it -> one line, restart it after its backoff
+            (RestartPolicy: 0.5 s doubling to 30 s, back to 0.5 s once it lived a
+            minute); the other keeps running: a new daemon bumps the backend epoch
+            and sweeps the dead one's slots, a new frontend bumps the frontend epoch
+            and the daemon aborts the dead one's requests (DESIGN.md §7)
+        a child dies more than max_restarts times within window_s -> stop the
+            other -> one line -> exit 1
+        every (re)start -> supervisor_state.write: the frontend's /metrics reports
+            the restart counts from that file ($BLINK_SUPERVISOR_STATE)
 
 Binds 127.0.0.1 by default. The ring file is removed at exit if this command
 created it.
@@ -15,18 +25,25 @@ created it.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
+import dataclasses
 import http.client
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-from .config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, FrontendConfig, default_model_dir
+from . import supervisor_state
+from .config import (API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, SUPERVISOR_STATE_ENV, FrontendConfig,
+                     default_model_dir)
+from .supervisor_state import DAEMON, FRONTEND, ChildState
 
 # Daemon knobs passed through unchanged: (flag, type, help).
 DAEMON_FLAGS = (
@@ -62,6 +79,23 @@ FRONTEND_SWITCHES = (
     ("--log-prompts", "debug: log every request's prompt text"),
 )
 STOP_GRACE_S = 15.0
+POLL_S = 0.1   # how often the children are checked (a restart waits at most this much longer)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead child is started again, and when to give up."""
+    backoff_initial_s: float = 0.5   # the first restart's delay; doubled for each quick death after it
+    backoff_max_s: float = 30.0
+    healthy_reset_s: float = 60.0    # a child that lived this long starts over at backoff_initial_s
+    max_restarts: int = 10           # restarts of one child within window_s; one more death: give up
+    window_s: float = 600.0
+
+    def __post_init__(self):
+        if not 0 <= self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 <= backoff_initial_s <= backoff_max_s")
+        if self.max_restarts < 0 or self.window_s <= 0 or self.healthy_reset_s <= 0:
+            raise ValueError("need max_restarts >= 0, window_s > 0, healthy_reset_s > 0")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +109,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout-s", type=float, default=600.0,
                    help="give up if the server is not healthy after this long")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    group = p.add_argument_group("restarts (a child that dies after the first ready is started again)")
+    group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                       help="give up (exit 1) when one child dies more often than this within --restart-window-s "
+                            f"(default {RestartPolicy.max_restarts}; 0: never restart)")
+    group.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s,
+                       help=f"see --max-restarts (default {RestartPolicy.window_s:g})")
+    group.add_argument("--restart-backoff-s", type=float, default=RestartPolicy.backoff_initial_s,
+                       help=f"delay of the first restart, doubled per quick death up to "
+                            f"{RestartPolicy.backoff_max_s:g} s (default {RestartPolicy.backoff_initial_s:g})")
     group = p.add_argument_group("passed to blink gpu-daemon")
     for flag, kind, help_text in DAEMON_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=help_text)
@@ -123,11 +166,21 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def frontend_env(args: argparse.Namespace) -> dict[str, str] | None:
-    """The frontend's environment: ours, plus the API key when --api-key was given (not in argv: ps shows argv)."""
-    if not args.api_key:
-        return None
-    return {**os.environ, API_KEY_ENV: args.api_key}
+def frontend_env(args: argparse.Namespace, state_path: pathlib.Path | None = None) -> dict[str, str] | None:
+    """The frontend's environment: ours, plus the API key when --api-key was given (not in argv: ps shows argv),
+    plus where the restart counts are kept."""
+    env = {}
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key
+    if state_path is not None:
+        env[SUPERVISOR_STATE_ENV] = str(state_path)
+    return {**os.environ, **env} if env else None
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(backoff_initial_s=args.restart_backoff_s,
+                         backoff_max_s=max(RestartPolicy.backoff_max_s, args.restart_backoff_s),
+                         max_restarts=args.max_restarts, window_s=args.restart_window_s)
 
 
 def _die_with_parent() -> None:
@@ -162,27 +215,96 @@ def _healthy(host: str, port: int, api_key: str | None = None) -> bool:
         conn.close()
 
 
-class _Children:
-    """The two children, started in order and stopped in reverse."""
+class _Child:
+    """One supervised child: its command, the running process, its restart bookkeeping."""
 
-    def __init__(self):
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None):
+        self.name, self.argv, self.env = name, argv, env
+        self.proc: subprocess.Popen | None = None
+        self.started_s = 0.0                  # monotonic time of the latest start
+        self.started_unix_s = 0.0
+        self.restarts = 0
+        self.delay_s = 0.0                    # backoff before the next restart
+        self.due_s: float | None = None       # dead, to be started at this monotonic time
+        self.deaths: collections.deque[float] = collections.deque()   # monotonic times, within the window
+
+    def start(self) -> None:
+        self.started_s = time.monotonic()
+        self.due_s = None
+        self.proc = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent, env=self.env)
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+class _Children:
+    """The two children, started in order and stopped in reverse; restart state for /metrics."""
+
+    def __init__(self, policy: RestartPolicy, state_path: pathlib.Path | None = None):
+        self.policy, self.state_path = policy, state_path
+        self.procs: list[_Child] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
-        self.procs.append((name, proc))
+        child = _Child(name, argv, env)
+        child.delay_s = self.policy.backoff_initial_s
+        self.procs.append(child)
+        self._launch(child)
+
+    def _launch(self, child: _Child) -> None:
+        child.started_unix_s = time.time()
+        self._write_state()   # before the start: a restarted frontend reads its own restart at once
+        child.start()
+
+    def _write_state(self) -> None:
+        if self.state_path is None:
+            return
+        with contextlib.suppress(OSError):
+            supervisor_state.write(self.state_path,
+                                   {c.name: ChildState(c.restarts, c.started_unix_s) for c in self.procs})
 
     def exited(self) -> tuple[str, int] | None:
-        for name, proc in self.procs:
-            rc = proc.poll()
+        for child in self.procs:
+            rc = child.exit_code()
             if rc is not None:
-                return name, rc
+                return child.name, rc
         return None
+
+    def reap(self, now_s: float) -> tuple[_Child, int, bool] | None:
+        """A child that died since the last look: (child, exit code, give up?). A child that
+        may restart gets its due time and the backoff after it."""
+        for child in self.procs:
+            rc = child.exit_code()
+            if rc is None:
+                continue
+            child.proc = None
+            p = self.policy
+            while child.deaths and now_s - child.deaths[0] > p.window_s:
+                child.deaths.popleft()
+            if len(child.deaths) >= p.max_restarts:
+                return child, rc, True
+            if now_s - child.started_s >= p.healthy_reset_s:
+                child.delay_s = p.backoff_initial_s
+            child.deaths.append(now_s)
+            child.due_s = now_s + child.delay_s
+            return child, rc, False
+        return None
+
+    def restart_due(self, now_s: float) -> list[_Child]:
+        """Start every dead child whose backoff is over; returns them."""
+        out = []
+        for child in self.procs:
+            if child.proc is None and child.due_s is not None and now_s >= child.due_s:
+                child.restarts += 1
+                child.delay_s = min(self.policy.backoff_max_s, child.delay_s * 2)
+                self._launch(child)
+                out.append(child)
+        return out
 
     def stop(self) -> None:
         # Frontend first: it stops taking requests and cancels its in-flight ones; the daemon then drains.
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
+        for child in reversed(self.procs):
+            proc = child.proc
+            if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
                 try:
@@ -203,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     from shared_layout.shm import shm_path
     try:
         ring_path = pathlib.Path(shm_path(args.ring))
+        policy = restart_policy(args)
     except ValueError as e:
         print(f"blink serve: {e}", file=sys.stderr)
         return 2
@@ -213,14 +336,16 @@ def run(args: argparse.Namespace) -> int:
     signals = {signal.SIGINT: "interrupt", signal.SIGTERM: "SIGTERM"}
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in signals}
     ring_existed = ring_path.exists()
-    children = _Children()
+    state_dir = pathlib.Path(tempfile.mkdtemp(prefix="blink-serve-"))
+    state_path = state_dir / "restarts.json"
+    children = _Children(policy, state_path)
     try:
         if args.model == "default":
             prepare_default_model()
         if stop.is_set():
             return 0
-        children.start("gpu-daemon", daemon_argv(args))
-        children.start("frontend", frontend_argv(args), frontend_env(args))
+        children.start(DAEMON, daemon_argv(args))
+        children.start(FRONTEND, frontend_argv(args), frontend_env(args, state_path))
         return _supervise(args, children, stop)
     except RuntimeError as e:
         if stop.is_set():   # Ctrl-C during the model preparation: not a failure to report
@@ -229,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         children.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
         if not ring_existed:
             with contextlib.suppress(FileNotFoundError):
                 ring_path.unlink()
@@ -236,17 +362,24 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
+def _other(name: str) -> str:
+    return FRONTEND if name == DAEMON else DAEMON
+
+
+def _say(line: str) -> None:
+    print(f"blink serve: {line}", file=sys.stderr, flush=True)
+
+
 def _supervise(args: argparse.Namespace, children: _Children, stop: threading.Event) -> int:
     deadline = time.monotonic() + args.ready_timeout_s
     ready = False
     while not stop.is_set():
-        dead = children.exited()
-        if dead is not None:
-            name, rc = dead
-            other = "frontend" if name == "gpu-daemon" else "gpu-daemon"
-            print(f"blink serve: {name} {_describe(rc)}; stopped the {other}", file=sys.stderr, flush=True)
-            return 1
         if not ready:
+            dead = children.exited()
+            if dead is not None:   # never served: a configuration error, restarting will not help
+                name, rc = dead
+                _say(f"{name} {_describe(rc)}; stopped the {_other(name)}")
+                return 1
             key = (args.api_key or os.environ.get(API_KEY_ENV)) if args.auth_all_routes else None
             if _healthy(args.host, args.port, key):
                 ready = True
@@ -255,9 +388,22 @@ def _supervise(args: argparse.Namespace, children: _Children, stop: threading.Ev
                 print(f"blink serve: ready: {url}/v1 (model {name}, executor {args.executor}); Ctrl-C stops",
                       flush=True)
             elif time.monotonic() > deadline:
-                print(f"blink serve: not healthy after {args.ready_timeout_s:g} s; stopping", file=sys.stderr,
-                      flush=True)
+                _say(f"not healthy after {args.ready_timeout_s:g} s; stopping")
                 return 1
-        stop.wait(0.2 if not ready else 0.5)
-    print("blink serve: stopping", file=sys.stderr, flush=True)
+        else:
+            now = time.monotonic()
+            while (death := children.reap(now)) is not None:
+                child, rc, give_up = death
+                if give_up:
+                    p = children.policy
+                    _say(f"{child.name} {_describe(rc)}; it died {len(child.deaths) + 1} times within "
+                         f"{p.window_s:g} s (--max-restarts {p.max_restarts}), giving up; stopped the "
+                         f"{_other(child.name)}")
+                    return 1
+                _say(f"{child.name} {_describe(rc)}; restarting it in {child.delay_s:g} s, "
+                     f"the {_other(child.name)} keeps running")
+            for child in children.restart_due(now):
+                _say(f"{child.name} restarted (pid {child.proc.pid}, restart {child.restarts})")
+        stop.wait(0.2 if not ready else POLL_S)
+    _say("stopping")
     return 0

@@ -1,14 +1,21 @@
-"""`blink serve` as a supervisor: clean stops on SIGTERM / Ctrl-C, one line and exit 1 when a child dies."""
+"""`blink serve` as a supervisor: clean stops on SIGTERM / Ctrl-C; a child that dies after the first
+ready is restarted (backoff) while the other keeps running, counted on /metrics; one line and exit 1
+when a child dies before it or too often."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
-from frontend_procs import REPO, Serve, blink, free_port, pid_alive
+from dpu_frontend.serve import RestartPolicy, _Children
+from frontend_procs import REPO, Serve, blink, free_port, http_get, metric, pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,16 +46,116 @@ def test_stop_signal_stops_both_children_cleanly(ring_name, sig):
     assert "Traceback" not in s.output
 
 
-def test_daemon_death_stops_frontend_and_says_so(ring_name):
+def wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def complete(s: Serve) -> int:
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}).encode()
+    req = urllib.request.Request(s.base + "/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["usage"]["completion_tokens"]
+    except OSError as e:
+        raise AssertionError(f"{e!r}; metrics:\n{s.metrics()}\nlog:\n{s.output}") from None
+
+
+def serve_lines(s: Serve) -> list[str]:
+    return [line for line in s.output.splitlines() if line.startswith("blink serve:") and "ready" not in line]
+
+
+def test_daemon_killed_is_restarted_and_the_frontend_keeps_running(ring_name):
     with Serve(ring_name, "--model", "null") as s:
         daemon = s.backend_pid()
         frontend = [k for k in children(s.proc.pid) if k != daemon][0]
         os.kill(daemon, signal.SIGKILL)
+        wait_for(lambda: s.backend_pid() not in (0, daemon) and http_get(s.base + "/health")[0] == 200, 30,
+                 "a restarted daemon")
+        assert complete(s) == 3
+        assert frontend in children(s.proc.pid) and s.proc.poll() is None   # the same frontend process
+        text = s.metrics()
+        assert metric(text, "blink_daemon_restarts_total") == 1 and metric(text, "blink_frontend_restarts_total") == 0
+        assert metric(text, "blink_backend_epoch") == 2
+        assert metric(text, "blink_seconds_since_last_restart", process="gpu-daemon") < \
+            metric(text, "blink_seconds_since_last_restart", process="frontend")
+        assert s.stop() == 0, s.output
+    lines = serve_lines(s)
+    assert lines[0] == "blink serve: gpu-daemon was killed by SIGKILL; restarting it in 0.5 s, the frontend keeps running"
+    assert lines[1].startswith("blink serve: gpu-daemon restarted (pid ") and lines[1].endswith(", restart 1)")
+
+
+def test_frontend_killed_is_restarted_on_the_same_port_and_the_daemon_keeps_running(ring_name):
+    with Serve(ring_name, "--model", "null") as s:
+        daemon = s.backend_pid()
+        frontend = [k for k in children(s.proc.pid) if k != daemon][0]
+        os.kill(frontend, signal.SIGKILL)
+        wait_for(lambda: http_get(s.base + "/health")[0] == 200 and frontend not in children(s.proc.pid), 30,
+                 "a restarted frontend")
+        assert complete(s) == 3
+        assert s.backend_pid() == daemon and pid_alive(daemon)
+        text = s.metrics()
+        assert metric(text, "blink_frontend_restarts_total") == 1 and metric(text, "blink_daemon_restarts_total") == 0
+        assert metric(text, "blink_backend_epoch") == 1
+        assert s.stop() == 0, s.output
+    assert "blink serve: frontend was killed by SIGKILL; restarting it in 0.5 s, the gpu-daemon keeps running" \
+        in serve_lines(s)
+
+
+def test_too_many_deaths_give_up_with_one_line(ring_name):
+    with Serve(ring_name, "--model", "null", "--max-restarts", "1", "--restart-backoff-s", "0.1") as s:
+        first = s.backend_pid()
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: s.backend_pid() not in (0, first) and s.backend_pid(), 30, "a restarted daemon")
+        os.kill(second, signal.SIGKILL)
         rc = s.proc.wait(30)
+        s._drain.join(5)
     assert rc == 1
-    lines = [line for line in s.output.splitlines() if line.startswith("blink serve:") and "ready" not in line]
-    assert lines == ["blink serve: gpu-daemon was killed by SIGKILL; stopped the frontend"]
-    assert not pid_alive(frontend)
+    assert serve_lines(s)[-1] == ("blink serve: gpu-daemon was killed by SIGKILL; it died 2 times within 600 s "
+                                  "(--max-restarts 1), giving up; stopped the frontend")
+    assert not os.path.exists(f"/dev/shm/{ring_name}")
+
+
+def _quick_exit() -> list[str]:
+    return [sys.executable, "-c", "pass"]
+
+
+def test_backoff_doubles_to_its_ceiling_and_resets_after_a_healthy_minute():
+    kids = _Children(RestartPolicy(backoff_initial_s=0.5, backoff_max_s=2.0, max_restarts=100))
+    kids.start("x", _quick_exit())
+    child = kids.procs[0]
+    delays, now = [], time.monotonic()
+    for _ in range(5):
+        child.proc.wait()
+        _, rc, give_up = kids.reap(now)
+        assert rc == 0 and not give_up
+        delays.append(child.due_s - now)
+        assert kids.restart_due(now + delays[-1] - 0.01) == []          # not before its backoff
+        assert kids.restart_due(now + delays[-1]) == [child]
+        now += delays[-1]
+    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0] and child.restarts == 5
+    child.proc.wait()
+    child.started_s = now - 61.0                                         # it lived over a minute
+    kids.reap(now)
+    assert child.due_s - now == 0.5
+
+
+def test_restart_limit_counts_only_deaths_within_the_window():
+    kids = _Children(RestartPolicy(backoff_initial_s=0.0, max_restarts=2, window_s=10.0))
+    kids.start("x", _quick_exit())
+    child = kids.procs[0]
+    for t in (0.0, 1.0, 12.0, 13.0):   # the first two fall out of the window by t = 12
+        child.proc.wait()
+        assert kids.reap(t)[2] is False
+        kids.restart_due(t)
+    child.proc.wait()
+    assert kids.reap(14.0)[2] is True
+    kids.stop()
 
 
 def test_port_in_use_is_reported(ring_name):

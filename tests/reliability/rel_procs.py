@@ -1,5 +1,6 @@
 """Real processes for the reliability tests: `blink gpu-daemon` and `blink frontend` started
-separately (so each can be killed on its own), plain HTTP helpers, and waiting."""
+separately (so each can be killed on its own), `blink serve` supervising both, plain HTTP
+helpers, and waiting."""
 from __future__ import annotations
 
 import json
@@ -85,15 +86,9 @@ def start_daemon(ring: str, tmp: pathlib.Path, *extra: str, name: str = "daemon"
                 tmp / f"{name}.log")
 
 
-class Frontend(Proc):
-    def __init__(self, ring: str, tmp: pathlib.Path, *extra: str, name: str = "frontend", env: dict | None = None):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        super().__init__([*blink(), "frontend", "--ring", ring, "--model", "null", "--port", str(self.port),
-                          "--startup-timeout-s", "0", *extra], tmp / f"{name}.log", env)
-        wait_for(lambda: http_get(self.base + "/v1/models", 2)[0] in (200, 401) or not self.alive(), 60,
-                 "the frontend to listen")
-        assert self.alive(), self.log()
+class Endpoint(Proc):
+    """A process serving the OpenAI API at `self.base`."""
+    base: str
 
     def healthy(self) -> bool:
         return http_get(self.base + "/health", 2)[0] == 200
@@ -112,6 +107,47 @@ class Frontend(Proc):
                 and m.get("blink_queue_depth") == 0
                 and m.get("blink_prompt_arena_free_tokens") == 65536
                 and m.get("blink_output_arena_free_tokens") == 262144)
+
+
+class Frontend(Endpoint):
+    def __init__(self, ring: str, tmp: pathlib.Path, *extra: str, name: str = "frontend", env: dict | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        super().__init__([*blink(), "frontend", "--ring", ring, "--model", "null", "--port", str(self.port),
+                          "--startup-timeout-s", "0", *extra], tmp / f"{name}.log", env)
+        wait_for(lambda: http_get(self.base + "/v1/models", 2)[0] in (200, 401) or not self.alive(), 60,
+                 "the frontend to listen")
+        assert self.alive(), self.log()
+
+
+class Serve(Endpoint):
+    """`blink serve --model null` on a small ring; its children found through /proc."""
+
+    def __init__(self, ring: str, tmp: pathlib.Path, *extra: str, name: str = "serve"):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        super().__init__([*blink(), "serve", "--ring", ring, "--model", "null", "--port", str(self.port),
+                          *SMALL_RING, *extra], tmp / f"{name}.log")
+        wait_for(lambda: "blink serve: ready:" in self.log() or not self.alive(), 60, "blink serve to be ready")
+        assert self.alive(), self.log()
+
+    def child(self, name: str) -> int:
+        """The pid of the live child `name` (gpu-daemon | frontend), 0 while there is none."""
+        kids = []
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            with open(f"/proc/{self.pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        for pid in kids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue
+            if name.encode() in argv[:4] and state != "Z":
+                return pid
+        return 0
 
 
 def sse_events(text: str) -> list[str]:
