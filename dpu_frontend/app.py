@@ -126,7 +126,11 @@ async def _models(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     h = request.app[CLIENT].health()
     if not h.healthy:
-        raise ApiError(503, f"backend not healthy: {h.message or h.status}", retry_after_s=1.0)
+        children = supervisor_state.read(request.app[SUPERVISOR_STATE]) or {}
+        daemon = children.get(supervisor_state.DAEMON)
+        restarting = (f"; blink serve is restarting the gpu-daemon (restart {daemon.restarts + 1})"
+                      if daemon is not None and daemon.restarting else "")
+        raise ApiError(503, f"backend not healthy: {h.message or h.status}{restarting}", retry_after_s=1.0)
     return web.json_response({"status": "ok", "backend_status": h.status, "backend_epoch": h.backend_epoch,
                               "heartbeat_age_s": h.heartbeat_age_s})
 

@@ -252,15 +252,15 @@ class _Children:
 
     def _launch(self, child: _Child) -> None:
         child.started_unix_s = time.time()
-        self._write_state()   # before the start: a restarted frontend reads its own restart at once
         child.start()
+        self._write_state()   # a restarted frontend finds its own restart counted when it serves
 
     def _write_state(self) -> None:
         if self.state_path is None:
             return
         with contextlib.suppress(OSError):
-            supervisor_state.write(self.state_path,
-                                   {c.name: ChildState(c.restarts, c.started_unix_s) for c in self.procs})
+            supervisor_state.write(self.state_path, {c.name: ChildState(c.restarts, c.started_unix_s,
+                                                                        c.proc is None) for c in self.procs})
 
     def exited(self) -> tuple[str, int] | None:
         for child in self.procs:
@@ -286,6 +286,7 @@ class _Children:
                 child.delay_s = p.backoff_initial_s
             child.deaths.append(now_s)
             child.due_s = now_s + child.delay_s
+            self._write_state()   # the frontend's /health says the daemon is being restarted
             return child, rc, False
         return None
 

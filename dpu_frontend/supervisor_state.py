@@ -1,8 +1,9 @@
 """What `blink serve` tells its frontend about restarts: one small JSON file.
 
-    serve (supervisor): a child (re)started -> write(path, {name: ChildState}) (atomic rename)
+    serve (supervisor): a child died or (re)started -> write(path, {name: ChildState}) (atomic rename)
     frontend: GET /metrics -> read(path) -> blink_daemon_restarts_total,
         blink_frontend_restarts_total, blink_seconds_since_last_restart{process}
+        GET /health (503) -> read(path) -> "blink serve restarts the gpu-daemon" in the body
 
 The path reaches the frontend in $BLINK_SUPERVISOR_STATE (config.supervisor_state_path);
 without it (a frontend run by hand or by systemd, whose own restart count is
@@ -24,6 +25,7 @@ DAEMON, FRONTEND = "gpu-daemon", "frontend"
 class ChildState:
     restarts: int          # starts after the first one
     started_unix_s: float  # wall clock of the latest (re)start
+    restarting: bool = False   # dead, waiting out its backoff or starting again
 
 
 def write(path: pathlib.Path, children: dict[str, ChildState]) -> None:
@@ -39,6 +41,7 @@ def read(path: pathlib.Path | None) -> dict[str, ChildState] | None:
         return None
     try:
         raw = json.loads(path.read_text())
-        return {name: ChildState(int(c["restarts"]), float(c["started_unix_s"])) for name, c in raw.items()}
+        return {name: ChildState(int(c["restarts"]), float(c["started_unix_s"]), bool(c.get("restarting", False)))
+                for name, c in raw.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -71,10 +71,12 @@ def serve_lines(s: Serve) -> list[str]:
 
 
 def test_daemon_killed_is_restarted_and_the_frontend_keeps_running(ring_name):
-    with Serve(ring_name, "--model", "null") as s:
+    with Serve(ring_name, "--model", "null", "--restart-backoff-s", "2", "--heartbeat-timeout-s", "0.5") as s:
         daemon = s.backend_pid()
         frontend = [k for k in children(s.proc.pid) if k != daemon][0]
         os.kill(daemon, signal.SIGKILL)
+        status, body, headers = wait_for(lambda: (r := http_get(s.base + "/health"))[0] == 503 and r, 10, "503")
+        assert b"blink serve is restarting the gpu-daemon (restart 1)" in body and "Retry-After" in headers
         wait_for(lambda: s.backend_pid() not in (0, daemon) and http_get(s.base + "/health")[0] == 200, 30,
                  "a restarted daemon")
         assert complete(s) == 3
@@ -86,7 +88,7 @@ def test_daemon_killed_is_restarted_and_the_frontend_keeps_running(ring_name):
             metric(text, "blink_seconds_since_last_restart", process="frontend")
         assert s.stop() == 0, s.output
     lines = serve_lines(s)
-    assert lines[0] == "blink serve: gpu-daemon was killed by SIGKILL; restarting it in 0.5 s, the frontend keeps running"
+    assert lines[0] == "blink serve: gpu-daemon was killed by SIGKILL; restarting it in 2 s, the frontend keeps running"
     assert lines[1].startswith("blink serve: gpu-daemon restarted (pid ") and lines[1].endswith(", restart 1)")
 
 
