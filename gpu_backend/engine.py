@@ -6,6 +6,8 @@
     apply: preempt victims (blocks freed, DECODE_PAUSED, back to the queue front),
            admit, allocate new KV blocks -> StepBatch (chunks of tokens per sequence)
     Runner.run(StepBatch) -> one sampled token per chunk that reaches its sequence's end
+           (it raises: each chunk again alone, and only the chunks that fail alone end
+           ERROR/INTERNAL; a token -1, a row that could not be sampled: that request alone)
     fork: a group leader whose prefill reached its held-back last prompt token gets its
            members running beside it, sharing its full KV blocks (the partial last block
            copied for each: Runner.copy_blocks); every choice then computes that token
@@ -63,7 +65,7 @@ class StepBatch:
 class Runner(Protocol):
     def run(self, batch: StepBatch) -> list[int]:
         """Compute every chunk (K/V into the sequences' blocks); return one token per
-        chunk with sample=True, in chunk order."""
+        chunk with sample=True, in chunk order (-1 for a row that could not be sampled)."""
         ...
 
     # Optional: copy_blocks(pairs: list[tuple[int, int]]) -> None copies each src block's K/V
@@ -142,20 +144,42 @@ class Engine:
         batch = self._schedule(plan)
         self.steps += 1
         self.prev_kind = plan.kind
-        try:
-            tokens = self.runner.run(batch)
-            if len(tokens) != sum(c.sample for c in batch.chunks):
-                raise RuntimeError(f"runner returned {len(tokens)} tokens for "
-                                   f"{sum(c.sample for c in batch.chunks)} sampled chunks")
-        except Exception:
-            log.exception("executor step failed; ending its %d requests with ERROR/INTERNAL", len(batch.chunks))
-            for c in batch.chunks:
-                self._finish(c.seq, FinishReason.ERROR, ErrorCode.INTERNAL)
-            self._publish_kv()
-            return True
+        batch, tokens = self._run(batch)
         self._postprocess(batch, tokens)
         self._publish_kv()
         return True
+
+    def _run_checked(self, batch: StepBatch) -> list[int]:
+        tokens = self.runner.run(batch)
+        if len(tokens) != sum(c.sample for c in batch.chunks):
+            raise RuntimeError(f"runner returned {len(tokens)} tokens for "
+                               f"{sum(c.sample for c in batch.chunks)} sampled chunks")
+        return tokens
+
+    def _run(self, batch: StepBatch) -> tuple[StepBatch, list[int]]:
+        """Runner.run; when it raises, each chunk again alone, so a failure that belongs to one
+        request (its sampling, its data) ends that request with ERROR/INTERNAL and not its batch.
+        Running a chunk again is safe: it writes the same K/V at the same positions. A batch of
+        one chunk is not run again. Returns the chunks that ran and their tokens."""
+        try:
+            return batch, self._run_checked(batch)
+        except Exception:
+            if len(batch.chunks) == 1:
+                log.exception("executor step failed; ending its request with ERROR/INTERNAL")
+                self._finish(batch.chunks[0].seq, FinishReason.ERROR, ErrorCode.INTERNAL)
+                return StepBatch(batch.kind, ()), []
+            log.exception("executor step failed; running its %d chunks one by one", len(batch.chunks))
+        ran, tokens = [], []
+        for c in batch.chunks:
+            try:
+                tokens += self._run_checked(StepBatch(batch.kind, (c,)))
+            except Exception as e:
+                log.error("slot %d: the executor failed on its request alone (%r); ending it with ERROR/INTERNAL",
+                          c.seq.slot, e)
+                self._finish(c.seq, FinishReason.ERROR, ErrorCode.INTERNAL)
+                continue
+            ran.append(c)
+        return StepBatch(batch.kind, tuple(ran)), tokens
 
     def _policy_input(self) -> PolicyInput:
         return PolicyInput(
@@ -248,7 +272,13 @@ class Engine:
             copy(copies)
 
     def _emit(self, s: Sequence, token: int) -> None:
-        """Publish one new token, then finish the request or keep it decoding."""
+        """Publish one new token, then finish the request or keep it decoding. A token outside the
+        vocabulary (the runner's -1: this row could not be sampled, e.g. NaN logits) ends the
+        request alone with ERROR/INTERNAL."""
+        if not 0 <= token < self.intake.config.vocab_size:
+            log.error("slot %d: the executor sampled no valid token (%d); ending its request", s.slot, token)
+            self._finish(s, FinishReason.ERROR, ErrorCode.INTERNAL)
+            return
         s.output.append(token)
         try:
             p = s.params

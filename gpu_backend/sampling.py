@@ -75,8 +75,8 @@ MIN_TEMPERATURE = 1e-5
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [N, vocab] float32, row i for seqs[i] -> N token ids; seqs[i].step_logprobs set
-    for the sequences that ask for logprobs (None for the others)."""
+    """logits: [N, vocab] float32, row i for seqs[i] -> N token ids (-1 for a row holding a NaN);
+    seqs[i].step_logprobs set for the sequences that ask for logprobs (None for the others)."""
     raw = logits.float()
     x = logits_processors.apply(raw, seqs)
     out = x.argmax(dim=-1).tolist()      # host sync: tokens go to the ring
@@ -93,6 +93,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if x is not raw:
         logits_processors.advance(seqs, out)
     _logprobs(raw, seqs, out)
+    for i in torch.isnan(raw).any(dim=-1).nonzero().flatten().tolist():
+        out[i] = -1                      # NaN logits: no token; the engine ends this request alone
     return out
 
 
