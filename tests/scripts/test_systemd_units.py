@@ -110,6 +110,28 @@ def test_units_keep_the_devices_reachable_and_run_unprivileged(unit):
         assert "DeviceAllow=char-nvidia-frontend rw" in text and "DeviceAllow=char-nvidia-uvm rw" in text
 
 
+def _settings(unit: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in (SCRIPTS / "systemd" / f"{unit}.service").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def test_the_frontend_unit_survives_a_daemon_restart_and_each_restarts_after_a_delay():
+    """systemd stops or restarts a unit with another only through Requires/Requisite/BindsTo/PartOf;
+    the frontend names the daemon in After= alone (ordering), so a daemon restart leaves it running."""
+    front, daemon = _settings("blink-dpu-frontend"), _settings("blink-gpu-daemon")
+    for key in ("Requires", "Requisite", "BindsTo", "PartOf"):
+        assert not any("blink-gpu-daemon" in v for v in front.get(key, [])), key
+    assert "blink-gpu-daemon.service" in front["After"][0].split()
+    for unit in (front, daemon):
+        assert unit["Restart"] == ["on-failure"]                     # kill -9, OOM kill, exit 1: restarted
+        assert 0 < float(unit["RestartSec"][0]) <= 2                  # back within seconds, not in a loop
+        assert int(unit["StartLimitBurst"][0]) >= 3 and int(unit["StartLimitIntervalSec"][0]) >= 60
+
+
 def test_reinstall_keeps_the_administrators_settings(installed):
     env = installed / "etc/blink/dpu-frontend.env"
     env.write_text(env.read_text().replace("BLINK_PORT=8000", "BLINK_PORT=9999"))
