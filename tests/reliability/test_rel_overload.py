@@ -184,3 +184,4 @@ def test_soak_benchmark_short(tmp_path):
     r = json.loads(out.with_suffix(".json").read_text())
     assert r["verdict"]["all_passed"], (r["verdict"], r["outcomes"], r["wrong_examples"], r["server_by_outcome"])
     assert r["sent"] > 100
+    assert out.with_suffix(".png").stat().st_size > 10_000   # RSS of both processes over time
