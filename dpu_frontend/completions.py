@@ -1,12 +1,13 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
     body -> parse_* (openai_api) -> prompt ids (chat template, tokenizer; off the loop
-    when long), bad words tokenized -> max_tokens resolved against the context
+    when long), bad words tokenized, a structured-output constraint compiled to its token
+    automaton (structured/, cached) -> max_tokens resolved against the context
     -> RingClient.submit (the sampling surface rides in the slot) -> RequestHandle batches
     (+ the daemon's logprob records) -> Detokenizer deltas (+ logprobs_format objects for
     the tokens each delta consumed; an echo opens the reply with the prompt) -> SSE chunks
     | one JSON body (mid-stream chunks of a plain stream: written by the token reader itself,
-    stream_push.py)
+    stream_push.py); a chat request with tools replies through tool_reply.py (tool_calls)
 
 A stop string or an EOS / stop-id token seen here ends the reply at once and
 cancels the handle, so the daemon stops generating within a step. A client that
@@ -33,7 +34,7 @@ from shared_layout.extra import MAX_BAD_WORD_TOKENS, SamplingExtra
 from . import choices
 from . import logprobs_format as lpf
 from . import openai_api as api
-from . import token_reader
+from . import token_reader, tool_reply
 from .detokenizer import Delta
 from .limits import RequestLimits, StallWatch, has_lone_surrogate, limit_send_buffer
 from .metrics import FrontendMetrics
@@ -41,6 +42,7 @@ from .openai_api import ApiError, ChatRequest, CompletionRequest
 from .ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RequestHandle,
                           RingClient, SamplingParams)
 from .stream_push import DirectSink
+from .structured import tools as tool_calls
 from .tokenizer import ChatTemplateError, ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class Generation:
     stalled: bool = False             # the client stopped reading
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     echo_only: bool = False           # echo with max_tokens 0: the prompt alone (one token is generated, unused)
+    automaton: bytes = b""            # the structured-output constraint's ring words (structured/compiler.py)
 
     @property
     def echo(self) -> bool:
@@ -113,6 +116,7 @@ class GenerationService:
         self.expose_backend_timing = expose_backend_timing
         self.log_prompts = log_prompts
         self.token_text = lpf.TokenText(tokenizer.decode)
+        self._compiler = None          # structured.compiler.ConstraintCompiler, made on the first constraint
 
     # -- request preparation ---------------------------------------------------
     async def prepare(self, endpoint: Endpoint, body, request_id_header: str | None,
@@ -134,10 +138,24 @@ class GenerationService:
         gen = Generation(endpoint, req, prompt_ids, api.request_id(endpoint.id_prefix, request_id_header),
                          int(time.time()), t_arrival_ns, deadline_s,
                          bad_words_ids=self._bad_words_ids(req.sampling.bad_words))
+        if req.sampling.constraint is not None:
+            gen.automaton = await self._compile(req.sampling.constraint)
         if self.log_prompts:   # debug setting: prompts are user data and stay out of logs otherwise
             log.info("request %s prompt (%d tokens): %r", gen.rid, len(prompt_ids),
                      self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         return gen
+
+    async def _compile(self, constraint) -> bytes:
+        """The constraint's token automaton (a 400 naming the parameter when it cannot be built)."""
+        from .structured.compiler import ConstraintCompiler    # outlines-core: loaded on first use
+        from .structured.request import ConstraintError
+        if self._compiler is None:
+            eos = min(self.tokenizer.eos_ids) if self.tokenizer.eos_ids else 0
+            self._compiler = ConstraintCompiler(self.tokenizer.tokenizer, eos)
+        try:
+            return (await self._compiler.compile(constraint)).words
+        except ConstraintError as e:
+            raise api.bad_request(str(e), e.param) from None
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenization of bad words: each word alone, and with a leading space where that
@@ -162,6 +180,9 @@ class GenerationService:
                 return list(req.prompt)
             return await tok.encode_async(req.prompt, req.add_special_tokens)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        if req.tools is not None or any(m.tool_calls or m.role == "tool" for m in req.messages):
+            messages = tool_calls.render_messages(
+                [{"role": m.role, "content": m.content, "tool_calls": m.tool_calls} for m in req.messages], req.tools)
         try:
             text = tok.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
                                    **dict(req.chat_template_kwargs))
@@ -200,7 +221,8 @@ class GenerationService:
                                 repetition_penalty=s.repetition_penalty, min_p=s.min_p,
                                 min_tokens=min(s.min_tokens, max_tokens), logprobs=s.logprobs,
                                 prompt_logprobs=s.prompt_logprobs if len(gen.prompt_ids) > 1 else None,
-                                extra=SamplingExtra(s.logit_bias, s.allowed_token_ids, gen.bad_words_ids))
+                                extra=SamplingExtra(s.logit_bias, s.allowed_token_ids, gen.bad_words_ids,
+                                                    gen.automaton))
         loop = asyncio.get_running_loop()
         try:
             if s.best_of > 1:
@@ -229,6 +251,8 @@ class GenerationService:
         """Stream or collect the reply; always leaves the handle(s) finished or cancelled."""
         if isinstance(handle, list):
             return await choices.respond(self, request, gen, handle)
+        if gen.endpoint.chat and gen.request.tools is not None and gen.request.tools.choice != "none":
+            return await tool_reply.respond(self, request, gen, handle)
         timer = None
         if gen.deadline_s is not None:
             timer = asyncio.get_running_loop().call_at(gen.deadline_s, self._expire, gen, handle)

@@ -6,9 +6,9 @@
                 -> completion_body / chat_body for non-streaming replies
 
 The sampling surface (penalties, logit_bias, min_p, min_tokens, allowed ids, bad
-words, logprobs, prompt_logprobs, echo) is read with vLLM's names, ranges and
-defaults; the daemon applies it (it travels in the slot). Parameters we cannot
-honour (tools, beam search, guided decoding, ...) are rejected with a 400 that
+words, logprobs, prompt_logprobs, echo, structured outputs: structured/request.py)
+is read with vLLM's names, ranges and defaults; the daemon applies it (it travels in
+the slot). Parameters we cannot honour (beam search, audio, ...) are rejected with a 400 that
 names them, never ignored; their no-op values (tools=[], use_beam_search=false,
 ...) are accepted so stock clients work.
 Keys nobody knows are rejected the way OpenAI does ("Unrecognized request
@@ -24,6 +24,10 @@ import time
 import uuid
 from http import HTTPStatus
 from typing import Any
+
+from .structured import request as structured
+from .structured import tools as tool_calls
+from .structured.request import Constraint
 
 MAX_SEED = (1 << 64) - 1
 MIN_SEED = -(1 << 63)
@@ -96,6 +100,7 @@ class SamplingOptions:
     logprobs: int | None = None         # top entries per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # top entries per prompt token (echo with logprobs asks for them too)
     n: int = 1                          # choices returned
+    constraint: Constraint | None = None   # structured output (response_format, structured_outputs, guided_*)
     best_of: int = 1                    # choices generated (>= n); the n with the highest cumulative logprob return
 
 
@@ -120,6 +125,8 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[dict, ...] = ()   # an assistant's calls: {"id", "name", "arguments" (JSON text)}
+    tool_call_id: str | None = None     # a tool result's call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +139,7 @@ class ChatRequest:
     continue_final_message: bool = False
     add_special_tokens: bool = False    # the template already places BOS etc.
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    tools: tool_calls.ToolSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +170,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
     "priority": ((0,), "request priorities are not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not supported"),
-    "response_format": (({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
-    "guided_json": ((), "guided decoding is not supported"),
-    "guided_regex": ((), "guided decoding is not supported"),
-    "guided_choice": ((), "guided decoding is not supported"),
-    "guided_grammar": ((), "guided decoding is not supported"),
-    "structured_outputs": ((), "structured outputs are not supported"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "return_token_ids": ((False,), "return_token_ids is not supported"),
     "store": ((False,), "store=true is not supported"),
@@ -178,8 +180,6 @@ _UNSUPPORTED_COMPLETION = {
 }
 _UNSUPPORTED_CHAT = {
     "echo": ((False,), "echo is not supported on chat completions"),
-    "tools": (([],), "tools are not supported"),
-    "tool_choice": (("none",), "tool_choice is not supported (no tools)"),
     "functions": (([],), "functions are not supported"),
     "function_call": (("none",), "function_call is not supported"),
     "audio": ((), "audio output is not supported"),
@@ -189,7 +189,7 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": ((), "web search is not supported"),
 }
 # Accepted and deliberately without effect: they describe the caller, not the generation.
-_IGNORED = ("user", "metadata", "service_tier", "parallel_tool_calls", "request_id")
+_IGNORED = ("user", "metadata", "service_tier", "request_id")
 
 
 class _Fields:
@@ -312,6 +312,8 @@ def _sampling(f: _Fields, limits: ApiLimits, max_tokens: int | None, logprobs: i
     top_k = f.int("top_k", -1, MAX_I32, 0)
     stop_ids = f.get("stop_token_ids")
     more = {} if f.body.keys().isdisjoint(_SURFACE) else _surface(f, limits, max_tokens)
+    if not f.body.keys().isdisjoint(structured.KEYS):
+        more["constraint"] = _constraint(f)
     if echo and logprobs is not None and more.get("prompt_logprobs") is None:
         more["prompt_logprobs"] = logprobs   # echo + logprobs: the prompt's tokens come with theirs (vLLM)
     return SamplingOptions(
@@ -358,6 +360,16 @@ def _surface(f: _Fields, limits: ApiLimits, max_tokens: int | None) -> dict[str,
         n=n,
         best_of=best_of,
     )
+
+
+def _constraint(f: _Fields) -> Constraint | None:
+    """The structured-output constraint (compiled later, by the service: it needs the vocabulary)."""
+    for name in structured.KEYS:
+        f.get(name)
+    try:
+        return structured.parse(f.body)
+    except structured.ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _logit_bias(v: Any, limits: ApiLimits) -> tuple[tuple[int, float], ...]:
@@ -492,16 +504,31 @@ def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
                           "continue_final_message")
     if continue_final and messages[-1].role != "assistant":
         raise bad_request("'continue_final_message' needs a final assistant message", "continue_final_message")
+    try:
+        tools = tool_calls.parse(f.get("tools"), f.get("tool_choice"), f.get("parallel_tool_calls"))
+    except structured.ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
+    # max_completion_tokens is the current name; max_tokens the deprecated one.
+    sampling = _sampling(f, limits, mct if mct is not None else max_tokens,
+                         (top_logprobs or 0) if want_logprobs else None)
+    if tools is not None and tools.constraint is not None:
+        if sampling.constraint is not None:
+            raise bad_request("a forced tool choice cannot be combined with another structured-output constraint",
+                              "tool_choice")
+        if sampling.n > 1 or sampling.best_of > 1:
+            raise bad_request("tool calls are served with n = 1", "n")
+        sampling = dataclasses.replace(sampling, constraint=tools.constraint)
+    elif tools is not None and tools.choice == "auto" and (sampling.n > 1 or sampling.best_of > 1):
+        raise bad_request("tool calls are served with n = 1", "n")
     req = ChatRequest(
         model=model, messages=messages,
-        # max_completion_tokens is the current name; max_tokens the deprecated one.
-        sampling=_sampling(f, limits, mct if mct is not None else max_tokens,
-                           (top_logprobs or 0) if want_logprobs else None),
+        sampling=sampling,
         stream=_stream(f),
         add_generation_prompt=add_generation_prompt and not continue_final,
         continue_final_message=continue_final,
         add_special_tokens=f.bool("add_special_tokens", False),
         chat_template_kwargs=tuple(sorted((kwargs or {}).items())),
+        tools=tools,
     )
     f.finish()
     return req
@@ -521,9 +548,25 @@ def _message(m: Any, where: str) -> ChatMessage:
     if not isinstance(m, dict):
         raise bad_request(f"'{where}' must be an object", where)
     role = m.get("role")
-    if role in ("tool", "function"):
-        raise bad_request(f"'{where}.role' = {role!r}: tool messages are not supported (no tools)",
+    if role == "function":
+        raise bad_request(f"'{where}.role' = 'function': the legacy function role is not supported; use 'tool'",
                           f"{where}.role")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad_request(f"'{where}.tool_call_id' is required (a string) in a tool message",
+                              f"{where}.tool_call_id")
+        extra = [k for k in m if k not in ("role", "content", "tool_call_id", "name")]
+        if extra:
+            raise bad_request(f"unsupported message field '{where}.{extra[0]}'", f"{where}.{extra[0]}")
+        return ChatMessage(role, _content(m.get("content"), f"{where}.content"), tool_call_id=call_id)
+    if role == "assistant" and m.get("tool_calls"):
+        calls = _assistant_calls(m["tool_calls"], f"{where}.tool_calls")
+        content = m.get("content")
+        rest = {k: v for k, v in m.items() if k != "tool_calls"}
+        if content is None:
+            rest["content"] = ""
+        return dataclasses.replace(_message(rest, where), tool_calls=calls)
     if role not in _ROLES:
         raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {_show(role)}",
                           f"{where}.role")
@@ -537,6 +580,20 @@ def _message(m: Any, where: str) -> ChatMessage:
     if name is not None and not isinstance(name, str):
         raise bad_request(f"'{where}.name' must be a string", f"{where}.name")
     return ChatMessage(role, _content(m.get("content"), f"{where}.content"))
+
+
+def _assistant_calls(v: Any, where: str) -> tuple[dict, ...]:
+    if not isinstance(v, list):
+        raise bad_request(f"'{where}' must be a list of tool calls", where)
+    out = []
+    for i, c in enumerate(v):
+        w = f"{where}[{i}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad_request(f"'{w}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}} with string name and arguments", w)
+        out.append({"id": str(c.get("id", "")), "name": fn["name"], "arguments": fn["arguments"]})
+    return tuple(out)
 
 
 def _content(c: Any, where: str) -> str:

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from shared_layout import MAX_STOP_IDS, LayoutMismatch, SlotState, now_ns
+from shared_layout.automaton import MAX_AUTOMATON_WORDS
 from shared_layout.extra import MAX_ALLOWED_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_WORDS, MAX_LOGIT_BIAS
 from shared_layout.layout import MAX_LOGPROBS
 
@@ -344,9 +345,11 @@ class RingClient:
                 raise InvalidRequest(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {v!r}")
         e = p.extra
         n_lb, n_al, n_bw = e.counts
-        if n_lb > MAX_LOGIT_BIAS or n_al > MAX_ALLOWED_IDS or n_bw > MAX_BAD_WORDS_WORDS:
-            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries, {MAX_ALLOWED_IDS} allowed ids and "
-                                 f"{MAX_BAD_WORDS_WORDS} words of bad-word tokens fit a request")
+        if (n_lb > MAX_LOGIT_BIAS or n_al > MAX_ALLOWED_IDS or n_bw > MAX_BAD_WORDS_WORDS
+                or e.automaton_words > MAX_AUTOMATON_WORDS):
+            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries, {MAX_ALLOWED_IDS} allowed ids, "
+                                 f"{MAX_BAD_WORDS_WORDS} words of bad-word tokens and a {MAX_AUTOMATON_WORDS}-word "
+                                 "token automaton fit a request")
         ids = [t for t, _ in e.logit_bias] + list(e.allowed_token_ids) + [t for w in e.bad_words for t in w]
         if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"logit_bias, allowed_token_ids and bad_words hold token ids in [0, {vocab})")

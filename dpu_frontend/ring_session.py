@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from shared_layout import SLOT, SLOT_DTYPE, SlotRequest, SlotState, submit_writes
-from shared_layout.layout import HEADER, HEADER_DTYPE, LOGPROBS_OFF, extra_words, logprob_record_words
+from shared_layout.layout import HEADER, HEADER_DTYPE, LOGPROBS_OFF, logprob_record_words
 from shared_layout.arena import ArenaFull, TokenArena
 
 from .request_handle import RequestHandle, SamplingParams
@@ -124,7 +124,7 @@ class RingSession:
         extra = 0
         if params is not None:
             flight.logprobs, flight.prompt_logprobs = params.logprobs, params.prompt_logprobs
-            extra = extra_words(*params.extra.counts)
+            extra = params.extra.words
         lp_words = sum(flight.logprob_words())
         try:
             flight.prompt_offset = self.prompts.alloc(prompt_len + extra)
