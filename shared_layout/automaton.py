@@ -82,21 +82,26 @@ def from_transitions(transitions: dict[int, dict[int, int]], initial: int, accep
     """Encode a DFA given as {state: {token: next state}} (any state ids) into ring words.
     Tokens in `drop_tokens` (EOS: the accepting flag stands for it) are left out."""
     ids = sorted(set(transitions) | set(accepting) | {initial})
+    id_array = np.array(ids, np.int64)
     index = {s: i for i, s in enumerate(ids)}
     states = np.zeros((len(ids), STATE_WORDS), np.int64)
     run_chunks, trans_chunks = [], []
     shared: dict[bytes, tuple[int, int]] = {}      # allowed set (as its runs' bytes) -> (first run, runs)
     n_runs = n_trans = 0
+    dropped = np.array(sorted(drop_tokens), np.int64)
     for i, s in enumerate(ids):
         d = transitions.get(s, {})
-        if drop_tokens:
-            d = {t: n for t, n in d.items() if t not in drop_tokens}
         states[i, 0] = FLAG_ACCEPTING if s in accepting else 0
         states[i, 1] = -1
-        if not d:
+        keys = np.fromiter(d.keys(), np.int64, len(d))
+        order = np.argsort(keys)
+        toks = keys[order]
+        nxt = np.searchsorted(id_array, np.fromiter(d.values(), np.int64, len(d))[order])
+        if dropped.size:
+            keep = ~np.isin(toks, dropped)
+            toks, nxt = toks[keep], nxt[keep]
+        if not toks.size:
             continue
-        toks = np.fromiter(sorted(d), np.int64, len(d))
-        nxt = np.fromiter((index[d[t]] for t in toks.tolist()), np.int64, len(d))
         breaks = np.flatnonzero(np.diff(toks) != 1) + 1
         firsts = toks[np.concatenate(([0], breaks))]
         ends = toks[np.concatenate((breaks - 1, [len(toks) - 1]))] + 1
@@ -106,8 +111,7 @@ def from_transitions(transitions: dict[int, dict[int, int]], initial: int, accep
             shared[key] = (n_runs, len(runs))
             run_chunks.append(runs)
             n_runs += len(runs)
-        values, counts = np.unique(nxt, return_counts=True)
-        default = int(values[np.argmax(counts)])
+        default = int(np.bincount(nxt).argmax())
         other = nxt != default
         states[i, 1] = default
         states[i, 2:4] = shared[key]
