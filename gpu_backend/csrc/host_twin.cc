@@ -162,7 +162,14 @@ uint32_t blink_intake(const blink_policy_config_t *cfg, uint64_t prompt_arena_to
     return blink_intake_check(cfg, prompt_arena_tokens, output_arena_tokens, logprob_arena_words, frontend_epoch, s);
 }
 
-uint32_t blink_unsupported(const blink_slot_t *s) { return blink_device_unsupported(s); }
+uint32_t blink_unsupported(const blink_slot_t *s, uint32_t n_seats) { return blink_device_unsupported(s, n_seats); }
+
+/* blink_extra_ok over words in host memory (the diff test against shared_layout.extra.decode_extra). */
+int blink_extra_check(const int32_t *w, uint32_t vocab, uint32_t n_logit_bias, uint32_t n_allowed_ids,
+                      uint32_t bad_words_words) {
+    return blink_extra_ok([w](uint32_t i) { return (uint32_t)w[i]; }, vocab, n_logit_bias, n_allowed_ids,
+                          bad_words_words);
+}
 
 int blink_kv_init_c(const blink_kv_t *kv, uint32_t *free_count) {
     blink_kv_init(kv, free_count);
@@ -225,7 +232,9 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_req_t, seed) X(blink_req_t, min_p) X(blink_req_t, presence_penalty)                             \
     X(blink_req_t, frequency_penalty) X(blink_req_t, repetition_penalty) X(blink_req_t, min_tokens)         \
     X(blink_req_t, n_mask_stops) X(blink_req_t, mask_stops) X(blink_req_t, logprobs)                        \
-    X(blink_req_t, logprobs_offset) X(blink_req_t, seat) X(blink_req_t, reserved2)                          \
+    X(blink_req_t, logprobs_offset) X(blink_req_t, seat) X(blink_req_t, seat_fresh)                         \
+    X(blink_req_t, extra_offset) X(blink_req_t, n_logit_bias) X(blink_req_t, n_allowed_ids)                 \
+    X(blink_req_t, bad_words_words)                                                                         \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
@@ -254,10 +263,10 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, step_tokens) X(blink_sched_params_t, done) X(blink_sched_params_t, plan_scratch) \
     X(blink_sched_params_t, row_slot) X(blink_sched_params_t, row_start) X(blink_sched_params_t, row_len)   \
     X(blink_sched_params_t, row_flags) X(blink_sched_params_t, kv_free_stack)                               \
-    X(blink_sched_params_t, kv_owner) X(blink_sched_params_t, kv_tables)                                    \
+    X(blink_sched_params_t, kv_owner) X(blink_sched_params_t, kv_tables) X(blink_sched_params_t, seat_owner) \
     X(blink_sched_params_t, state) X(blink_sched_params_t, control) X(blink_sched_params_t, stats)          \
     X(blink_sched_params_t, graphs) X(blink_sched_params_t, policy)                                         \
-    X(blink_sched_params_t, window_limit) X(blink_sched_params_t, reserved0)                                \
+    X(blink_sched_params_t, window_limit) X(blink_sched_params_t, n_seats)                                \
     X(blink_sched_params_t, idle_sleep_ns) X(blink_sched_params_t, launch_retry_limit)                      \
     X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, reserved)                                \
     X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \
@@ -276,8 +285,10 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_step_io_t, presence) X(blink_step_io_t, frequency) X(blink_step_io_t, repetition)               \
     X(blink_step_io_t, min_tokens) X(blink_step_io_t, stop_ids) X(blink_step_io_t, seat)                    \
     X(blink_step_io_t, lp_token) X(blink_step_io_t, lp_rank) X(blink_step_io_t, lp_top_ids)                 \
-    X(blink_step_io_t, lp_top_vals) X(blink_step_io_t, block_size) X(blink_step_io_t, sink_block)           \
-    X(blink_step_io_t, sink_seat) X(blink_step_io_t, reserved)
+    X(blink_step_io_t, lp_top_vals) X(blink_step_io_t, seat_bias) X(blink_step_io_t, seat_counts)           \
+    X(blink_step_io_t, seat_prompt_mask) X(blink_step_io_t, seat_recent) X(blink_step_io_t, seat_bad_prefix) \
+    X(blink_step_io_t, seat_bad_len) X(blink_step_io_t, seat_bad_last) X(blink_step_io_t, block_size)       \
+    X(blink_step_io_t, sink_block) X(blink_step_io_t, sink_seat) X(blink_step_io_t, vocab)
 
 long blink_struct_offset(const char *strct, const char *field) {
 #define X(S, F) if (!strcmp(strct, #S) && !strcmp(field, #F)) return (long)offsetof(S, F);

@@ -19,8 +19,12 @@
  * seed, token index, min_p, penalties, min_tokens and the ids it masks, and the
  * request's sampler seat, on the sampling row only (every other row, padding
  * included, gets the sink seat, whose in-graph update is a no-op). What a seat
- * holds (bias row, counts, bad words) is filled when the request gets it
- * (graphs/hostloop.py), not here.
+ * holds (bias row, prompt mask, output counts, recent tokens, bad words) is filled
+ * when the request got it: by the host loop in Python (graphs/hostloop.SeatTable),
+ * or, for the persistent scheduler, here: a seat taken at admission is marked
+ * fresh, and the staging of the request's next sampling row fills it from the
+ * ring (the slot's sampling data in the prompt arena, its prompt, its output so
+ * far) before the sampler reads it (blink_fill_seat, SeatState.fill's twin).
  *
  * The contract with the scheduler is the stand-in echo's (echo_step.h): read the
  * step descriptor, write one token per sampled chunk into step_tokens, then the
@@ -66,10 +70,17 @@ typedef struct BLINK_ALIGN8 blink_step_io {
     int64_t *lp_rank;             /* [rows] its rank, 1 = most likely */
     int64_t *lp_top_ids;          /* [rows * BLINK_TOP_LOGPROBS] most likely first */
     float *lp_top_vals;           /* [rows * BLINK_TOP_LOGPROBS] */
+    float *seat_bias;             /* [seats + 1, vocab] graphs/sampler.SeatState, filled by blink_fill_seat */
+    float *seat_counts;           /* [seats + 1, vocab] */
+    uint8_t *seat_prompt_mask;    /* [seats + 1, vocab] torch.bool */
+    int64_t *seat_recent;         /* [seats + 1, BLINK_BAD_WORD_LEN - 1] right-aligned, -1 = none */
+    int64_t *seat_bad_prefix;     /* [seats + 1, BLINK_BAD_WORDS, BLINK_BAD_WORD_LEN - 1] right-aligned, -1 pad */
+    int64_t *seat_bad_len;        /* [seats + 1, BLINK_BAD_WORDS] prefix tokens; -1 = unused */
+    int64_t *seat_bad_last;       /* [seats + 1, BLINK_BAD_WORDS] the banned token; vocab = unused */
     uint32_t block_size;
     uint32_t sink_block;          /* == the pool's block count: padding's K/V lands there */
     uint32_t sink_seat;           /* == the seats the graph holds: the neutral seat */
-    uint32_t reserved;
+    uint32_t vocab;               /* the seats' row width */
 } blink_step_io_t;
 
 /* Row r's sampling parameters beyond temperature / top_p / top_k / seed (q 0: a padding row, neutral). */
@@ -84,6 +95,87 @@ static inline BLINK_HD void blink_stage_sampling(const blink_step_io_t *io, uint
     io->repetition[r] = q && q->repetition_penalty != 0.0f ? q->repetition_penalty : 1.0f;
     io->min_tokens[r] = q ? (int64_t)q->min_tokens : 0;
     io->seat[r] = seat;
+}
+
+/* The row's threads in step (the twin stages a row on one thread: nothing to wait for). */
+template <class P>
+BLINK_DEV void blink_row_sync(P &plat, unsigned nt) {
+    if (nt > 1) plat.sync();
+}
+
+/* Seat `seat` for request q, as graphs/sampler.SeatState.fill does it: the bias row (-inf outside
+ * the allowed ids, -inf on one-token bad words, + logit_bias), the prompt mask, the output counts,
+ * the last BLINK_BAD_WORD_LEN - 1 output tokens and the multi-token bad words. Intake checked the
+ * data (blink_extra_ok); every thread of the row calls it. */
+template <class P>
+BLINK_DEV void blink_fill_seat(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io,
+                               const blink_req_t *q, uint32_t seat, unsigned tid, unsigned nt) {
+    const uint32_t V = io->vocab, L = BLINK_BAD_WORD_LEN - 1;
+    float *bias = io->seat_bias + (uint64_t)seat * V;
+    float *counts = io->seat_counts + (uint64_t)seat * V;
+    uint8_t *mask = io->seat_prompt_mask + (uint64_t)seat * V;
+    const float neg_inf = -__builtin_huge_valf();
+    for (uint32_t i = tid; i < V; i += nt) {
+        bias[i] = q->n_allowed_ids ? neg_inf : 0.0f;
+        counts[i] = 0.0f;
+        mask[i] = 0;
+    }
+    blink_row_sync(plat, nt);
+    const int32_t *extra = blink_prompt_arena(p) + q->extra_offset;
+    const int32_t *prompt = blink_prompt_arena(p) + q->prompt_offset;
+    const uint32_t a0 = 2 * q->n_logit_bias, w0 = a0 + q->n_allowed_ids;
+    for (uint32_t j = tid; j < q->n_allowed_ids; j += nt) bias[plat.ld32(&extra[a0 + j])] = 0.0f;
+    for (uint32_t t = tid; t < q->prompt_len; t += nt) {   /* same value from every writer: no atomic */
+        const uint32_t tok = plat.ld32(&prompt[t]);
+        if (tok < V) mask[tok] = 1;
+    }
+    blink_row_sync(plat, nt);
+    if (tid != 0) return;
+    for (uint32_t i = 0; i < q->bad_words_words;) {          /* one-token words: -inf; the others: the table */
+        const uint32_t n = plat.ld32(&extra[w0 + i]);
+        if (n == 1) bias[plat.ld32(&extra[w0 + i + 1])] = neg_inf;
+        i += 1 + n;
+    }
+    for (uint32_t j = 0; j < q->n_logit_bias; ++j) {         /* in order: repeated ids add up, as index_put_ */
+        const uint32_t bits = plat.ld32(&extra[q->n_logit_bias + j]);
+        float b;
+        memcpy(&b, &bits, 4);
+        bias[plat.ld32(&extra[j])] += b;
+    }
+    const int32_t *out = blink_output_arena(p) + q->output_offset;
+    const uint32_t gen = q->generated;
+    for (uint32_t t = 0; t < gen; ++t) {
+        const uint32_t tok = plat.ld32(&out[t]);
+        if (tok < V) counts[tok] += 1.0f;
+    }
+    int64_t *recent = io->seat_recent + (uint64_t)seat * L;
+    for (uint32_t k = 0; k < L; ++k) {                       /* right-aligned: the newest last */
+        const int64_t back = (int64_t)L - (int64_t)k;        /* 1 .. L tokens back */
+        recent[k] = back <= (int64_t)gen ? (int64_t)plat.ld32(&out[gen - back]) : -1;
+    }
+    int64_t *prefix = io->seat_bad_prefix + (uint64_t)seat * BLINK_BAD_WORDS * L;
+    int64_t *plen = io->seat_bad_len + (uint64_t)seat * BLINK_BAD_WORDS;
+    int64_t *last = io->seat_bad_last + (uint64_t)seat * BLINK_BAD_WORDS;
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < q->bad_words_words;) {
+        const uint32_t n = plat.ld32(&extra[w0 + i]);
+        if (n > 1 && m < BLINK_BAD_WORDS) {
+            int64_t *row = prefix + (uint64_t)m * L;
+            for (uint32_t k = 0; k < L; ++k) {
+                const uint32_t from_end = L - k;             /* prefix token n-1-from_end, right-aligned */
+                row[k] = from_end <= n - 1 ? (int64_t)plat.ld32(&extra[w0 + i + 1 + (n - 1 - from_end)]) : -1;
+            }
+            plen[m] = n - 1;
+            last[m] = plat.ld32(&extra[w0 + i + n]);
+            ++m;
+        }
+        i += 1 + n;
+    }
+    for (; m < BLINK_BAD_WORDS; ++m) {
+        for (uint32_t k = 0; k < L; ++k) prefix[(uint64_t)m * L + k] = -1;
+        plen[m] = -1;
+        last[m] = V;
+    }
 }
 
 /* Row r of a graph of shape (R, S, C); threads tid of nt share the row. */
@@ -134,6 +226,9 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
             kv_slot[i] = (int64_t)sink * bs + i % bs;
         }
     }
+    const int samples = (p->row_flags[r] & BLINK_ROW_SAMPLE) != 0;
+    if (samples && q->seat_fresh && q->seat < io->sink_seat)   /* uniform over the row's threads */
+        blink_fill_seat(plat, p, io, q, q->seat, tid, nt);
     const uint32_t held = q->num_blocks < mb ? q->num_blocks : mb;
     for (uint32_t j = tid; j < mb; j += nt) table_out[j] = j < held ? (int64_t)table[j] : (int64_t)sink;
     if (tid == 0) {
@@ -143,7 +238,6 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
         io->top_k[r] = q->top_k;
         io->seeds[r] = (int64_t)q->seed;
         io->token_index[r] = (int64_t)(start + n) - (int64_t)plen;
-        const int samples = (p->row_flags[r] & BLINK_ROW_SAMPLE) != 0;
         blink_stage_sampling(io, r, q, samples && q->seat < io->sink_seat ? q->seat : io->sink_seat);
     }
 }

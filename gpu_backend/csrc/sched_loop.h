@@ -9,13 +9,13 @@
  *                        plain store (one thread owns each slot in a scan; the
  *                        frontend never writes a PENDING slot's state), mark
  *                        cancelled or stale requests for the reap
- *   intake   (all)       copy + validate the claimed requests (the sampling surface too;
- *                        what the graphs cannot serve yet is refused), queue them FCFS by seq
+ *   intake   (all)       copy + validate the claimed requests (the sampling surface and its
+ *                        data too; prompt logprobs refused), queue them FCFS by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
  *   schedule (thread 0)  drop finished, reap aborted (their KV blocks back to the
  *                        allocator), blink_plan_step, preempt, admit, allocate KV
- *                        blocks (kv_alloc.h), write the step descriptor, pick the
+ *                        blocks (kv_alloc.h) and sampler seats, write the step descriptor, pick the
  *                        step graph (graph_table.h: O(1) lookup, chunks -> rows),
  *                        launch it fire-and-forget, or tail-launch a fresh
  *                        instance when this one's launch window is full
@@ -45,6 +45,31 @@ typedef struct blink_sched_shared {
     uint32_t draining;       /* copy of state->draining for the scan */
     uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
 } blink_sched_shared_t;
+
+/* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
+ * one (blink_needs_seat) takes a free seat at admission, marked fresh so the step graph's
+ * staging fills it (model_step.h) before its next sample; it gives the seat back whenever it
+ * leaves the running list (finish, abort, preemption: refilled from its output on return). */
+static inline BLINK_HD void blink_seat_take(const blink_sched_params_t *p, uint32_t slot) {
+    blink_req_t *r = &p->reqs[slot];
+    if (r->seat != BLINK_NO_SEAT ||
+        !blink_needs_seat(r->presence_penalty, r->frequency_penalty, r->repetition_penalty, r->n_logit_bias,
+                          r->n_allowed_ids, r->bad_words_words))
+        return;
+    for (uint32_t i = 0; i < p->n_seats; ++i)
+        if (p->seat_owner[i] == 0) {   /* n_seats == max_batch_size: a running request always finds one */
+            p->seat_owner[i] = slot + 1;
+            r->seat = i;
+            r->seat_fresh = 1;
+            return;
+        }
+}
+
+static inline BLINK_HD void blink_seat_release(const blink_sched_params_t *p, blink_req_t *r) {
+    if (r->seat != BLINK_NO_SEAT && r->seat < p->n_seats) p->seat_owner[r->seat] = 0;
+    r->seat = BLINK_NO_SEAT;
+    r->seat_fresh = 0;
+}
 
 /* A float ring word, read through the platform's volatile 32-bit load. */
 template <class P>
@@ -91,6 +116,7 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
     blink_sched_state_t *st = p->state;
     for (uint32_t i = 0; i < st->n_running; ++i) {
         blink_req_t *r = &p->reqs[p->running[i]];
+        blink_seat_release(p, r);
         if (r->status == BLINK_REQ_RUNNING) {
             r->status = BLINK_REQ_FREE;
             blink_complete_slot(plat, p, p->running[i], BLINK_FINISH_ABORT, error);
@@ -270,13 +296,18 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->logprobs = v.logprobs;
         r->logprobs_offset = v.logprobs_offset;
         r->seat = BLINK_NO_SEAT;
+        r->seat_fresh = 0;
+        r->extra_offset = v.extra_offset;
+        r->n_logit_bias = v.n_logit_bias;
+        r->n_allowed_ids = v.n_allowed_ids;
+        r->bad_words_words = v.bad_words_words;
         r->generated = r->num_computed = r->num_blocks = 0;
         r->status = BLINK_REQ_FREE;
         r->ring_state = BLINK_PREFILL_PROCESSING;
         r->abort_finish = r->abort_error = 0;
         r->intake_error = blink_intake_check(cfg, p->prompt_arena_tokens, p->output_arena_tokens,
                                              p->logprob_arena_words, sh->fe_epoch, &v);
-        if (!r->intake_error) r->intake_error = blink_device_unsupported(&v);
+        if (!r->intake_error) r->intake_error = blink_device_unsupported(&v, p->n_seats);
     }
     plat.sync();
     /* Prompt token ids: few arrivals -> the block strides over each prompt; many -> one thread per prompt. */
@@ -301,6 +332,17 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
                     break;
                 }
         }
+    }
+    plat.sync();
+    /* The sampling data a seat is filled from (bounds checked by blink_intake_check), as intake.py's
+     * decode_extra checks it: one thread per arrival (rare, and at most a few thousand words). */
+    for (uint32_t a = tid; a < n; a += nt) {
+        blink_req_t *r = &p->reqs[p->arrivals[a]];
+        if (r->intake_error || !(r->n_logit_bias || r->n_allowed_ids || r->bad_words_words)) continue;
+        const int32_t *w = arena + r->extra_offset;
+        if (!blink_extra_ok([&](uint32_t i) { return plat.ld32(&w[i]); }, cfg->vocab_size, r->n_logit_bias,
+                            r->n_allowed_ids, r->bad_words_words))
+            r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     }
     plat.sync();
     /* Reject, or queue at the rank of (seq, slot) among this scan's accepted arrivals. */
@@ -370,6 +412,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
         if (!p->chunk_sample[c]) continue;
+        r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
         blink_slot_t *s = blink_slot_ptr(p, slot);
         plat.st32(&out[r->output_offset + r->generated], (uint32_t)token);
@@ -431,6 +474,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 stats->completed += 1;
             }
             blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+            blink_seat_release(p, r);
             r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
         } else {
@@ -466,6 +510,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         st->n_running -= 1;
         blink_req_t *r = &p->reqs[slot];
         blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+        blink_seat_release(p, r);
         r->num_blocks = r->num_computed = 0;
         r->status = BLINK_REQ_WAITING;
         if (r->ring_state != BLINK_DECODE_PAUSED) {
@@ -488,6 +533,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         st->w_count -= 1;
         p->reqs[slot].status = BLINK_REQ_RUNNING;
         p->running[st->n_running++] = slot;
+        blink_seat_take(p, slot);
     }
     int err = 0;
     for (uint32_t k = 0; k < plan.n_new_blocks; ++k) {        /* at prefill and at block boundaries */
@@ -557,6 +603,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 continue;
             }
             blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+            blink_seat_release(p, r);
             r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
             blink_complete_slot(plat, p, slot, BLINK_FINISH_ERROR, BLINK_ERR_INTERNAL);
@@ -582,6 +629,7 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
             st->w_head = st->w_count = st->n_running = 0;
             const blink_kv_t kv = blink_kv_of(p);
             blink_kv_init(&kv, &st->free_blocks);
+            for (uint32_t i = 0; i < p->n_seats; ++i) p->seat_owner[i] = 0;
             st->prev_kind = BLINK_STEP_IDLE;
             st->in_flight = 0;
             st->started = 1;

@@ -15,6 +15,8 @@
 #ifndef BLINK_SCHED_POLICY_H
 #define BLINK_SCHED_POLICY_H
 
+#include <string.h>
+
 #include "sched_types.h"
 
 typedef struct blink_plan {
@@ -200,18 +202,54 @@ static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *
     return 0;
 }
 
-/* What the persistent scheduler's graphs cannot serve yet, refused rather than ignored
- * (docs/cuda.md, "Sampling in the graph"): a request that needs a sampler seat (penalties,
- * logit_bias, allowed ids, bad words: the device has no seat allocator or arena fill yet)
- * or prompt logprobs (the graphs compute the logits of each row's last token only).
+/* Whether a request's sampling keeps state in a sampler seat (graphs/hostloop.needs_seat). */
+static inline BLINK_HD int blink_needs_seat(float presence, float frequency, float repetition, uint32_t n_logit_bias,
+                                            uint32_t n_allowed_ids, uint32_t bad_words_words) {
+    return presence != 0.0f || frequency != 0.0f || (repetition != 0.0f && repetition != 1.0f) || n_logit_bias ||
+           n_allowed_ids || bad_words_words;
+}
+
+/* What the persistent scheduler's graphs cannot serve, refused rather than ignored (docs/cuda.md,
+ * "Sampling in the graph"): prompt logprobs (the graphs compute each row's last logits only),
+ * and a request that needs a sampler seat when the step graphs hold none (the echo stand-in).
  * Returns FinishReason << 16 | ErrorCode, 0 when the device serves it. */
-static inline BLINK_HD uint32_t blink_device_unsupported(const blink_slot_t *s) {
-    const int penalized = s->presence_penalty != 0.0f || s->frequency_penalty != 0.0f ||
-                          (s->repetition_penalty != 0.0f && s->repetition_penalty != 1.0f);
-    if (penalized || s->n_logit_bias || s->n_allowed_ids || s->bad_words_words ||
-        (s->flags & BLINK_FLAG_PROMPT_LOGPROBS))
+static inline BLINK_HD uint32_t blink_device_unsupported(const blink_slot_t *s, uint32_t n_seats) {
+    const int seat = blink_needs_seat(s->presence_penalty, s->frequency_penalty, s->repetition_penalty,
+                                      s->n_logit_bias, s->n_allowed_ids, s->bad_words_words);
+    if ((seat && n_seats == 0) || (s->flags & BLINK_FLAG_PROMPT_LOGPROBS))
         return BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     return 0;
+}
+
+/* shared_layout.extra.decode_extra's checks on a slot's sampling data (words at w: logit_bias
+ * ids, their float32 values, allowed ids, (length, ids...) bad words), plus the seat's cap on
+ * multi-token bad words. 1: acceptable. `ld(i)` loads word i. */
+template <class L>
+BLINK_DEV int blink_extra_ok(L ld, uint32_t vocab, uint32_t n_logit_bias, uint32_t n_allowed_ids,
+                            uint32_t bad_words_words) {
+    if (n_logit_bias > BLINK_MAX_LOGIT_BIAS || n_allowed_ids > BLINK_MAX_ALLOWED_IDS ||
+        bad_words_words > BLINK_MAX_BAD_WORDS_WORDS)
+        return 0;
+    for (uint32_t i = 0; i < n_logit_bias; ++i) {
+        const uint32_t id = ld(i), bits = ld(n_logit_bias + i);
+        float b;
+        memcpy(&b, &bits, 4);
+        if (id >= vocab || !(b >= -100.0f && b <= 100.0f)) return 0;   /* NaN fails the comparison */
+    }
+    const uint32_t a0 = 2 * n_logit_bias;
+    for (uint32_t i = 0; i < n_allowed_ids; ++i)
+        if (ld(a0 + i) >= vocab) return 0;
+    const uint32_t w0 = a0 + n_allowed_ids;
+    uint32_t multi = 0;
+    for (uint32_t i = 0; i < bad_words_words;) {
+        const uint32_t n = ld(w0 + i);
+        if (n < 1 || n > BLINK_BAD_WORD_LEN || i + 1 + n > bad_words_words) return 0;
+        for (uint32_t j = 0; j < n; ++j)
+            if (ld(w0 + i + 1 + j) >= vocab) return 0;
+        multi += n > 1;
+        i += 1 + n;
+    }
+    return multi <= BLINK_BAD_WORDS;
 }
 
 /* splitmix64: the seed of a request that brought none, from what identifies it

@@ -11,6 +11,7 @@
  *   chunk_* / step_tokens        the step descriptor the step graph reads and its output
  *   row_*                        the step's chunks cut into the chosen graph's rows (graph_table.h)
  *   kv_*                         the KV block allocator and every slot's block table (kv_alloc.h)
+ *   seat_owner                   which running request holds each sampler seat of the step graphs
  *   graphs                       the captured step graphs and their lookup tables (graph_table.h)
  *   blink_sched_control_t        host-mapped: stop/abort from the host, counters to it
  */
@@ -34,6 +35,11 @@
 #define BLINK_ROW_STOPS (BLINK_MAX_STOP_IDS + BLINK_MAX_EOS_IDS)   /* ids the sampler masks before min_tokens */
 #define BLINK_TOP_LOGPROBS BLINK_MAX_LOGPROBS   /* top entries the graph computes for every row */
 #define BLINK_NO_SEAT 0xffffffffu    /* blink_req_t.seat: the request holds no sampler seat */
+#define BLINK_BAD_WORDS 64           /* multi-token bad words a seat holds (graphs/sampler.BAD_WORDS) */
+#define BLINK_BAD_WORD_LEN 64        /* tokens of one bad word at most (graphs/sampler.BAD_WORD_LEN) */
+#define BLINK_MAX_LOGIT_BIAS 1024u   /* shared_layout/extra.py's caps on a slot's sampling data */
+#define BLINK_MAX_ALLOWED_IDS (1u << 18)
+#define BLINK_MAX_BAD_WORDS_WORDS (1u << 14)
 #define BLINK_STEP_GRAPHS 2          /* instances of each step graph, launched alternately */
 /* Fire-and-forget launches one graph execution may make (CUDA programming guide, device
  * graph launch). The scheduler counts every launch attempt, refused ones included (the
@@ -106,7 +112,9 @@ typedef struct BLINK_ALIGN8 blink_req {
     uint32_t logprobs;            /* top entries of each generated token's record (with BLINK_FLAG_LOGPROBS) */
     uint32_t logprobs_offset;     /* first word of its records in the logprob arena */
     uint32_t seat;                /* sampler seat (graphs/sampler.SeatState) or BLINK_NO_SEAT */
-    uint32_t reserved2;
+    uint32_t seat_fresh;          /* 1: the seat was taken at admission; the staging fills it at the next sample */
+    uint32_t extra_offset;        /* the slot's sampling data in the prompt arena (checked at intake) */
+    uint32_t n_logit_bias, n_allowed_ids, bad_words_words;
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {
@@ -181,13 +189,14 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t *kv_free_stack;      /* [num_blocks] kv_alloc.h */
     uint32_t *kv_owner;           /* [num_blocks] */
     uint32_t *kv_tables;          /* [slot_count * kv_max_blocks] block table of each slot */
+    uint32_t *seat_owner;         /* [n_seats] slot + 1 of the running request holding each seat; 0: free */
     blink_sched_state_t *state;
     blink_sched_control_t *control;   /* host-mapped: the host reads it without CUDA calls */
     blink_sched_control_t *stats;     /* device memory: counters accumulate here, copied to control at each beat */
     blink_graph_table_t graphs;   /* the step graphs, instantiated for device launch, and their lookup tables */
     blink_policy_config_t policy;
     uint32_t window_limit;        /* launch attempts after which an instance rolls over (<= BLINK_MAX_WINDOW) */
-    uint32_t reserved0;           /* zero */
+    uint32_t n_seats;             /* sampler seats of the step graphs (seat_owner entries); 0: none */
     uint32_t idle_sleep_ns;       /* back-off when a scan found nothing and no step runs */
     uint32_t launch_retry_limit;  /* refused device launches retried this often before giving up */
     uint32_t kv_max_blocks;       /* blocks one slot's table holds (one max_model_len context) */

@@ -96,4 +96,7 @@ class SchedulerConfig:
         for name, addr in buffers.items():
             setattr(p, name, addr)
         p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)
+        # the model graphs hold one sampler seat per running request (graphs/plan.StaticSizes.seats);
+        # the echo stand-in none, and its intake refuses what would need one
+        p.n_seats = self.max_batch_size if p.graphs.shapes else 0
         return p

@@ -16,6 +16,8 @@ MAX_EOS_IDS = 8
 ROW_STOPS = MAX_STOP_IDS + MAX_EOS_IDS     # csrc BLINK_ROW_STOPS (= graphs.sampler.ROW_STOPS)
 TOP_LOGPROBS = MAX_LOGPROBS                # csrc BLINK_TOP_LOGPROBS
 NO_SEAT = 0xFFFF_FFFF                      # csrc BLINK_NO_SEAT
+BAD_WORDS = 64                             # csrc BLINK_BAD_WORDS (= graphs.sampler.BAD_WORDS)
+BAD_WORD_LEN = 64                          # csrc BLINK_BAD_WORD_LEN (= graphs.sampler.BAD_WORD_LEN)
 STEP_GRAPHS = 2               # instances of each step graph, launched alternately
 
 ROW_SAMPLE, ROW_CHUNK = 0x8000_0000, 0x7FFF_FFFF
@@ -51,7 +53,8 @@ class Req(_Struct):
                 ("min_p", ctypes.c_float), ("presence_penalty", ctypes.c_float),
                 ("frequency_penalty", ctypes.c_float), ("repetition_penalty", ctypes.c_float),
                 ("min_tokens", u32), ("n_mask_stops", u32), ("mask_stops", i32 * ROW_STOPS),
-                ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("reserved2", u32)]
+                ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("seat_fresh", u32),
+                ("extra_offset", u32), ("n_logit_bias", u32), ("n_allowed_ids", u32), ("bad_words_words", u32)]
 
 
 class SchedState(_Struct):
@@ -97,8 +100,9 @@ class StepIO(_Struct):
                 ("q_lens", ptr), ("temperature", ptr), ("top_p", ptr), ("top_k", ptr), ("seeds", ptr),
                 ("token_index", ptr), ("tokens", ptr), ("min_p", ptr), ("presence", ptr), ("frequency", ptr),
                 ("repetition", ptr), ("min_tokens", ptr), ("stop_ids", ptr), ("seat", ptr), ("lp_token", ptr),
-                ("lp_rank", ptr), ("lp_top_ids", ptr), ("lp_top_vals", ptr), ("block_size", u32),
-                ("sink_block", u32), ("sink_seat", u32), ("reserved", u32)]
+                ("lp_rank", ptr), ("lp_top_ids", ptr), ("lp_top_vals", ptr), ("seat_bias", ptr), ("seat_counts", ptr),
+                ("seat_prompt_mask", ptr), ("seat_recent", ptr), ("seat_bad_prefix", ptr), ("seat_bad_len", ptr),
+                ("seat_bad_last", ptr), ("block_size", u32), ("sink_block", u32), ("sink_seat", u32), ("vocab", u32)]
 
 
 class SchedParams(_Struct):
@@ -107,10 +111,10 @@ class SchedParams(_Struct):
                 ("logprob_arena_offset", u64), ("logprob_arena_words", u64), ("reqs", ptr), ("waiting", ptr), ("running", ptr), ("arrivals", ptr), ("chunk_slot", ptr),
                 ("chunk_start", ptr), ("chunk_len", ptr), ("chunk_sample", ptr), ("step_tokens", ptr),
                 ("done", ptr), ("plan_scratch", ptr), ("row_slot", ptr), ("row_start", ptr), ("row_len", ptr),
-                ("row_flags", ptr), ("kv_free_stack", ptr), ("kv_owner", ptr), ("kv_tables", ptr),
+                ("row_flags", ptr), ("kv_free_stack", ptr), ("kv_owner", ptr), ("kv_tables", ptr), ("seat_owner", ptr),
                 ("state", ptr), ("control", ptr), ("stats", ptr),
                 ("graphs", GraphTable), ("policy", PolicyConfig), ("window_limit", u32),
-                ("reserved0", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
+                ("n_seats", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
                 ("kv_max_blocks", u32), ("reserved", u32),
                 ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
                 ("clock_offset_ns", i64)]
@@ -134,5 +138,5 @@ def buffer_sizes(slot_count: int, max_batch_size: int, *, num_blocks: int, max_b
             "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * 8 * max_batch_size,
             "row_slot": 4 * rows, "row_start": 4 * rows, "row_len": 4 * rows, "row_flags": 4 * rows,
             "kv_free_stack": 4 * num_blocks, "kv_owner": 4 * num_blocks,
-            "kv_tables": 4 * slot_count * max_blocks,
+            "kv_tables": 4 * slot_count * max_blocks, "seat_owner": 4 * max(1, max_batch_size),
             "state": ctypes.sizeof(SchedState), "stats": ctypes.sizeof(SchedControl)}

@@ -42,7 +42,9 @@ def lib() -> ctypes.CDLL:
     so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                                 ctypes.c_void_p]
     so.blink_unsupported.restype = ctypes.c_uint32
-    so.blink_unsupported.argtypes = [ctypes.c_void_p]
+    so.blink_unsupported.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    so.blink_extra_check.restype = ctypes.c_int
+    so.blink_extra_check.argtypes = [ctypes.c_void_p] + [ctypes.c_uint32] * 4
     vp, u32 = ctypes.c_void_p, ctypes.c_uint32
     for name, args in (("blink_kv_init_c", [vp, vp]), ("blink_kv_alloc_c", [vp, vp, u32, u32, u32]),
                        ("blink_kv_free_c", [vp, vp, u32, u32]), ("blink_kv_check_c", [vp, u32]),
@@ -118,12 +120,19 @@ def intake_check(cfg: SchedulerConfig, geom, frontend_epoch: int, record: np.nda
     return code >> 16, code & 0xFFFF
 
 
-def device_unsupported(record: np.ndarray) -> tuple[int, int]:
+def device_unsupported(record: np.ndarray, n_seats: int) -> tuple[int, int]:
     """(FinishReason, ErrorCode) of the persistent scheduler's refusal of a slot record
-    (blink_device_unsupported: sampling the device's graphs cannot serve yet); (0, 0): served."""
+    (blink_device_unsupported: sampling its graphs cannot serve); (0, 0): served."""
     rec = np.ascontiguousarray(record, dtype=SLOT_DTYPE)
-    code = int(lib().blink_unsupported(rec.ctypes.data))
+    code = int(lib().blink_unsupported(rec.ctypes.data, n_seats))
     return code >> 16, code & 0xFFFF
+
+
+def extra_ok(words: np.ndarray, vocab: int, n_logit_bias: int, n_allowed_ids: int, bad_words_words: int) -> bool:
+    """The device intake's check of a slot's sampling data (blink_extra_ok)."""
+    w = np.ascontiguousarray(words, "<i4")
+    return bool(lib().blink_extra_check(w.ctypes.data if w.size else None, vocab, n_logit_bias, n_allowed_ids,
+                                        bad_words_words))
 
 
 class TwinScheduler:

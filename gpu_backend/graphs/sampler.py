@@ -153,8 +153,9 @@ class SeatState:
     @torch.inference_mode()
     def fill(self, seat: int, prompt, output, logit_bias=(), allowed_token_ids=(), bad_words=()) -> None:
         """Seat `seat` for a request: its bias row, prompt mask, counts of its output so far and
-        its bad words (ValueError when they exceed the seat). The setup when a request gets a
-        seat (the host loop: at its first step after admission), and again after a preemption."""
+        its bad words (ValueError when they exceed the seat). The host loop's setup when a
+        request gets a seat (and again after a preemption); csrc/model_step.h's blink_fill_seat
+        is its twin on the device, filling from the ring."""
         if not 0 <= seat < self.seats:
             raise ValueError(f"seat {seat} outside 0..{self.seats - 1}")
         multi = [tuple(w) for w in bad_words if len(w) > 1]
@@ -297,7 +298,8 @@ def update(s: SeatState, p: RowParams, tokens: torch.Tensor) -> None:
     """Count each seated row's token in its seat and append it to the seat's recent tokens
     (in place; sink rows write the sink's own values back)."""
     seated = p.seat != s.sink                                                                   # [R]
-    s.counts.index_put_((p.seat, tokens), seated.to(torch.float32), accumulate=True)
+    # a scatter-add over the flattened counts: one plain kernel (no sort), safe to capture
+    s.counts.view(-1).scatter_add_(0, p.seat * s.vocab + tokens, seated.to(torch.float32))
     old = s.recent.index_select(0, p.seat)                                                      # [R, L-1]
     new = torch.cat([old[:, 1:], tokens[:, None]], dim=1)
     s.recent.index_copy_(0, p.seat, torch.where(seated[:, None], new, old))

@@ -109,7 +109,13 @@ class StaticBuffers:
             "input_ids", "positions", "slot_mapping", "block_tables", "q_lens", "temperature", "top_p", "top_k",
             "seeds", "token_index", "tokens", "min_p", "presence", "frequency", "repetition", "min_tokens",
             "stop_ids", "seat", "lp_token", "lp_rank", "lp_top_ids", "lp_top_vals")}
-        return structs.StepIO(**ptrs, block_size=block_size, sink_block=sink_block, sink_seat=self.seats.sink)
+        st = self.seats
+        ptrs.update(seat_bias=st.bias.data_ptr(), seat_counts=st.counts.data_ptr(),
+                    seat_prompt_mask=st.prompt_mask.data_ptr(), seat_recent=st.recent.data_ptr(),
+                    seat_bad_prefix=st.bad_prefix.data_ptr(), seat_bad_len=st.bad_len.data_ptr(),
+                    seat_bad_last=st.bad_last.data_ptr())
+        return structs.StepIO(**ptrs, block_size=block_size, sink_block=sink_block, sink_seat=st.sink,
+                              vocab=st.vocab)
 
     def logprob_rows(self, rows: list[int]):
         """The logprob outputs of the given rows of the last step, on the host:

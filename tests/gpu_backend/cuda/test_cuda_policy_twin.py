@@ -151,16 +151,50 @@ def test_intake_checks_match_python(twin_lib):
 
 
 def test_device_refuses_only_what_its_graphs_cannot_serve(twin_lib):
-    """blink_device_unsupported: a sampler seat (penalties, logit_bias, allowed ids, bad words)
-    or prompt logprobs -> ERROR/INVALID_REQUEST; min_p, min_tokens, logprobs, top-k/p pass."""
+    """blink_device_unsupported: prompt logprobs always, and without sampler seats (the echo
+    stand-in) what needs one (penalties, logit_bias, allowed ids, bad words), with
+    ERROR/INVALID_REQUEST; the rest passes."""
     from gpu_backend.cuda import twin
     from shared_layout.extra import SamplingExtra
-    ok = [dict(), dict(min_p=0.3, min_tokens=2, logprobs=5, top_k=4, top_p=0.5, temperature=0.7),
-          dict(repetition_penalty=1.0), dict(repetition_penalty=0.0)]
-    refused = [dict(presence_penalty=0.1), dict(frequency_penalty=-0.5), dict(repetition_penalty=1.1),
-               dict(extra=SamplingExtra(logit_bias=((3, 1.0),))), dict(extra=SamplingExtra(allowed_token_ids=(4,))),
-               dict(extra=SamplingExtra(bad_words=((5, 6),))), dict(prompt_logprobs=0)]
-    for kw, want in [(k, (0, 0)) for k in ok] + [(k, (int(FinishReason.ERROR), int(ErrorCode.INVALID_REQUEST)))
-                                                  for k in refused]:
+    invalid = (int(FinishReason.ERROR), int(ErrorCode.INVALID_REQUEST))
+    plain = [dict(), dict(min_p=0.3, min_tokens=2, logprobs=5, top_k=4, top_p=0.5, temperature=0.7),
+             dict(repetition_penalty=1.0), dict(repetition_penalty=0.0)]
+    seat = [dict(presence_penalty=0.1), dict(frequency_penalty=-0.5), dict(repetition_penalty=1.1),
+            dict(extra=SamplingExtra(logit_bias=((3, 1.0),))), dict(extra=SamplingExtra(allowed_token_ids=(4,))),
+            dict(extra=SamplingExtra(bad_words=((5, 6),)))]
+    cases = ([(k, n, (0, 0)) for k in plain for n in (0, 4)] + [(k, 0, invalid) for k in seat]
+             + [(k, 4, (0, 0)) for k in seat] + [(dict(prompt_logprobs=0), n, invalid) for n in (0, 4)])
+    for kw, n_seats, want in cases:
         rec = SlotRequest(seq=1, prompt_offset=0, prompt_len=4, output_offset=0, max_tokens=8, **kw).record()
-        assert twin.device_unsupported(rec) == want, kw
+        assert twin.device_unsupported(rec, n_seats) == want, (kw, n_seats)
+
+
+def test_device_checks_sampling_data_as_decode_extra(twin_lib):
+    """blink_extra_ok against shared_layout.extra.decode_extra on valid and corrupted words; the
+    device also refuses more multi-token bad words than a seat holds."""
+    from gpu_backend.cuda import structs, twin
+    from gpu_backend.graphs import sampler
+    from shared_layout.extra import SamplingExtra, decode_extra, encode_extra
+    assert (structs.BAD_WORDS, structs.BAD_WORD_LEN) == (sampler.BAD_WORDS, sampler.BAD_WORD_LEN)
+    vocab, rng = 100, random.Random(18)
+    for trial in range(600):
+        extra = SamplingExtra(
+            logit_bias=tuple((rng.randrange(vocab), rng.uniform(-100, 100)) for _ in range(rng.randrange(4))),
+            allowed_token_ids=tuple(rng.randrange(vocab) for _ in range(rng.randrange(4))),
+            bad_words=tuple(tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 4)))
+                            for _ in range(rng.randrange(4))))
+        words, counts = encode_extra(extra), list(extra.counts)
+        if words.size and trial % 2:
+            i = rng.randrange(words.size)
+            words[i] = rng.choice([-1, vocab, 0, 2**31 - 1, 65, int(np.float32(150.0).view("<i4")),
+                                   int(np.float32("nan").view("<i4"))])
+        try:
+            decode_extra(words, *counts, vocab_size=vocab)
+            want = True
+        except ValueError:
+            want = False
+        assert twin.extra_ok(words, vocab, *counts) == want, (extra, words)
+    many = SamplingExtra(bad_words=tuple((i, i + 1) for i in range(structs.BAD_WORDS + 1)))
+    assert not twin.extra_ok(encode_extra(many), vocab, *many.counts)
+    assert twin.extra_ok(encode_extra(SamplingExtra(bad_words=many.bad_words[1:])), vocab,
+                         *SamplingExtra(bad_words=many.bad_words[1:]).counts)

@@ -10,9 +10,9 @@ check runs in CI: test_sampler_twin.py and test_sampling_surface_cpu.py.
     executors in-process on a tiny random model, against the CPU executor:
         cuda-hostloop: penalties, logit_bias, allowed ids, bad words, min_tokens and
             logprob records (seats filled by the host loop's SeatTable)
-        cuda (the persistent scheduler): min_tokens and the logprob records its finish
-            kernel writes into the ring; what needs a seat or prompt logprobs refused
-            with INVALID_REQUEST, the others undisturbed
+        cuda (the persistent scheduler): the same, with seats taken at admission and
+            filled by the staging kernel from the ring, and the logprob records its finish
+            kernel writes into the ring; prompt logprobs refused with INVALID_REQUEST
 """
 from __future__ import annotations
 
@@ -177,14 +177,16 @@ def test_hostloop_applies_the_surface_on_the_gpu(tiny_folder, reference, shm_rin
     _agree(got, want, work, max_parted=2)
 
 
-def test_persistent_scheduler_serves_logprobs_and_refuses_seats(tiny_folder, reference, shm_ring, tiny_buckets):
+def test_persistent_scheduler_applies_the_surface_on_the_gpu(tiny_folder, reference, shm_ring, tiny_buckets):
+    """Seats taken at admission and filled by the staging kernel from the ring, logprob records
+    written by the finish kernel; prompt logprobs refused, the others undisturbed."""
     from gpu_backend.executors.cuda import CudaExecutor
     work, want = reference
-    served, refused = [0, 4, 6], [1, 2, 3, 5]
+    refused = ([5, 6, 7], 4, dict(ignore_eos=True, prompt_logprobs=2))
     ex = CudaExecutor(_options(tiny_folder))
     try:
-        got = _serve_executor(ex, shm_ring(surf.GEOM), [work[i] for i in served + refused])
+        got = _serve_executor(ex, shm_ring(surf.GEOM), work + [refused])
     finally:
         ex.close()
-    _agree(got[:len(served)], [want[i] for i in served], [work[i] for i in served], max_parted=1)
-    assert all((f, e) == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST) for f, e, _, _ in got[len(served):])
+    _agree(got[:-1], want, work, max_parted=2)
+    assert got[-1][:2] == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)

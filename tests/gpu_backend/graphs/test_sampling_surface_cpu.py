@@ -3,13 +3,16 @@
     host loop:  Engine + HostLoopRunner (seats filled by SeatTable) -> C++ staging
                 (csrc/model_step.h: per-row penalties, min_p, min_tokens ids, seat)
                 + StepFunction (graphs/sampler.sample_step) -> tokens and logprob records
-    persistent: the scheduler's CPU twin (csrc/sched_loop.h intake, the finish kernel's
-                logprob records into the ring) launching the same CPU graphs
+    persistent: the scheduler's CPU twin (csrc/sched_loop.h: intake checks, seats taken at
+                admission and given back on preemption; csrc/model_step.h: the staging
+                fills a fresh seat from the ring, the finish kernel writes logprob
+                records into the ring) launching the same CPU graphs
 
 against the CPU executor (logits_processors + sampling + logprobs): the same greedy
 tokens under penalties, logit_bias, allowed ids, bad words and min_tokens, the same
 logprob records within float32 tolerance; sampled rows never draw a banned token; the
-device refuses, with INVALID_REQUEST, what it cannot serve yet (seats, prompt logprobs)."""
+device refuses prompt logprobs (its graphs compute each row's last logits only) with
+INVALID_REQUEST."""
 from __future__ import annotations
 
 import pathlib
@@ -50,13 +53,13 @@ def _work(model):
     base = dict(ignore_eos=True)
     return [
         (p1, 12, dict(base, logprobs=5)),
-        (p1 + g1[:3], 16, dict(base, repetition_penalty=1.6, presence_penalty=0.8, frequency_penalty=0.6,
+        (p1 + g1[:3], 40, dict(base, repetition_penalty=1.6, presence_penalty=0.8, frequency_penalty=0.6,
                                logprobs=20)),
-        (p1, 10, dict(base, extra=SamplingExtra(logit_bias=((77, 40.0), (g1[0], -50.0))), frequency_penalty=2.0)),
+        (p1, 40, dict(base, extra=SamplingExtra(logit_bias=((77, 40.0), (g1[0], -50.0))), frequency_penalty=2.0)),
         (p2, 10, dict(base, extra=SamplingExtra(allowed_token_ids=tuple(range(20, 60)), bad_words=((21,), (30, 31))),
                       logprobs=3)),
         (p3, 12, dict(base, stop_ids=(g3[0], g3[2]), min_tokens=6, logprobs=2)),
-        (p3, 12, dict(base, extra=SamplingExtra(bad_words=((g3[0], g3[1]), (g3[3],))))),
+        (p3, 40, dict(base, extra=SamplingExtra(bad_words=((g3[0], g3[1]), (g3[3],))))),
         (p1, 8, dict(base, min_p=0.3, top_k=3, logprobs=1)),      # greedy: min_p / top_k change nothing
     ]
 
@@ -140,8 +143,11 @@ def test_hostloop_seats_survive_preemption(tiny_model, twin_lib, reference):
     work, want = reference
     ring = Ring.create(bytearray(GEOM.total_size), GEOM)
     engine, runner = _hostloop(tiny_model, ring, num_blocks=blocks_needed(MAX_LEN, BS) + 2)
+    preempted, preempt = [], engine._preempt
+    engine._preempt = lambda victims: (preempted.extend(victims), preempt(victims))
     got = _serve(ring, engine.step, work, logprobs=False)
     assert [g[2] for g in got] == [w[2] for w in want]
+    assert preempted
 
 
 def test_hostloop_sampled_rows_respect_every_ban(tiny_model, twin_lib):
@@ -174,28 +180,32 @@ def _twin(model, ring: Ring, work, num_blocks: int = 200):
     holder["tw"] = tw
     tw.start()
     try:
-        return _serve(ring, lambda: time.sleep(0.002), work)
+        return _serve(ring, lambda: time.sleep(0.002), work), tw
     finally:
         tw.stop()
         assert tw.join(20) and tw.exit_code == structs.EXIT_SHUTDOWN
+        assert tw.state.free_blocks == num_blocks
 
 
-def test_persistent_twin_serves_min_tokens_and_logprob_records(tiny_model, twin_lib, shm_ring, reference):
-    """The device path: intake copies min_p / min_tokens / logprobs, the staging kernel stages
-    them, the finish kernel writes each token's record into the ring before its count."""
+@pytest.mark.parametrize("num_blocks", [200, blocks_needed(MAX_LEN, BS) + 2])
+def test_persistent_twin_applies_the_surface_as_the_cpu_executor_does(tiny_model, twin_lib, shm_ring, reference,
+                                                                      num_blocks):
+    """The device path: intake copies and checks the surface, admission takes a seat that the
+    staging kernel fills from the ring (sampling data, prompt, output: also after a preemption
+    gave it back), the graph updates it, the finish kernel writes each token's record into the
+    ring before its count."""
     work, want = reference
-    served = [0, 4, 6]
-    got = _twin(tiny_model, shm_ring(GEOM), [work[i] for i in served])
-    for (f, e, toks, recs), i in zip(got, served):
-        wf, we, wtoks, wrecs = want[i]
+    got, tw = _twin(tiny_model, shm_ring(GEOM), work, num_blocks=num_blocks)
+    if num_blocks < 200:
+        assert tw.stats.preempted > 0                  # seats given back and refilled from the output
+    for i, ((f, e, toks, recs), (wf, we, wtoks, wrecs)) in enumerate(zip(got, want)):
         assert (f, e, toks) == (wf, we, wtoks), i
-        _same_records(recs, wrecs, work[i][2]["logprobs"])
+        if recs is not None:
+            _same_records(recs, wrecs, work[i][2]["logprobs"])
 
 
-def test_persistent_twin_refuses_what_the_device_cannot_serve_yet(tiny_model, twin_lib, shm_ring, reference):
+def test_persistent_twin_refuses_prompt_logprobs_only(tiny_model, twin_lib, shm_ring, reference):
     work, want = reference
-    refused = [work[1], work[2], work[3], work[5], ([5, 6, 7], 4, dict(ignore_eos=True, prompt_logprobs=2))]
-    plain = work[0]
-    got = _twin(tiny_model, shm_ring(GEOM), refused + [plain])
-    assert [(f, e) for f, e, _, _ in got[:-1]] == [(FinishReason.ERROR, ErrorCode.INVALID_REQUEST)] * len(refused)
-    assert got[-1][:3] == want[0][:3]                            # the others undisturbed
+    got, _ = _twin(tiny_model, shm_ring(GEOM), [([5, 6, 7], 4, dict(ignore_eos=True, prompt_logprobs=2)), work[2]])
+    assert got[0][:2] == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
+    assert got[1][:3] == want[2][:3]                                # the others undisturbed
