@@ -52,3 +52,12 @@ def test_hostile_words_are_refused(corrupt):
 def _set(w, i, v):
     w[i] = v
     return w
+
+
+def test_the_documented_example():
+    """docs/structured_outputs.md draws these words; keep the two in step."""
+    w = from_transitions({0: {10: 3, 11: 3, 20: 1, 22: 2}, 1: {21: 3}, 2: {23: 3}, 3: {}}, 0, {3})
+    assert w.tolist() == [4, 0, 10, 4,
+                          0, 3, 0, 3, 0, 2, 0, 3, 3, 1, 2, 0, 0, 3, 4, 1, 2, 0, 1, -1, 0, 0, 0, 0,
+                          10, 12, 20, 21, 22, 23, 21, 22, 23, 24,
+                          20, 1, 22, 2]
