@@ -26,7 +26,7 @@ from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors import ExecutorOptions
-from gpu_backend.graphs.buckets import BucketConfig, BucketTable
+from gpu_backend.graphs.buckets import ROW_SAMPLE, BucketConfig, BucketTable
 from gpu_backend.graphs.cpu_graphs import CpuGraphs
 from gpu_backend.graphs.hostloop import CpuLauncher, HostLoopRunner, StepBlock
 from gpu_backend.intake import IntakeConfig
@@ -209,3 +209,65 @@ def test_persistent_twin_refuses_prompt_logprobs_only(tiny_model, twin_lib, shm_
     got, _ = _twin(tiny_model, shm_ring(GEOM), [([5, 6, 7], 4, dict(ignore_eos=True, prompt_logprobs=2)), work[2]])
     assert got[0][:2] == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
     assert got[1][:3] == want[2][:3]                                # the others undisturbed
+
+
+def test_staging_fills_a_fresh_seat_as_seatstate_fill(tiny_model, twin_lib):
+    """blink_fill_seat (the staging kernel, C++) against sampler.SeatState.fill, tensor for
+    tensor, from the slot's sampling data in the prompt arena, its prompt and its output; the
+    sampling row carries the seat, the others the sink; a seat not fresh is left alone."""
+    import ctypes
+
+    import torch
+
+    from gpu_backend.graphs import sampler
+    from shared_layout.extra import encode_extra
+    from shared_layout.layout import FLAG_LOGPROBS
+
+    table = BucketTable(BUCKETS)
+    graphs = CpuGraphs(tiny_model, table, num_blocks=50)
+    V = tiny_model.config.vocab_size
+    ring = Ring.create(bytearray(GEOM.total_size), GEOM)
+    prompt, output = [5, 9, 9, 300, 17], list(range(100, 170)) + [7, 8]           # output past the 63 recent
+    extra = SamplingExtra(logit_bias=((3, 2.5), (17, -1.0), (3, 0.5)), allowed_token_ids=(3, 4, 17, 300, 7),
+                          bad_words=((4,), (7, 8, 9), (8, 3), tuple(range(200, 264)), (511,)))
+    words = encode_extra(extra)
+    ring.prompt_arena[100:105] = prompt
+    ring.prompt_arena[105:105 + words.size] = words
+    ring.output_arena[200:200 + len(output)] = output
+    block = StepBlock(BATCH, table.max_rows, 20)
+    r = block.reqs[0]
+    r.prompt_offset, r.prompt_len, r.output_offset, r.num_blocks, r.max_tokens = 100, 5, 200, 20, 100
+    r.generated, r.extra_offset = len(output), 105
+    r.n_logit_bias, r.n_allowed_ids, r.bad_words_words = extra.counts
+    r.seat, r.seat_fresh, r.flags = 2, 1, 0
+    r.presence_penalty, r.repetition_penalty, r.min_tokens = 0.5, 0.0, 3
+    r.n_mask_stops = 2
+    r.mask_stops[0], r.mask_stops[1] = 7, 2
+    for j, row in enumerate([(0, 70, 4, 0), (0, 74, 3, ROW_SAMPLE)]):
+        block.row_slot[j], block.row_start[j], block.row_len[j], block.row_flags[j] = row
+    block.state.n_rows = 2
+    params = block.params(block.addr, np.frombuffer(ring.buf, np.uint8).ctypes.data, ring)
+    twin_lib.blink_twin_stage(ctypes.addressof(params), ctypes.byref(graphs.io), 3, 4, 80)
+    want = sampler.SeatState(graphs.buffers.seats.seats, V)
+    want.fill(2, prompt, output, extra.logit_bias, extra.allowed_token_ids, extra.bad_words)
+    got = graphs.buffers.seats
+    for name in ("bias", "counts", "prompt_mask", "recent", "bad_prefix", "bad_len", "bad_last"):
+        assert torch.equal(getattr(got, name)[2], getattr(want, name)[2]), name
+    b = graphs.buffers
+    assert b.seat[:3].tolist() == [got.sink, 2, got.sink]
+    assert b.stop_ids[1, :3].tolist() == [7, 2, -1] and b.min_tokens[1] == 3
+    assert float(b.presence[1]) == 0.5 and float(b.repetition[1]) == 1.0          # 0: off
+    # not fresh: the staging leaves the seat as the graph's updates made it
+    got.counts[2, 5] = 42.0
+    r.seat_fresh = 0
+    twin_lib.blink_twin_stage(ctypes.addressof(params), ctypes.byref(graphs.io), 3, 4, 80)
+    assert float(got.counts[2, 5]) == 42.0
+    # the finish kernel writes a record only with FLAG_LOGPROBS (the device scheduler's request copies)
+    r.flags, r.logprobs, r.logprobs_offset, r.generated = FLAG_LOGPROBS, 2, 40, 1
+    b.lp_token[1], b.lp_rank[1] = -1.5, 3
+    b.lp_top_ids[1, :2] = torch.tensor([11, 12])
+    b.lp_top_vals[1, :2] = torch.tensor([-0.25, -0.5])
+    twin_lib.blink_twin_finish(ctypes.addressof(params), ctypes.byref(graphs.io))
+    from shared_layout.layout import decode_logprob_records
+    lp, rank, ids, vals = decode_logprob_records(ring.logprob_arena[40 + 6:40 + 12], 2)
+    assert (lp.tolist(), rank.tolist(), ids.tolist(), vals.tolist()) == ([-1.5], [3], [[11, 12]], [[-0.25, -0.5]])
