@@ -151,3 +151,21 @@ def test_streamed_named_tool_call(client):
         finish = ev.choices[0].finish_reason or finish
     assert first is not None and finish == "tool_calls"
     assert set(json.loads(args)) == {"city", "unit"}
+
+
+def test_langchain_structured_output_and_bind_tools(server):
+    """LangChain's ChatOpenAI unchanged: with_structured_output (json_schema and function calling)
+    and bind_tools with a forced tool."""
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=server.base + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=300,
+                        max_retries=0, timeout=300)
+    for method in ("json_schema", "function_calling"):
+        pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet as JSON.")
+        assert isinstance(pet, Pet) and 0 <= pet.age <= 30, method
+
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Current weather in a city."""
+        return "sunny"
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
