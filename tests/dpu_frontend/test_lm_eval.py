@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")       # nothing can be downloaded: every path is local
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import pytest
 
-import lm_eval                                       # noqa: E402
-import pytest                                        # noqa: E402
-from lm_eval.tasks import TaskManager                # noqa: E402
-
-from frontend_procs import REPO, Serve              # noqa: E402
+from frontend_procs import REPO, Serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -40,6 +35,17 @@ TASK_DIR = REPO / "tests" / "data" / "lm_eval"
 # choices of one item under `hf` is 6.1e-3, above twice the bound for the one-token
 # choices, so an equal ranking is a real check, not luck of rounding.
 TOL_PER_TOKEN = 2e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """Nothing can be downloaded: every path is local. Set before lm_eval (and with it
+    huggingface_hub and datasets) is first imported, which reads them at import time;
+    evaluate() imports lm_eval, not the module, to keep it out of the rest of the suite."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +64,8 @@ def server():
 
 def evaluate(model: str, model_args: dict, limit: int | None = None) -> dict:
     """lm_eval.simple_evaluate on the repository's task; data_files is relative to the repo root."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
