@@ -353,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
             return 130
         print(f"blink serve: {e}", file=sys.stderr)
         return 1
+    except OSError as e:    # a child could not be started at all (fork or exec failed)
+        print(f"blink serve: cannot start a child process: {e}", file=sys.stderr)
+        return 1
     finally:
         children.stop()
         shutil.rmtree(state_dir, ignore_errors=True)
