@@ -1,6 +1,7 @@
-"""`kill -9` under `blink serve`: 16 streams in flight, then the daemon, the frontend, or both in
-turn die. For each: only the in-flight requests are lost (each stream ends, with an error event
-and [DONE] when its frontend survives), requests during the outage get 503 with Retry-After,
+"""`kill -9` under `blink serve`: 16 streams and 4 non-streaming requests in flight, then the daemon,
+the frontend, or both in turn die. For each: only the in-flight requests are lost (each stream ends,
+with an error event and [DONE] when its frontend survives; the others get 503, or their connection
+dies with their frontend), requests during the outage get 503 with Retry-After,
 nothing leaks (every slot EMPTY, both arenas free, the daemon's KV pool whole again), and the
 endpoint serves again by itself; the time from the kill to the first request served is printed."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 PROMPT = [1000, 1001, 1002, 1003]
 STREAMS = 16
+PLAIN = 4          # non-streaming requests in flight beside the streams
 SERVE_ARGS = ("--max-batch-size", "16", "--heartbeat-timeout-s", "1", "--restart-backoff-s", "0.5")
 
 
@@ -36,6 +38,17 @@ async def stream(session: aiohttp.ClientSession, base: str, first: asyncio.Event
     except aiohttp.ClientError:
         return "disconnected"
     return text.decode()
+
+
+async def plain(session: aiohttp.ClientSession, base: str) -> int | str:
+    """One long non-streaming request: its status, or "disconnected"."""
+    body = {"prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True}
+    try:
+        async with session.post(base + "/v1/completions", json=body) as r:
+            await r.read()
+            return r.status
+    except aiohttp.ClientError:
+        return "disconnected"
 
 
 def served_again(base: str, t_kill: float, outage: list[int]) -> float:
@@ -70,12 +83,17 @@ async def kill_under_load(s: Serve, victim: str) -> float:
     firsts = [asyncio.Event() for _ in range(STREAMS)]
     async with aiohttp.ClientSession() as session:
         tasks = [asyncio.ensure_future(stream(session, s.base, f)) for f in firsts]
+        plains = [asyncio.ensure_future(plain(session, s.base)) for _ in range(PLAIN)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 30)
+        await asyncio.to_thread(wait_for, lambda: s.metrics()["blink_requests_inflight"] == STREAMS + PLAIN, 30,
+                                "every request in flight")
         os.kill(old, signal.SIGKILL)
         t_kill = time.monotonic()
         outage: list[int] = []
         took_s = await asyncio.to_thread(served_again, s.base, t_kill, outage)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        statuses = await asyncio.wait_for(asyncio.gather(*plains), 30)
+    assert statuses == [503] * PLAIN if victim == "gpu-daemon" else statuses == ["disconnected"] * PLAIN, statuses
     for text in results:
         if victim == "frontend":
             # the connection died with its process: the client sees the cut, or nothing more
