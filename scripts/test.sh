@@ -28,6 +28,7 @@ if selects_rdma "$@" && ! compgen -G "/sys/class/infiniband/*" >/dev/null && [ "
     echo "test.sh: no RDMA device here: running the rdma tests in a soft-RoCE guest (scripts/rdma_vm.sh)" >&2
     paths=()
     names_paths "$@" || mapfile -t paths < <(rdma_files)
+    export BLINK_VM_TIMEOUT_S="${BLINK_VM_TIMEOUT_S:-3600}"   # everything runs under emulation
     exec scripts/rdma_vm.sh run -- "$(printf '%q ' env BLINK_REQUIRE_RDMA=1 .venv/bin/python -m pytest -q \
         -p no:cacheprovider -rs "$@" "${paths[@]}")"
 fi
