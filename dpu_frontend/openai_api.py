@@ -189,7 +189,7 @@ _UNSUPPORTED_CHAT = {
     "web_search_options": ((), "web search is not supported"),
 }
 # Accepted and deliberately without effect: they describe the caller, not the generation.
-_IGNORED = ("user", "metadata", "service_tier", "request_id")
+_IGNORED = ("user", "metadata", "service_tier", "request_id", "parallel_tool_calls")   # the last: read on chat
 
 
 class _Fields:
