@@ -265,6 +265,7 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         v.n_logit_bias = plat.ld32(&s->n_logit_bias);
         v.n_allowed_ids = plat.ld32(&s->n_allowed_ids);
         v.bad_words_words = plat.ld32(&s->bad_words_words);
+        v.automaton_words = plat.ld32(&s->automaton_words);
         v.group_size = plat.ld32(&s->group_size);
         v.group_index = plat.ld32(&s->group_index);
         v.group_seq = plat.ld64(&s->group_seq);

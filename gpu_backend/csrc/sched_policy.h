@@ -183,7 +183,7 @@ static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *
           s->min_p >= 0.0f && s->min_p <= 1.0f))
         return invalid;
     if (s->min_tokens > s->max_tokens) return invalid;
-    const uint64_t extra = 2ull * s->n_logit_bias + s->n_allowed_ids + s->bad_words_words;
+    const uint64_t extra = 2ull * s->n_logit_bias + s->n_allowed_ids + s->bad_words_words + s->automaton_words;
     if ((uint64_t)s->extra_offset + extra > prompt_arena_tokens) return invalid;
     if (s->group_size > 1 && (s->group_index >= s->group_size || (s->group_index == 0 && s->group_seq != s->seq)))
         return invalid;
@@ -211,12 +211,13 @@ static inline BLINK_HD int blink_needs_seat(float presence, float frequency, flo
 
 /* What the persistent scheduler's graphs cannot serve, refused rather than ignored (docs/cuda.md,
  * "Sampling in the graph"): prompt logprobs (the graphs compute each row's last logits only),
- * and a request that needs a sampler seat when the step graphs hold none (the echo stand-in).
+ * structured outputs (the graphs do not step a token automaton), and a request that needs a
+ * sampler seat when the step graphs hold none (the echo stand-in).
  * Returns FinishReason << 16 | ErrorCode, 0 when the device serves it. */
 static inline BLINK_HD uint32_t blink_device_unsupported(const blink_slot_t *s, uint32_t n_seats) {
     const int seat = blink_needs_seat(s->presence_penalty, s->frequency_penalty, s->repetition_penalty,
                                       s->n_logit_bias, s->n_allowed_ids, s->bad_words_words);
-    if ((seat && n_seats == 0) || (s->flags & BLINK_FLAG_PROMPT_LOGPROBS))
+    if ((seat && n_seats == 0) || (s->flags & BLINK_FLAG_PROMPT_LOGPROBS) || s->automaton_words)
         return BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     return 0;
 }
