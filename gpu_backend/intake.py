@@ -21,7 +21,9 @@ a corrupted slot ends with an error and never touches memory outside the ring.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import time
 
 import numpy as np
@@ -34,6 +36,7 @@ from shared_layout.layout import (FLAG_HAS_SEED, FLAG_IGNORE_EOS, FLAG_LOGPROBS,
 from .sequence import SamplingParams, Sequence
 
 
+AUTOMATON_CACHE = 64     # decoded structured-output automata kept (LRU), shared by requests with the same words
 ORPHAN_TIMEOUT_S = 1.0   # a group member pending this long without its leader ends INVALID_REQUEST
 
 
@@ -48,6 +51,7 @@ class Intake:
     def __init__(self, ring: Ring, port: BackendPort, config: IntakeConfig):
         self.ring, self.port, self.config = ring, port, config
         self._orphans: dict[tuple[int, int], float] = {}   # (slot, seq) of a waiting member -> first seen (s)
+        self._automata: collections.OrderedDict[bytes, object] = collections.OrderedDict()   # words' hash -> decoded
 
     def scan(self) -> list[Sequence]:
         """Claim every pending slot; return the valid ones as Sequences, in FCFS order (a group's
@@ -92,6 +96,20 @@ class Intake:
             self.port.complete(slot, finish, error)
         return seq
 
+    def _automaton(self, extra):
+        """The request's decoded automaton; requests with the same words share one (and its masks)."""
+        if not extra.automaton:
+            return None
+        key = hashlib.blake2b(extra.automaton, digest_size=16).digest()
+        a = self._automata.get(key)
+        if a is None:
+            a = self._automata[key] = decode_automaton(extra, self.config.vocab_size)
+            while len(self._automata) > AUTOMATON_CACHE:
+                self._automata.popitem(last=False)
+        else:
+            self._automata.move_to_end(key)
+        return a
+
     def _reap_orphans(self, waiting: list[int]) -> None:
         """Members pending without their leader: wait for it a while, then end them."""
         now = time.monotonic()
@@ -131,7 +149,7 @@ class Intake:
         try:   # bounds checked by request_error
             extra = decode_extra(self.ring.prompt_arena[eoff:eoff + extra_words(*counts)].copy(), *counts[:3],
                                  vocab_size=self.config.vocab_size, automaton_words=counts[3])
-            automaton = decode_automaton(extra, self.config.vocab_size)
+            automaton = self._automaton(extra)
         except ValueError:
             return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
         flags = int(r["flags"])

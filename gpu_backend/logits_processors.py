@@ -76,23 +76,38 @@ def _automaton(x: torch.Tensor, seqs: list[Sequence]) -> None:
     rows = [i for i, s in enumerate(seqs) if s.params.automaton is not None]
     if not rows:
         return
-    keep = torch.stack([automaton_mask(seqs[i], x.shape[1]) for i in rows])      # [R, vocab] bool
-    idx = torch.tensor(rows)
-    x[idx] = x[idx].masked_fill(~keep, float("-inf"))
+    blocked = torch.stack([_blocked(seqs[i], x.shape[1]) for i in rows])          # [R, vocab] bool
+    if len(rows) == x.shape[0]:
+        x.masked_fill_(blocked, float("-inf"))
+    else:
+        idx = torch.tensor(rows)
+        x[idx] = x[idx].masked_fill(blocked, float("-inf"))
 
 
 def automaton_mask(s: Sequence, vocab: int) -> torch.Tensor:
     """[vocab] bool: the tokens s's automaton allows in its current state (stop ids at an accepting
-    state, or at a dead one, so a finished structure can only end)."""
+    state, or at a dead one, so a finished structure can only end). Kept on the automaton, so the
+    requests sharing it (intake caches decoded automata by their words) build each state's once."""
     a = s.params.automaton
     state = a.initial if s.automaton_state < 0 else s.automaton_state
-    mask = s.automaton_masks.get(state)
+    key = (state, s.stop_ids)
+    mask = a.masks.get(key)
     if mask is None:
         allowed = a.allowed(state, vocab)
         if a.accepting(state) or not allowed.any():
             stops = [t for t in s.stop_ids if t < vocab]
             allowed[stops] = True
-        mask = s.automaton_masks[state] = torch.from_numpy(allowed)
+        mask = a.masks[key] = torch.from_numpy(allowed)
+    return mask
+
+
+def _blocked(s: Sequence, vocab: int) -> torch.Tensor:
+    """~automaton_mask(s), kept beside it."""
+    a = s.params.automaton
+    key = ("blocked", a.initial if s.automaton_state < 0 else s.automaton_state, s.stop_ids)
+    mask = a.masks.get(key)
+    if mask is None:
+        mask = a.masks[key] = ~automaton_mask(s, vocab)
     return mask
 
 

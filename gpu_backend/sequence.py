@@ -75,7 +75,6 @@ class Sequence:
     forks: list["Sequence"] = dataclasses.field(default_factory=list)   # group members not yet forked
     hold_last: bool = False           # a group leader before its fork: the prompt's last token is held back
     automaton_state: int = -1         # params.automaton's current state (-1: its initial state, not yet stepped)
-    automaton_masks: dict = dataclasses.field(default_factory=dict)   # state -> [vocab] bool tensor, made on use
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ class TokenAutomaton:
     states: np.ndarray           # [n_states, 6] int32
     runs: np.ndarray             # [n_runs, 2] int32
     trans: np.ndarray            # [n_trans, 2] int32
+    masks: dict = dataclasses.field(default_factory=dict)   # the daemon's per-state token masks, made on use
 
     @property
     def n_states(self) -> int:
