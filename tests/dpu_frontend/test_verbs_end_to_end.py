@@ -208,7 +208,9 @@ async def test_concurrent_streams_through_verbs_each_get_their_own_tokens(tmp_pa
 async def test_a_full_ring_refuses_with_429_and_loses_nothing_else(tmp_path, ring, procs):
     daemon = Daemon(tmp_path, ring, free_port(), slots=4)
     procs.append(daemon)
-    fe = Frontend(tmp_path, ring, "null", daemon, "--max-queue", "1", "--queue-timeout-s", "0.05")
+    # a queue of one: the 6th request waiting at once is refused; the timeout only has to
+    # outlast admission under emulation (0.05 s refused every request in a guest)
+    fe = Frontend(tmp_path, ring, "null", daemon, "--max-queue", "1", "--queue-timeout-s", "5")
     procs.append(fe)
     client = openai.AsyncOpenAI(base_url=fe.base + "/v1", api_key="none", max_retries=0, timeout=300)
 
