@@ -45,6 +45,11 @@ class IntakeConfig:
     vocab_size: int
     max_model_len: int             # prompt + output tokens at most
     eos_ids: tuple[int, ...] = ()
+    # What the runner behind this intake applies; a request asking for more is refused
+    # (INVALID_REQUEST) at its claim rather than served without it (the CUDA host loop
+    # samples in its graphs, which step no token automaton and keep no prompt logits).
+    structured_outputs: bool = True
+    prompt_logprobs: bool = True
 
 
 class Intake:
@@ -145,6 +150,10 @@ class Intake:
             return None, FinishReason.ERROR, ErrorCode.INVALID_TOKEN
         counts = (int(r["n_logit_bias"]), int(r["n_allowed_ids"]), int(r["bad_words_words"]),
                   int(r["automaton_words"]))
+        flags = int(r["flags"])
+        if (counts[3] and not self.config.structured_outputs) or \
+                (flags & FLAG_PROMPT_LOGPROBS and not self.config.prompt_logprobs):
+            return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
         eoff = int(r["extra_offset"])
         try:   # bounds checked by request_error
             extra = decode_extra(self.ring.prompt_arena[eoff:eoff + extra_words(*counts)].copy(), *counts[:3],
@@ -152,7 +161,6 @@ class Intake:
             automaton = self._automaton(extra)
         except ValueError:
             return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
-        flags = int(r["flags"])
         params = SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
                                 top_k=int(r["top_k"]),
                                 seed=int(r["seed"]) if flags & FLAG_HAS_SEED else None,

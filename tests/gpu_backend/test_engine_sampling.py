@@ -39,13 +39,13 @@ def model():
     return LlamaModel.random(tiny_config(), seed=5)
 
 
-def make_engine(model, max_prefill_tokens=16, eos=()):
+def make_engine(model, max_prefill_tokens=16, eos=(), **applies):
     ring = Ring.create(bytearray(GEOM.total_size), GEOM)
     cfg = model.config
     pool = KVPool(KVCacheConfig(128, 4, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
     engine = Engine(ring, CpuRunner(model, pool, cpu_kernels.load()),
                     EngineConfig(PolicyConfig(8, max_prefill_tokens, 4), 128),
-                    IntakeConfig(cfg.vocab_size, cfg.max_position_embeddings, eos))
+                    IntakeConfig(cfg.vocab_size, cfg.max_position_embeddings, eos, **applies))
     return engine, FrontendPlayer(ring)
 
 
@@ -120,6 +120,28 @@ def test_bad_sampling_data_ends_only_that_request(model):
     r = fe.collect(bad)
     assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
     assert fe.collect(good).finish == FinishReason.LENGTH
+
+
+def test_a_runner_without_automata_or_prompt_logits_refuses_them_and_serves_the_rest(model):
+    """The CUDA host loop's intake: a constrained request and a prompt_logprobs request end
+    INVALID_REQUEST at their claim instead of being served without what they asked for."""
+    from shared_layout.automaton import from_transitions
+    engine, fe = make_engine(model, structured_outputs=False, prompt_logprobs=False)
+    words = from_transitions({0: {7: 1}, 1: {}}, 0, {1})
+    constrained = fe.submit([5, 6], 4, extra=SamplingExtra(automaton=words.tobytes()))
+    prompt_lp = fe.submit([5, 6], 4, prompt_logprobs=2)
+    plain = fe.submit([5, 6], 4, logprobs=2)
+    for slot in (constrained, prompt_lp, plain):
+        run(engine, fe, slot)
+    for slot in (constrained, prompt_lp):
+        r = fe.collect(slot)
+        assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)
+    assert fe.collect(plain).finish == FinishReason.LENGTH
+    engine, fe = make_engine(model, eos=(3,))    # the CPU runner applies both
+    constrained = fe.submit([5, 6], 4, extra=SamplingExtra(automaton=words.tobytes()))
+    run(engine, fe, constrained)
+    r = fe.collect(constrained)
+    assert r.tokens[0] == 7 and r.finish == FinishReason.STOP, (r.tokens, r.finish)
 
 
 class CountingRunner:
