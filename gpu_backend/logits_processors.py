@@ -89,7 +89,7 @@ def automaton_mask(s: Sequence, vocab: int) -> torch.Tensor:
     state, or at a dead one, so a finished structure can only end). Kept on the automaton, so the
     requests sharing it (intake caches decoded automata by their words) build each state's once."""
     a = s.params.automaton
-    state = a.initial if s.automaton_state < 0 else s.automaton_state
+    state = _state(s)
     key = (state, s.stop_ids)
     mask = a.masks.get(key)
     if mask is None:
@@ -101,10 +101,15 @@ def automaton_mask(s: Sequence, vocab: int) -> torch.Tensor:
     return mask
 
 
+def _state(s: Sequence) -> int:
+    """s's automaton state (-1 before its first step: the automaton's initial state)."""
+    return s.params.automaton.initial if s.automaton_state < 0 else s.automaton_state
+
+
 def _blocked(s: Sequence, vocab: int) -> torch.Tensor:
     """~automaton_mask(s), kept beside it."""
     a = s.params.automaton
-    key = ("blocked", a.initial if s.automaton_state < 0 else s.automaton_state, s.stop_ids)
+    key = ("blocked", _state(s), s.stop_ids)
     mask = a.masks.get(key)
     if mask is None:
         mask = a.masks[key] = ~automaton_mask(s, vocab)
@@ -117,7 +122,7 @@ def advance(seqs: list[Sequence], tokens: list[int]) -> None:
     for s, t in zip(seqs, tokens):
         a = s.params.automaton
         if a is not None:
-            state = a.initial if s.automaton_state < 0 else s.automaton_state
+            state = _state(s)
             nxt = a.next_state(state, t)
             s.automaton_state = state if nxt < 0 else nxt
 
