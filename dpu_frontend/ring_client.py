@@ -142,7 +142,7 @@ class RingClient:
         self._timer = WakeupTimer.create()
         if self._timer is not None:
             self._loop.add_reader(self._timer.fd, self._on_timer)
-        self._try_attach()
+        await self._try_attach()
         self._task = self._loop.create_task(self._run(), name="ring-client")
 
     async def close(self) -> None:
@@ -479,7 +479,7 @@ class RingClient:
             interval = self.config.reattach_interval_s
             try:
                 if self._session is None and not self._displaced and time.monotonic() >= self._next_attach_s:
-                    self._try_attach()
+                    await self._try_attach()
                 if self._session is not None:
                     res = self._reader.poll()
                     self._after_poll(res)
@@ -492,21 +492,24 @@ class RingClient:
                 self._drop_session(f"ring client error: {e!r}")
             await self._sleep(interval, self._reader is not None and self._reader.fine)
 
-    def _try_attach(self) -> None:
+    async def _try_attach(self) -> None:
+        """Open the transport and take over the ring, off the event loop.
+
+        Opening can block for seconds (the verbs transport's TCP bootstrap, queue
+        pair setup and first RDMA READs; a daemon that does not answer): it runs
+        in a worker thread so the loop keeps serving /health, /metrics and
+        refusals meanwhile. Nothing else sees the new session until it is adopted
+        here, back on the loop.
+        """
         self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
         try:
-            transport = self.factory()
+            opened = await self._loop.run_in_executor(None, self._open)
         except (TransportError, LayoutMismatch, OSError, ValueError) as e:
             self._down_message = f"ring unavailable: {e}"
             return
-        try:
-            session = RingSession.attach(transport)
-            health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
-            reader = TokenReader(session, health, self.config.reader, precise_wake=self._timer is not None)
-            res = reader.poll()   # learn the backend's state before the first submit
-        except (TransportError, ValueError) as e:
+        transport, session, health, reader, res = opened
+        if self._closed:   # closed while the attach ran: give the ring back untouched
             transport.close()
-            self._down_message = f"ring unavailable: {e}"
             return
         self._session, self._health, self._reader = session, health, reader
         self._attaches += 1
@@ -515,6 +518,19 @@ class RingClient:
         self._next_stale_check_s = time.monotonic() + self.config.stale_check_interval_s
         self._last_states = res.states
         log.info("attached ring %r as frontend epoch %d", transport, session.epoch)
+
+    def _open(self) -> tuple:
+        """(worker thread) The factory's transport, attached as a new frontend, polled once."""
+        transport = self.factory()
+        try:
+            session = RingSession.attach(transport)
+            health = HealthMonitor(self.config.health_window_s, bool(getattr(transport, "shares_clock", False)))
+            reader = TokenReader(session, health, self.config.reader, precise_wake=self._timer is not None)
+            res = reader.poll()   # learn the backend's state before the first submit
+        except BaseException:
+            transport.close()
+            raise
+        return transport, session, health, reader, res
 
     def _after_poll(self, res: PollResult) -> None:
         s, hm = self._session, self._health

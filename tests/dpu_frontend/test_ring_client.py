@@ -482,3 +482,37 @@ async def test_a_failing_wakeup_timer_falls_back_to_loop_timers():
     assert client._timer is None
     await asyncio.wait_for(client._sleep(0.003), 5.0)
     await client.close()
+
+
+async def test_a_slow_transport_open_does_not_block_the_event_loop(players):
+    """Opening a transport can take seconds (verbs bootstrap to a daemon that is slow to
+    answer); the loop must keep running other tasks (HTTP /health, refusals) meanwhile."""
+    opened = shm_factory(players.name)
+
+    def slow_factory():
+        time.sleep(1.0)   # the blocking part of a real connect
+        return opened()
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    tick_task = asyncio.get_running_loop().create_task(ticker())
+    client = RingClient(slow_factory, RingClientConfig())
+    t0 = time.monotonic()
+    await client.start()
+    waited = time.monotonic() - t0
+    tick_task.cancel()
+    try:
+        assert waited >= 1.0
+        assert ticks >= 20, f"the loop ran other tasks only {ticks} times during a {waited:.2f} s attach"
+        await wait_until(lambda: client.health().healthy, 30, lambda: client.health())
+        prompt = [1, 2, 3]
+        h = await client.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        assert await h.result() == players.expected(h, prompt, 4)
+    finally:
+        await client.close()
