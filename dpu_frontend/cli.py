@@ -6,6 +6,7 @@ invoked, so a DPU install without torch can still run `blink frontend`:
     blink serve       -> dpu_frontend.serve      (daemon + frontend as two child processes)
     blink frontend    -> dpu_frontend.server_cli (OpenAI HTTP/SSE over the ring)
     blink gpu-daemon  -> gpu_backend.cli         (model, KV cache, executor loop)
+    blink run-batch   -> dpu_frontend.batch.cli  (an OpenAI batch file through a server)
     blink bench       -> bench.cli               (load generator and interference runner)
 
 A subcommand module provides `add_arguments(parser)` and `run(args) -> int`.
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "serve": ("dpu_frontend.serve", "run the GPU daemon and the frontend together (the quick start)"),
     "frontend": ("dpu_frontend.server_cli", "run the OpenAI-compatible HTTP/SSE frontend over a ring"),
     "gpu-daemon": ("gpu_backend.cli", "run the daemon: load the model and serve the ring"),
+    "run-batch": ("dpu_frontend.batch.cli", "run an OpenAI batch file (.jsonl) through blink serve or --url"),
     "bench": ("bench.cli", "drive an OpenAI-compatible endpoint, with or without CPU interference"),
 }
 
