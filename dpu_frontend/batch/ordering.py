@@ -94,12 +94,19 @@ def plan(works: Sequence[Work], order: str = "blend", min_shared: int = 32,
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if not works:
         return Plan(())
+    root, comp, mem = sorted_tree(works, min_shared, cost)
+    sequence = _dual_scan(root.items(), comp, mem)
+    return _with_leaders(sequence, root, works)
+
+
+def sorted_tree(works: Sequence[Work], min_shared: int = 32,
+                cost: CostModel = CostModel()) -> tuple[Group, list[float], list[float]]:
+    """Steps 1-3: the prefix tree sorted by density (its items() are the dual scan's input, compute
+    side first), and every request's compute and memory seconds."""
     root = groups(build([w.key for w in works]), min_shared)
     comp, mem = _costs(root, works, cost)
     _sort(root, comp, mem)
-    leaves = root.items()
-    sequence = _dual_scan(leaves, comp, mem)
-    return _with_leaders(sequence, root, works)
+    return root, comp, mem
 
 
 def _costs(root: Group, works: Sequence[Work], cost: CostModel) -> tuple[list[float], list[float]]:
