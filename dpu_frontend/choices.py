@@ -63,9 +63,9 @@ class _Choice:
         echo_text, echo_lp = "", None
         if not self.started:
             self.started = True
-            if gen.echo:
-                echo_text = svc._prompt_text(gen)
-                echo_lp = svc._echo_logprobs(gen, handle, self.logprobs)
+            if gen.echoes:
+                echo_text = svc._echo_text(gen)
+                echo_lp = svc._echo_logprobs(gen, handle, self.logprobs) if gen.echo else None
         if gen.echo_only:
             return Delta(""), echo_lp, echo_text
         n0 = self.detok.tokens_seen
@@ -146,6 +146,8 @@ async def _collect(svc: "GenerationService", gen: "Generation", handles: list[Re
         done = sorted(done, key=lambda d: -d[0].cumulative)[:s.n]
     body_n = api.chat_body_n if gen.endpoint.chat else api.completion_body_n
     extras = svc._extras(gen, handles[0])
+    if gen.endpoint.chat:
+        extras["role"] = gen.role
     body = body_n(gen.rid, gen.created, svc.model, [ch for _, ch in done],
                   api.usage(len(gen.prompt_ids), tokens), **extras)
     svc._observe(gen, done[0][1].finish_reason, t_first, tokens, handles[0])
@@ -198,10 +200,14 @@ async def _stream(svc: "GenerationService", request: web.Request, gen: "Generati
                 out = api.sse(chunk(gen.rid, gen.created, svc.model, payload, finish, stop_reason, index=i))
                 await resp.write(out)
                 continue
+            extras = None
             if t_first is None:
                 t_first = now_ns()
+                extras = svc._extras(gen, h) or None     # prompt_logprobs: on the stream's first chunk
             if ep.chat and not c.started:   # each choice's first chat chunk carries the role
-                out += api.sse(chunk(gen.rid, gen.created, svc.model, {"role": "assistant", "content": ""}, index=i))
+                first = chunk(gen.rid, gen.created, svc.model, {"role": gen.role, "content": ""}, index=i)
+                out += api.sse({**first, **extras} if extras else first)
+                extras = None
             h.batch_logprobs = records
             delta, piece, echo_text = c.feed(svc, gen, h, batch)
             text = echo_text + delta.text
@@ -214,8 +220,10 @@ async def _stream(svc: "GenerationService", request: web.Request, gen: "Generati
                     h.cancel()      # a stop string ended it here: the daemon stops this choice
             usage = api.usage(n_prompt, tokens()) if opts.continuous_usage else None
             payload = ({"content": text} if text or not finish else {}) if ep.chat else text
-            out += api.sse(chunk(gen.rid, gen.created, svc.model, payload, finish, stop_reason, usage, logprobs=piece,
-                                 index=i))
+            body = chunk(gen.rid, gen.created, svc.model, payload, finish, stop_reason, usage, logprobs=piece, index=i)
+            if extras:
+                body["choices"][0].update(extras)      # completions: prompt_logprobs on the choice, as in the body
+            out += api.sse(body)
             await resp.write(out)
         tail = b""
         if failed is not None:

@@ -95,7 +95,18 @@ class Generation:
 
     @property
     def echo(self) -> bool:
+        """A completions echo: the prompt (with its logprobs when asked) opens the reply."""
         return isinstance(self.request, CompletionRequest) and self.request.echo
+
+    @property
+    def echoes(self) -> bool:
+        """The reply opens with echoed text: the prompt (completions) or the last message (chat)."""
+        return self.request.echo
+
+    @property
+    def role(self) -> str:
+        """A chat reply's role (the last message's when there is no generation prompt, as vLLM does)."""
+        return self.request.reply_role
 
 
 class GenerationService:
@@ -112,7 +123,8 @@ class GenerationService:
         self.request_limits = request_limits or RequestLimits(queue_timeout_s=queue_timeout_s)
         self.queue_timeout_s = queue_timeout_s
         self.max_tokens_default = max_tokens_default
-        self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings)
+        self.limits = api.ApiLimits(served_model, tokenizer.vocab_size, max_stop_strings,
+                                    self.request_limits.max_tokens_limit or api.MAX_I32)
         self.expose_backend_timing = expose_backend_timing
         self.log_prompts = log_prompts
         self.token_text = lpf.TokenText(tokenizer.decode)
@@ -280,8 +292,11 @@ class GenerationService:
     def _error_outcome(self, gen: Generation) -> str:
         return "timeout" if gen.timed_out else "error"
 
-    def _prompt_text(self, gen: Generation) -> str:
-        """The prompt as an echo shows it: the text sent, or its token ids decoded."""
+    def _echo_text(self, gen: Generation) -> str:
+        """What an echo opens the reply with: for chat the last message's content when its role is the
+        reply's (vLLM), else the prompt as sent (its token ids decoded)."""
+        if gen.endpoint.chat:
+            return api.echo_prefix(gen.request)
         prompt = gen.request.prompt
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(gen.prompt_ids)
 
@@ -330,12 +345,15 @@ class GenerationService:
         text = detok.text + detok.flush()
         if gen.echo_only:
             finish, stop_reason = "length", None
-        if gen.echo:
-            text = self._prompt_text(gen) + text
+        if gen.echoes:
+            text = self._echo_text(gen) + text
         usage = api.usage(len(gen.prompt_ids), detok.tokens_seen)
+        extras = self._extras(gen, handle)
+        if gen.endpoint.chat:
+            extras["role"] = gen.role
         build = api.chat_body if gen.endpoint.chat else api.completion_body
         body = build(gen.rid, gen.created, self.model, text, finish, stop_reason, usage,
-                     logprobs=None if rl is None else rl.total, **self._extras(gen, handle))
+                     logprobs=None if rl is None else rl.total, **extras)
         self._observe(gen, finish, t_first, detok.tokens_seen, handle)
         return web.json_response(body, dumps=api.dumps)
 
@@ -372,9 +390,12 @@ class GenerationService:
             request[STREAM_STARTED] = resp
             async for batch in handle:
                 t_batch_ns = now_ns() if self.expose_backend_timing else 0
-                echo_lp = echo_text = None
-                if t_first is None and gen.echo:
-                    echo_text, echo_lp = self._prompt_text(gen), self._echo_logprobs(gen, handle, rl)
+                echo_lp = echo_text = extras = None
+                if t_first is None:
+                    if gen.echoes:
+                        echo_text = self._echo_text(gen) or None
+                        echo_lp = self._echo_logprobs(gen, handle, rl) if gen.echo else None
+                    extras = self._extras(gen, handle) or None     # prompt_logprobs: on the first chunk
                 n0 = detok.tokens_seen
                 delta = detok.feed(batch) if not gen.echo_only else Delta("")
                 lp = None
@@ -397,10 +418,11 @@ class GenerationService:
                 out = b""
                 if t_first is None:
                     t_first = now_ns()
-                    if ep.chat:   # the first chat chunk carries the role
-                        out += api.sse(chunk(gen.rid, gen.created, self.model, {"role": "assistant", "content": ""},
-                                             usage_=usage))
-                if not last and usage is None and lp is None and echo_text is None:
+                    if ep.chat:   # the first chat chunk carries the role (and the prompt's logprobs when asked)
+                        first = chunk(gen.rid, gen.created, self.model, {"role": gen.role, "content": ""}, usage_=usage)
+                        out += api.sse({**first, **extras} if extras else first)
+                        extras = None
+                if not last and usage is None and lp is None and echo_text is None and extras is None:
                     # the common case: pre-encoded chunk, only the text encoded
                     if self.expose_backend_timing:
                         out += fast.encode_timed(text, handle.t_last_ns, t_batch_ns, len(batch))
@@ -409,6 +431,8 @@ class GenerationService:
                 else:
                     payload = ({"content": text} if text or not last else {}) if ep.chat else text
                     body = chunk(gen.rid, gen.created, self.model, payload, finish, stop_reason, usage, logprobs=lp)
+                    if extras:
+                        body["choices"][0].update(extras)   # completions: prompt_logprobs on the choice, as in the body
                     if self.expose_backend_timing:
                         body["blink_timing"] = self._timing(handle, batch, t_batch_ns)
                     out += api.sse(body)

@@ -1,27 +1,25 @@
-"""The served API as an OpenAPI 3.1 document, written by hand from what openai_api.py accepts.
+"""The served API as an OpenAPI 3.1 document: the schemas come from protocol.py's models.
 
-    FrontendConfig + vocab size + context length -> document() -> GET /openapi.json
+    FrontendConfig + vocab size + context length -> ApiLimits -> protocol.request_models()
+        -> pydantic JSON schemas (requests: validation mode, exactly what parse_* accepts;
+           responses and the error object) + the routes and statuses below -> document()
+        -> GET /openapi.json
 
-The request schemas say exactly what validation lets through (types, ranges,
-the no-op values of parameters we cannot honour, additionalProperties: false
-where unknown keys are rejected), so a schema-driven fuzzer (schemathesis)
-can tell valid from invalid input; the responses list every status the server
-may answer with and the error object's shape. Keep it in step with
-openai_api.parse_completion / parse_chat.
+The request schemas say what validation lets through (types, ranges, the neutral values of
+parameters we cannot honour, additionalProperties: false where unknown keys are rejected), so a
+schema-driven fuzzer (schemathesis) can tell valid from invalid input; the responses list
+every status the server may answer with. Only the routes and their statuses are written here.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
 
+from pydantic.json_schema import models_json_schema
+
+from . import protocol
 from .config import FrontendConfig
-from .openai_api import MAX_BAD_WORDS, MAX_CHOICES, MAX_I32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MIN_SEED
-
-_INT = {"type": "integer"}
-_BOOL = {"type": "boolean"}
-
-
-def _nullable(schema: dict) -> dict:
-    return {"anyOf": [schema, {"type": "null"}]}
+from .protocol import MAX_I32, ApiLimits
 
 
 def _error_response(description: str) -> dict:
@@ -29,104 +27,20 @@ def _error_response(description: str) -> dict:
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
 
 
-def _token_ids(vocab_size: int, min_items: int) -> dict:
-    return {"type": "array", "minItems": min_items,
-            "items": {"type": "integer", "minimum": 0, "maximum": max(0, vocab_size - 1)}}
+@functools.lru_cache(maxsize=16)
+def _schemas(limits: ApiLimits) -> str:
+    """Every model's JSON schema, keyed by name, as JSON text (cached: one per distinct limits)."""
+    models = protocol.request_models(limits)
+    _, top = models_json_schema(
+        [(models.completion, "validation"), (models.chat, "validation"),
+         (protocol.CompletionResponse, "validation"), (protocol.ChatCompletionResponse, "validation"),
+         (protocol.ErrorResponse, "validation")],
+        ref_template="#/components/schemas/{model}")
+    return json.dumps(top["$defs"])
 
 
-def _sampling(config: FrontendConfig, vocab_size: int, max_model_len: int | None) -> dict[str, Any]:
-    """Properties both endpoints share: sampling, stopping, streaming, accepted no-ops."""
-    max_tokens = {"type": "integer", "minimum": 1,
-                  "maximum": min(x for x in (MAX_I32, config.max_tokens_limit, max_model_len) if x)}
-    return {
-        "model": _nullable({"type": "string", "description": "must be the served model's name"}),
-        "max_tokens": _nullable(max_tokens),
-        "max_completion_tokens": _nullable(max_tokens),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 1e4}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": MAX_I32}),
-        "seed": _nullable({"type": "integer", "minimum": MIN_SEED, "maximum": MAX_SEED}),
-        "ignore_eos": _nullable(_BOOL),
-        "stop": _nullable({"anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "maxItems": config.max_stop_strings, "items": {"type": "string", "minLength": 1}}]}),
-        "stop_token_ids": _nullable(_token_ids(vocab_size, 0)),
-        "include_stop_str_in_output": _nullable(_BOOL),
-        "skip_special_tokens": _nullable(_BOOL),
-        "add_special_tokens": _nullable(_BOOL),
-        "stream": _nullable(_BOOL),
-        "stream_options": _nullable({
-            "type": "object", "additionalProperties": False,
-            "description": "only with stream: true",
-            "properties": {"include_usage": _nullable(_BOOL), "continuous_usage_stats": _nullable(_BOOL)}}),
-        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 2}),
-        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "min_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_I32,
-                                 "description": "at most max_tokens"}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
-                                 "propertyNames": {"pattern": "^[0-9]+$"},
-                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-                                 "description": "token id (in the vocabulary) -> bias added to its logit"}),
-        "allowed_token_ids": _nullable(_token_ids(vocab_size, 1)),
-        "bad_words": _nullable({"type": "array", "maxItems": MAX_BAD_WORDS,
-                                "items": {"type": "string", "minLength": 1, "pattern": "\\S"}}),
-        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}),
-        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
-                              "description": "at least n; more than n only without stream"}),
-        "user": {"description": "accepted and ignored"},
-        "metadata": {"description": "accepted and ignored"},
-    }
-
-
-def _completion_request(config: FrontendConfig, vocab_size: int, max_model_len: int | None) -> dict:
-    text = {"type": "string", "minLength": 1}
-    ids = _token_ids(vocab_size, 1)
-    props = _sampling(config, vocab_size, max_model_len)
-    props["prompt"] = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1,
-                                             "items": {"anyOf": [text, ids]}}],
-                       "description": "text, token ids, or a one-element list of either"}
-    props["suffix"] = _nullable({"const": ""})
-    props["echo"] = _nullable(_BOOL)
-    props["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
-    for name in ("max_tokens", "max_completion_tokens"):
-        zero_ok = dict(props[name]["anyOf"][0], minimum=0, description="0 only with echo: the prompt alone")
-        props[name] = _nullable(zero_ok)
-    return {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": props}
-
-
-def _chat_request(config: FrontendConfig, vocab_size: int, max_model_len: int | None) -> dict:
-    part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
-               "properties": {
-                   "role": {"enum": ["system", "developer", "user", "assistant"]},
-                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
-                   "name": _nullable({"type": "string"})}}
-    props = _sampling(config, vocab_size, max_model_len)
-    props["messages"] = {"type": "array", "minItems": 1, "items": message}
-    props["add_generation_prompt"] = _nullable(_BOOL)
-    props["continue_final_message"] = _nullable(_BOOL)
-    props["chat_template_kwargs"] = _nullable({"type": "object"})
-    props["logprobs"] = _nullable(_BOOL)
-    props["top_logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
-                                       "description": "needs logprobs: true"})
-    props["tools"] = _nullable({"type": "array", "maxItems": 0})
-    return {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": props}
-
-
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: _INT for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-_FINISH = {"enum": ["stop", "length", "abort", "error", None]}
-
-
-def _reply(choice: dict) -> dict:
-    return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
-            "properties": {"id": {"type": "string"}, "object": {"type": "string"}, "created": _INT,
-                           "model": {"type": "string"}, "usage": _USAGE,
-                           "choices": {"type": "array", "items": choice}}}
+def schemas(limits: ApiLimits) -> dict:
+    return json.loads(_schemas(limits))
 
 
 # One server-sent event (Open API before 3.2 has a text/event-stream `schema` describe each event, as
@@ -155,14 +69,10 @@ def _generation_responses(reply_ref: str) -> dict:
 
 def document(config: FrontendConfig, vocab_size: int, max_model_len: int | None = None) -> dict:
     """The OpenAPI 3.1 document for this server's settings and model."""
+    limits = ApiLimits("", vocab_size, config.max_stop_strings,
+                       min(x for x in (MAX_I32, config.max_tokens_limit, max_model_len) if x))
     security = [{"bearer": []}] if config.api_key else []
     open_security = security if config.auth_all_routes else []
-    text_choice = {"type": "object", "properties": {"index": _INT, "text": {"type": "string"},
-                                                    "finish_reason": _FINISH}}
-    chat_choice = {"type": "object", "properties": {
-        "index": _INT, "finish_reason": _FINISH,
-        "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                     "content": {"type": "string"}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "BLINK-py OpenAI-compatible API", "version": "1",
@@ -174,12 +84,12 @@ def document(config: FrontendConfig, vocab_size: int, max_model_len: int | None 
                 "operationId": "createCompletion", "security": security,
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
-                "responses": _generation_responses("#/components/schemas/Completion")}},
+                "responses": _generation_responses("#/components/schemas/CompletionResponse")}},
             "/v1/chat/completions": {"post": {
                 "operationId": "createChatCompletion", "security": security,
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-                "responses": _generation_responses("#/components/schemas/ChatCompletion")}},
+                "responses": _generation_responses("#/components/schemas/ChatCompletionResponse")}},
             "/v1/models": {"get": {
                 "operationId": "listModels", "security": security,
                 "responses": {"200": {"description": "the served model",
@@ -199,15 +109,6 @@ def document(config: FrontendConfig, vocab_size: int, max_model_len: int | None 
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "CompletionRequest": _completion_request(config, vocab_size, max_model_len),
-                "ChatCompletionRequest": _chat_request(config, vocab_size, max_model_len),
-                "Completion": _reply(text_choice),
-                "ChatCompletion": _reply(chat_choice),
-                "ErrorResponse": {"type": "object", "required": ["error"], "properties": {"error": {
-                    "type": "object", "required": ["message", "type", "code"],
-                    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                                   "param": {"type": ["string", "null"]}, "code": _INT}}}},
-            },
+            "schemas": schemas(limits),
         },
     }

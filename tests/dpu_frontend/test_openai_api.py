@@ -138,7 +138,7 @@ CHAT_BAD = [
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ({"top_logprobs": 3}, 400, "top_logprobs"),
-    ({"echo": True}, 400, "echo"),
+    ({"echo": "yes"}, 400, "echo"),
     ({"tools": [{"type": "function"}]}, 400, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, 400, "tool_choice"),

@@ -115,6 +115,33 @@ def test_chat_streaming_role_first_then_content(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
 
 
+def test_chat_echo_opens_the_reply_with_the_prefill(client):
+    """vLLM's chat echo: the reply's content begins with the last message's when its role is the
+    reply's (a continued assistant prefill, or any role without a generation prompt)."""
+    tok = smollm2()
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    prompt = tok.encode(tok.render_chat(messages, False, True), add_special_tokens=False)
+    kw = dict(model="null", messages=messages, max_tokens=5,
+              extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False,
+                          "ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    generated = tok.decode(echo(prompt, 5))
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == "The colour is" + generated
+    assert r.usage.completion_tokens == 5                    # the echoed text is not generated
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The colour is" + generated
+    # roles differ (the reply is the assistant's, the last message the user's): nothing is echoed
+    r = client.chat.completions.create(model="null", messages=messages[:1], max_tokens=3,
+                                       extra_body={"echo": True, "ignore_eos": True})
+    assert not r.choices[0].message.content.startswith("Name a colour.")
+    # no generation prompt: the reply continues the user's message, with its role (vLLM)
+    r = client.chat.completions.create(model="null", messages=messages[:1], max_tokens=3,
+                                       extra_body={"echo": True, "add_generation_prompt": False, "ignore_eos": True})
+    assert r.choices[0].message.role == "user" and r.choices[0].message.content.startswith("Name a colour.")
+
+
 async def test_16_concurrent_streams_each_get_their_own_tokens(server):
     client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
 

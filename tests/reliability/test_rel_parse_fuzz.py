@@ -79,7 +79,7 @@ def test_openapi_document_is_json_and_tracks_settings():
     json.dumps(doc)
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert props["max_tokens"]["anyOf"][0]["maximum"] == 64
-    assert props["stop"]["anyOf"][0]["anyOf"][1]["maxItems"] == 4
+    assert props["stop"]["anyOf"][1]["maxItems"] == 4
     assert props["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 999
     assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
     assert doc["paths"]["/health"]["get"]["security"] == []
