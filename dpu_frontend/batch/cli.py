@@ -6,7 +6,8 @@ OpenAI-compatible server), as vLLM's `run-batch`.
     -> --url given: post there; else start `blink serve` (server.ServeChild) on a free
        port with --max-batch-size = --max-concurrency, so the runner keeps exactly the
        server's batch full
-    -> the model's tokenizer for the ordering (none loadable: characters)
+    -> the model's tokenizer for the ordering (none loadable: characters); whether the
+       server caches prefixes (--prefix-cache, auto: its /metrics)
     -> runner.run_batch(order=--order) -> one summary line on stderr -> exit 0 once every
        line has its output line, failed ones included (as vLLM); 1 when the server cannot
        start, 2 when the files cannot be read
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=ORDERS, default="blend",
                    help="blend (default): shared prefixes together, long prompts and long outputs mixed "
                         "(BlendServe); file: the input's order")
+    p.add_argument("--prefix-cache", choices=("auto", "on", "off"), default="auto",
+                   help="whether the server caches prompt prefixes (blend order: shared prefixes paid once, "
+                        "each group led by one request); auto: a prefix_cache metric on its /metrics")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"requests in flight at most (default {DEFAULT_CONCURRENCY}); the started server "
                         f"gets it as --max-batch-size; with --url set it to that server's batch size")
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             url = server.start()
         summary = asyncio.run(run_batch(items, done, url, args.output_file, order=args.order,
                                         concurrency=concurrency, tokenizer=tokenizer, api_key=api_key,
-                                        show_progress=not args.no_progress))
+                                        show_progress=not args.no_progress,
+                                        prefix_cache={"auto": None, "on": True, "off": False}[args.prefix_cache]))
     except ServeError as e:
         print(f"blink run-batch: {e}", file=sys.stderr)
         return 1

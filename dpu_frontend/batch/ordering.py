@@ -25,6 +25,11 @@
               server's prefix cache before the others are sent (BlendServe computes a
               shared prefix exactly once per batch; a server computes it once per request
               admitted in the same step).
+    Steps 2 and 5 assume the server keeps a prefix cache (prefix_cache=True). Without one,
+    every request pays its whole prompt (a group of long shared prompts is compute-heavy,
+    not cheap) and nobody waits for a leader: measured on blink serve before it had a prefix
+    cache, assuming one put every prefix group at the end of the order, unblended, and made
+    the batch 0.69x slower than the file's order (bench/results/2026-11-25-*-batch-order).
     The memory partition of Algorithm 3 is done by the running ratio of step 4; node
     splitting (Algorithm 2) is left out: groups are never broken to move an outlier.
 
@@ -85,26 +90,27 @@ class Plan:
 
 
 def plan(works: Sequence[Work], order: str = "blend", min_shared: int = 32,
-         cost: CostModel = CostModel()) -> Plan:
+         cost: CostModel = CostModel(), prefix_cache: bool = True) -> Plan:
     """The submission plan for works[0..n-1]. min_shared: the shortest prefix (in key units)
-    that counts as shared."""
+    that counts as shared. prefix_cache=False (a server that prefills every prompt in full):
+    every request pays its whole prompt in the costs, and nobody waits for a leader."""
     if order == "file":
         return Plan(tuple(range(len(works))))
     if order != "blend":
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if not works:
         return Plan(())
-    root, comp, mem = sorted_tree(works, min_shared, cost)
+    root, comp, mem = sorted_tree(works, min_shared, cost, prefix_cache)
     sequence = _dual_scan(root.items(), comp, mem)
-    return _with_leaders(sequence, root, works)
+    return _with_leaders(sequence, root, works) if prefix_cache else Plan(tuple(sequence))
 
 
-def sorted_tree(works: Sequence[Work], min_shared: int = 32,
-                cost: CostModel = CostModel()) -> tuple[Group, list[float], list[float]]:
+def sorted_tree(works: Sequence[Work], min_shared: int = 32, cost: CostModel = CostModel(),
+                prefix_cache: bool = True) -> tuple[Group, list[float], list[float]]:
     """Steps 1-3: the prefix tree sorted by density (its items() are the dual scan's input, compute
     side first), and every request's compute and memory seconds."""
     root = groups(build([w.key for w in works]), min_shared)
-    comp, mem = _costs(root, works, cost)
+    comp, mem = _costs(root if prefix_cache else Group(0, list(range(len(works)))), works, cost)
     _sort(root, comp, mem)
     return root, comp, mem
 

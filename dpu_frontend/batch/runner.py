@@ -2,7 +2,8 @@
 
     [BatchRequest | BadLine], done custom_ids (a rerun)
       -> bad lines: an error line each, at once
-      -> requests not done: prompts.work_item() -> ordering.plan(order) -> Plan
+      -> requests not done: prompts.work_item() -> ordering.plan(order, prefix_cache: does
+         the server's /metrics show a prefix cache) -> Plan
       -> submit in plan order, at most `concurrency` in flight (a prefix group's members
          only after their leader finished): POST base_url + url with the body
       -> every response, as it comes: batch_file.response_line() appended to the output
@@ -86,29 +87,42 @@ async def send(session: aiohttp.ClientSession, base_url: str, request: BatchRequ
     return response_line(request.custom_id, status, None, error)
 
 
+async def caches_prefixes(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> bool:
+    """Whether the server says it keeps a prefix cache: a prefix_cache metric on its /metrics
+    (vLLM: vllm:prefix_cache_queries); no /metrics, or none such: no."""
+    try:
+        async with session.get(base_url + "/metrics", headers=headers) as r:
+            return r.status == 200 and "prefix_cache" in (await r.text()).lower()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
 async def run_batch(items: Sequence[BatchRequest | BadLine], done: set[str], base_url: str, output_path: str,
                     *, order: str = "blend", concurrency: int = 32, tokenizer: ModelTokenizer | None = None,
-                    api_key: str | None = None, show_progress: bool = True,
+                    api_key: str | None = None, show_progress: bool = True, prefix_cache: bool | None = None,
                     delays_s: Sequence[float] = RETRY_DELAYS_S) -> Summary:
-    """Run every item not in `done`, appending one output line per item to output_path."""
+    """Run every item not in `done`, appending one output line per item to output_path.
+    prefix_cache None: ask the server's /metrics (caches_prefixes)."""
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     summary = Summary(total=len(items))
     todo = [it for it in items if it.custom_id is None or it.custom_id not in done]
     summary.skipped = len(items) - len(todo)
     requests = [it for it in todo if isinstance(it, BatchRequest)]
-    bars = progress(len(todo), enabled=show_progress)
-    plan = ordering.plan([work_item(r, tokenizer) for r in requests], order)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    with OutputFile(output_path) as out:
-        for it in todo:
-            if isinstance(it, BadLine):
-                out.write(bad_line_output(it))
-                summary.failed += 1
-                bars.update(False)
-        connector = aiohttp.TCPConnector(limit=concurrency)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if prefix_cache is None and order != "file":
+            prefix_cache = await caches_prefixes(session, base_url, headers)
+        plan = ordering.plan([work_item(r, tokenizer) for r in requests], order, prefix_cache=bool(prefix_cache))
+        bars = progress(len(todo), enabled=show_progress)
+        with OutputFile(output_path) as out:
+            for it in todo:
+                if isinstance(it, BadLine):
+                    out.write(bad_line_output(it))
+                    summary.failed += 1
+                    bars.update(False)
             t0 = time.monotonic()
             await _submit(plan, requests, lambda r: send(session, base_url, r, headers, delays_s),
                           concurrency, out, summary, bars)

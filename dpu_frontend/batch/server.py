@@ -1,7 +1,7 @@
 """The server `blink run-batch` starts when it is given no --url: `blink serve` itself, as a child.
 
     ServeChild(serve_args) -> start(): `blink serve --port <free> --ring blink-batch-<pid>
-        --log-level warning ...` in its own session (dying with us), stdout to /dev/null
+        --log-level error ...` in its own session (dying with us), stdout to /dev/null
         -> wait until GET /health is 200 (serve's own probe) -> url
     ... the batch runs against url ...
     stop(): SIGTERM -> blink serve stops the frontend, then the daemon, and removes the
@@ -41,7 +41,7 @@ class ServeChild:
         self.ring = f"blink-batch-{os.getpid()}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [*blink_command(), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--ring", self.ring, "--log-level", "warning", *serve_args]
+                     "--ring", self.ring, "--log-level", "error", *serve_args]
         self.ready_timeout_s = ready_timeout_s
         self.env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         self.proc: subprocess.Popen | None = None

@@ -108,3 +108,15 @@ def test_the_sorted_tree_keeps_every_prefix_group_contiguous(rows):
     runs = [rows[i][0] for k, i in enumerate(leaves) if k == 0 or rows[leaves[k - 1]][0] != rows[i][0]]
     assert len(runs) == len(set(runs))
     assert len(comp) == len(mem) == len(works) and all(c > 0 and m > 0 for c, m in zip(comp, mem))
+
+
+def test_without_a_prefix_cache_a_shared_prompt_is_paid_by_every_request_and_nobody_waits():
+    # a group of long shared prompts is compute-heavy when each request prefills it in full: it
+    # blends with the long decodes from the start instead of waiting at the end of the order
+    group = [Work(SYS_A * 2 + f"{k}", 401, 8) for k in range(6)]
+    stories = [Work(f"story {k}", 10, 200) for k in range(6)]
+    cached = plan(group + stories, "blend", prefix_cache=True)
+    uncached = plan(group + stories, "blend", prefix_cache=False)
+    assert uncached.leader_of == {} and len(cached.leader_of) == 5
+    assert sorted(uncached.order) == list(range(12))
+    assert set(uncached.order[:4]) & set(range(6)) and set(uncached.order[:4]) & set(range(6, 12))

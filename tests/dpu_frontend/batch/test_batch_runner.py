@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
+
 import pytest
 
 from dpu_frontend.batch import ordering
 from dpu_frontend.batch.batch_file import keep_done, read_requests
 from dpu_frontend.batch.prompts import work_item
-from dpu_frontend.batch.runner import base_of, run_batch
+from dpu_frontend.batch.runner import base_of, caches_prefixes, run_batch
 from dpu_frontend.batch.server import ServeChild
 from dpu_frontend.tokenizer import load_tokenizer
 
@@ -109,7 +111,7 @@ def test_one_at_a_time_the_output_follows_the_plan(null_server, tmp_path, tokeni
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out.jsonl"
-    run(src, out, null_server, tokenizer=tokenizer, order=order, concurrency=1)
+    run(src, out, null_server, tokenizer=tokenizer, order=order, concurrency=1, prefix_cache=True)
     requests = read_requests(src)
     plan = ordering.plan([work_item(r, tokenizer) for r in requests], order)
     assert [r["custom_id"] for r in records(out)] == [requests[i].custom_id for i in plan.order]
@@ -121,3 +123,19 @@ def test_one_at_a_time_the_output_follows_the_plan(null_server, tmp_path, tokeni
 
 def test_base_url_takes_the_server_root_with_or_without_v1():
     assert base_of("http://h:1/v1/") == base_of("http://h:1/v1") == base_of("http://h:1") == "http://h:1"
+
+
+def test_the_echo_server_shows_no_prefix_cache_so_blend_leads_no_groups(null_server, tmp_path, tokenizer):
+    async def probe():
+        async with aiohttp.ClientSession() as session:
+            return await caches_prefixes(session, null_server, {})
+    assert asyncio.run(probe()) is False
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(chat(f"m{k}", f"question {k}", system=SYSTEM) for k in range(4)) + "\n")
+    out = tmp_path / "out.jsonl"
+    summary = run(src, out, null_server, tokenizer=tokenizer, order="blend", concurrency=1)
+    assert summary.ok == 4
+    requests = read_requests(src)
+    plan = ordering.plan([work_item(r, tokenizer) for r in requests], "blend", prefix_cache=False)
+    assert plan.leader_of == {}
+    assert [r["custom_id"] for r in records(out)] == [requests[i].custom_id for i in plan.order]
