@@ -1,15 +1,19 @@
-"""Fused CPU kernels (kernels.cc, quant.cc) for the CPU executor, built once with g++ and called by ctypes.
+"""Fused CPU kernels (kernels.cc, quant.cc, attention.cc) for the CPU executor, built once with g++
+and called by ctypes.
 
-    kernels.cc + quant.cc --g++ -O3 -march=native -fopenmp--> ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
+    kernels.cc + quant.cc + attention.cc --g++ -O3 -march=native -fopenmp-->
+      ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
       <hash of sources, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
     -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul,
+       prefill_attention (causal, flash-attention style over the paged pool),
        (on CPUs with AVX512-BF16) linear for decode-sized batches, and quant_linear: matmuls
        over GGUF Q4_0/Q4_1/Q8_0/Q4_K weight blocks on int8-quantized activations, on torch
        tensors (shapes and dtypes checked here, data pointers handed to C)
 
-quant.cc has a scalar, an AVX2 and an AVX512-VNNI path; `isa` picks one per call, and
-BLINK_CPU_ISA=scalar|avx2|avx512 (read here, once) narrows the default (quant_isa), so
-each path can be tested on a machine that has a wider one.
+quant.cc has a scalar, an AVX2 and an AVX512-VNNI path, attention.cc a scalar, an AVX2 and an
+AVX512F path; `isa` picks one per call, and BLINK_CPU_ISA=scalar|avx2|avx512 (read here, once)
+narrows the defaults (quant_isa, attention_isa), so each path can be tested on a machine that
+has a wider one.
 
 -march=native is why the CPU's flags are part of the cache key: a cache shared between
 machines never hands one CPU another's build. No compiler, or a failed build, makes
@@ -31,7 +35,7 @@ from ..cuda.build import BuildError, _publish, _run, _version, find_gxx
 log = logging.getLogger("blink.gpu_daemon")
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
-SOURCES = (SOURCE, SOURCE.with_name("quant.cc"))
+SOURCES = (SOURCE, SOURCE.with_name("quant.cc"), SOURCE.with_name("attention.cc"))
 GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
              "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
@@ -55,7 +59,10 @@ _QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
     "quantize_act": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int], None),
     "quant_matmul": ([_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "quant_dequantize": ([_int, _ptr, _ptr, _i64, _i64, _int], _int),
+    "attention_isa_max": ([], _int),
 }
+_PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
+                           _int, _int]
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}     # ggml type id -> name: what quant.cc reads
 ISA_NAMES = ("scalar", "avx2", "avx512")                         # quant.cc's paths, narrowest first
 ISA_ENV = "BLINK_CPU_ISA"
@@ -84,7 +91,7 @@ def build(gxx: str | None = None) -> pathlib.Path:
 
     def compile_to(tmp: pathlib.Path) -> pathlib.Path:
         out = tmp / LIB_NAME
-        _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)], "g++ cpu_kernels/kernels.cc quant.cc")
+        _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)], "g++ cpu_kernels/kernels.cc quant.cc attention.cc")
         return out
 
     return _publish(compile_to, cache_root() / h.hexdigest()[:16], LIB_NAME)
@@ -111,6 +118,12 @@ class CpuKernels:
             self._fns[name, "quant"] = fn
         self.quant_isa_max = int(self._fns["quant_isa_max", "quant"]())   # the widest path built for this CPU
         self.quant_isa = requested_isa(self.quant_isa_max)                  # the default path (BLINK_CPU_ISA)
+        for suffix in SUFFIX.values():
+            fn = getattr(lib, f"blink_prefill_attention_{suffix}")
+            fn.argtypes, fn.restype = _PREFILL_ATTENTION_ARGS, None
+            self._fns["prefill_attention", suffix] = fn
+        self.attention_isa_max = int(self._fns["attention_isa_max", "quant"]())
+        self.attention_isa = requested_isa(self.attention_isa_max)
 
     def _fn(self, name: str, dtype: torch.dtype):
         try:
@@ -195,6 +208,40 @@ class CpuKernels:
             None if table_index is None else table_index.data_ptr(), max_blocks, context_lens.data_ptr(),
             o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
         return o
+
+    def prefill_attention(self, qkv: torch.Tensor, num_heads: int, kc: torch.Tensor, vc: torch.Tensor,
+                          block_tables: torch.Tensor, spans: torch.Tensor, out: torch.Tensor | None = None,
+                          isa: int | None = None) -> torch.Tensor:
+        """Causal attention of prefill spans over the pool. qkv [T, H + 2 KV, D] (RoPE applied, this
+        step's k/v already in the pool); spans int64 [S, 3]: (first row, tokens n, context length c
+        after the step): rows first .. first + n - 1 are positions c - n .. c - 1 and attend to keys
+        0 .. their position through block_tables[s] [S, max_blocks] -> the spans' rows of out
+        [T, H, D] (a new tensor when not given; other rows untouched). isa: 0 scalar, 1 avx2,
+        2 avx512 (default self.attention_isa; clamped to attention_isa_max)."""
+        t, heads_total, d = qkv.shape
+        kvh, num_blocks, bs, _ = kc.shape
+        _check(qkv, kc, vc)
+        for name, idx in (("block_tables", block_tables), ("spans", spans)):
+            if idx.dtype != torch.int64 or not idx.is_contiguous() or idx.dim() != 2:
+                raise ValueError(f"prefill_attention: {name} must be a contiguous 2-D int64 tensor")
+        if spans.shape[1] != 3 or block_tables.shape[0] != spans.shape[0] or num_heads % kvh or (
+                heads_total != num_heads + 2 * kvh or kc.shape != vc.shape or kc.shape[3] != d):
+            raise ValueError(f"prefill_attention: qkv {tuple(qkv.shape)}, {num_heads} heads, pool "
+                             f"{tuple(kc.shape)}, tables {tuple(block_tables.shape)}, spans {tuple(spans.shape)}")
+        for first, n, c in spans.tolist():           # the kernel trusts these: checked once here
+            if not (0 <= first and first + n <= t and 0 < n <= c
+                    and (c + bs - 1) // bs <= block_tables.shape[1]):
+                raise ValueError(f"prefill_attention: span ({first}, {n}, {c}) outside {t} rows or its table")
+        if out is None:
+            out = torch.empty((t, num_heads, d), dtype=qkv.dtype)
+        elif out.shape != (t, num_heads, d) or out.dtype != qkv.dtype or not out.is_contiguous():
+            raise ValueError(f"prefill_attention: out {tuple(out.shape)} {out.dtype} for {t} rows")
+        isa = self.attention_isa if isa is None else min(isa, self.attention_isa_max)
+        self._fn("prefill_attention", qkv.dtype)(
+            qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], spans.data_ptr(), spans.shape[0], out.data_ptr(), num_heads, kvh, d,
+            num_blocks, bs, d ** -0.5, isa, _threads())
+        return out
 
     def linear_fits(self, weight: torch.Tensor) -> bool:
         """Whether linear() can take this [N, K] weight (bf16, K in whole vectors, this CPU)."""
