@@ -37,9 +37,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with Llama-3/linear scaling applied."""
+    """[head_dim / 2] float32 inverse frequencies, with Llama-3/linear scaling applied; on the
+    CPU (math on the meta device goes through torch._refs, whose first use imports torch._dynamo:
+    seconds of the daemon's start)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = config.rope_scaling_dict
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
@@ -170,14 +172,20 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own init, except on the meta device (the loader's): there normal_ goes
+        # through torch._refs, whose first use imports torch._dynamo: 3-7 s of the daemon's start.
+        embed = torch.empty(config.vocab_size, config.hidden_size)
+        if embed.device.type != "meta":
+            nn.init.normal_(embed)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None   # an executor's faster equivalent of the lm_head matmul
         # float32 even in a bf16 model (as HF keeps it); recomputed by to()/load, never saved.
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [head_dim / 2]
+        inv_freq = rope_inv_freq(config).to(torch.empty(0).device)        # onto the default device
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
 
     @property
     def device(self) -> torch.device:
