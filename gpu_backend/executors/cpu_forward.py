@@ -4,9 +4,10 @@ fused kernels of gpu_backend/cpu_kernels between the (prepacked) matmuls.
     input_ids [T], positions [T], PagedBatch
       -> embed -> RMSNorm (kernel)
       -> per layer:  qkv matmul -> rope_cache (RoPE on q|k in place, k/v into the pool)
-                     -> attention (decode_attention kernel) straight from the pool's blocks,
-                        one work list for every row of the step: a decode is one row, a
-                        prefill chunk one row per token with its causal length (attention_rows)
+                     -> attention straight from the pool's blocks: decodes (decode_attention:
+                        one query row each), prefill chunks (prefill_attention: causal,
+                        flash-attention style tiles of query rows x key rows, online softmax;
+                        each K/V row read once per tile, not once per query row)
                      -> o matmul -> add_rms_norm (residual += o; norm)
                      -> gate_up matmul -> silu_mul -> down matmul
                      -> add_rms_norm (residual += mlp; the next layer's norm, or the final one)
@@ -34,32 +35,15 @@ from ..paged_attention import PagedBatch
 from .cpu_linear import PackedLinear, QuantKernelLinear
 
 
-def attention_rows(batch: PagedBatch, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The step's T rows as single-query attention rows -> (block tables [S, W], the table of
-    each row [T] or None for decode-only steps (row b uses table b), context lengths [T]).
-
-    Decodes keep their own tables; a prefill chunk of n tokens ending at position c - 1 shares
-    its sequence's table over n rows with lengths c - n + 1 .. c: causal attention, mask-free.
-    The kernel then splits (row, kv head) pairs over the threads for the whole step; per
-    sequence SDPA over a 150-token chunk took 2.5x as long (0.85 vs 0.34 ms a layer, 1 thread).
-    """
-    nd = batch.num_decode
-    if not batch.prefills:
-        return batch.decode_block_tables, None, batch.decode_context_lens
-    width = max([batch.decode_block_tables.shape[1] if nd else 0] + [len(s.block_table) for s in batch.prefills])
-    tables = torch.zeros((nd + len(batch.prefills), width), dtype=torch.int64)
-    index = torch.empty(t, dtype=torch.int64)
-    lens = torch.empty(t, dtype=torch.int64)
-    if nd:
-        tables[:nd, :batch.decode_block_tables.shape[1]] = batch.decode_block_tables
-        index[:nd] = torch.arange(nd)
-        lens[:nd] = batch.decode_context_lens
-    for i, s in enumerate(batch.prefills, start=nd):
-        rows = slice(s.token_start, s.token_start + s.num_tokens)
+def prefill_spans(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's prefill chunks for the prefill attention kernel -> (block tables [S, W],
+    spans [S, 3]: first row, tokens n, context length c after the step), once a step."""
+    width = max(len(s.block_table) for s in batch.prefills)
+    tables = torch.zeros((len(batch.prefills), width), dtype=torch.int64)
+    for i, s in enumerate(batch.prefills):
         tables[i, :len(s.block_table)] = s.block_table
-        index[rows] = i
-        lens[rows] = torch.arange(s.context_len - s.num_tokens + 1, s.context_len + 1)
-    return tables, index, lens
+    spans = torch.tensor([[s.token_start, s.num_tokens, s.context_len] for s in batch.prefills], dtype=torch.int64)
+    return tables, spans
 
 
 class _Matmul:
@@ -130,6 +114,8 @@ class KernelForward:
         self.add_rms_norm = kernels.raw("add_rms_norm", dt)
         self.rope_cache = kernels.raw("rope_cache", dt)
         self.decode_attention = kernels.raw("decode_attention", dt)
+        self.prefill_attention = kernels.raw("prefill_attention", dt)
+        self.attention_isa = kernels.attention_isa
         self.silu_mul = kernels.raw("silu_mul", dt)
 
     @staticmethod
@@ -153,9 +139,11 @@ class KernelForward:
         x_ptr, dt = x.data_ptr(), x.dtype
         cos, sin = (c.contiguous() for c in m.rope(positions, dt))     # [T, D] each
         cos_ptr, sin_ptr, slots_ptr = cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr()
-        tables, index, lens = attention_rows(batch, t)                   # once a step, for every layer
-        tables_ptr, lens_ptr = tables.data_ptr(), lens.data_ptr()
-        index_ptr = None if index is None else index.data_ptr()
+        nd = batch.num_decode                                         # decode rows first, then the chunks
+        dec_tables, dec_lens = batch.decode_block_tables, batch.decode_context_lens     # [Bd, W], [Bd]
+        if batch.prefills:
+            pre_tables, spans = prefill_spans(batch)                   # once a step, for every layer
+        isa = self.attention_isa
         heads_total = h + 2 * kvh
         normed = torch.empty_like(x)           # each norm's output, reused layer after layer
         self.add_rms_norm(x_ptr, None, self.first_w, normed.data_ptr(), t, self.hidden, self.first_eps, threads)
@@ -165,9 +153,14 @@ class KernelForward:
                             h + kvh, h, kvh, d, self.num_blocks * self.block_size, threads)
             o = torch.empty((t, h * d), dtype=dt)                      # [T, H * D]
             # RoPE is applied in place, and this step's k/v are in the pool.
-            self.decode_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, tables_ptr, index_ptr,
-                                  tables.shape[1], lens_ptr, o.data_ptr(), t, h, kvh, d,
-                                  self.num_blocks, self.block_size, d ** -0.5, threads)
+            if nd:
+                self.decode_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, dec_tables.data_ptr(),
+                                      None, dec_tables.shape[1], dec_lens.data_ptr(), o.data_ptr(), nd, h, kvh, d,
+                                      self.num_blocks, self.block_size, d ** -0.5, threads)
+            if batch.prefills:
+                self.prefill_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, pre_tables.data_ptr(),
+                                       pre_tables.shape[1], spans.data_ptr(), spans.shape[0], o.data_ptr(), h, kvh,
+                                       d, self.num_blocks, self.block_size, d ** -0.5, isa, threads)
             attn_out = p.o(o, threads)
             self.add_rms_norm(x_ptr, attn_out.data_ptr(), p.post_w, normed.data_ptr(), t, self.hidden,
                               p.post_eps, threads)

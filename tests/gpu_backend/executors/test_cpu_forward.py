@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_backend import cpu_kernels
-from gpu_backend.executors.cpu_forward import KernelForward, attention_rows
+from gpu_backend.executors.cpu_forward import KernelForward, prefill_spans
 from gpu_backend.executors.cpu_linear import prepare_model
 from gpu_backend.kv_cache import KVCacheConfig, KVPool
 from gpu_backend.model.config import tiny_config
@@ -83,15 +83,11 @@ def test_kernel_layer_equals_the_pytorch_layer_on_mixed_batches(variant, dtype):
     assert dtype == torch.float32 or agree >= 0.9 * rows
 
 
-def test_attention_rows_give_each_prefill_token_its_causal_length():
+def test_prefill_spans_give_each_chunk_its_rows_context_and_table():
     batch = PagedBatch.build([(8, 1, [9, 2, 14]), (5, 6, [0, 7, 11]), (0, 3, [4])], BLOCK)
-    tables, index, lens = attention_rows(batch, 10)
-    assert tables.tolist() == [[9, 2, 14], [0, 7, 11], [4, 0, 0]]
-    assert index.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2, 2]
-    assert lens.tolist() == [9, 6, 7, 8, 9, 10, 11, 1, 2, 3]
-    decode_only = PagedBatch.build([(3, 1, [1]), (4, 1, [2, 3])], BLOCK)
-    tables, index, lens = attention_rows(decode_only, 2)
-    assert index is None and tables is decode_only.decode_block_tables and lens is decode_only.decode_context_lens
+    tables, spans = prefill_spans(batch)
+    assert tables.tolist() == [[0, 7, 11], [4, 0, 0]]
+    assert spans.tolist() == [[1, 6, 11], [7, 3, 3]]        # first row, tokens, context after the step
 
 
 @pytest.mark.slow
