@@ -121,6 +121,9 @@ def describe(e: ValidationError, model: type[BaseModel] | None = None) -> tuple[
         return f"unsupported field '{param}'", param
     if best["type"] == "missing":
         return f"'{param}' is required", param
+    if best["loc"][:1] == ("logit_bias",) and len(best["loc"]) == 2:     # its keys are token ids, not parameters
+        return (f"'logit_bias' value for token {show(best['loc'][1])} must be a number in [-100, 100], got "
+                f"{show(best.get('input'))}", "logit_bias")
     if best["type"] in _RANGE_ERRORS and model is not None and param in _ranges(model):
         return f"'{param}' must be in {_ranges(model)[param]}, got {show(best.get('input'))}", param
     got = "" if best["type"].endswith("missing") else f", got {show(best.get('input'))}"

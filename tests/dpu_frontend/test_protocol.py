@@ -58,6 +58,14 @@ def test_the_servers_max_tokens_bounds_validation_and_the_document():
     assert e.value.param == "max_tokens" and "[0, 32]" in e.value.message
 
 
+def test_logit_bias_errors_name_the_parameter_and_the_token():
+    for bias, words in (({"5": 150}, "token \"5\""), ({"5": "1"}, "token \"5\""), ({"x": 1}, "not a token id"),
+                        ({"1000": 1}, "outside the vocabulary")):
+        with pytest.raises(api.ApiError) as e:
+            api.parse_completion({"prompt": "x", "logit_bias": bias}, LIMITS)
+        assert e.value.param == "logit_bias" and words in e.value.message, e.value.message
+
+
 def test_range_errors_name_the_interval():
     with pytest.raises(api.ApiError) as e:
         api.parse_completion({"prompt": "x", "n": 0}, LIMITS)

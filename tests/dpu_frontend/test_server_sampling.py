@@ -270,3 +270,20 @@ def test_streamed_echo_opens_with_the_prompt_and_its_logprobs(client):
     lps = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
     assert tokens == whole.logprobs.tokens and lps[0] is None
     assert lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+
+
+def test_streamed_prompt_logprobs_arrive_on_the_first_chunk(client):
+    """prompt_logprobs on a stream (upstream vLLM refuses them there): the first chunk carries what
+    the non-streamed reply carries, in the same place, and no later chunk repeats them."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 1})
+    whole = client.completions.create(**kw).choices[0].model_extra["prompt_logprobs"]
+    chunks = list(client.completions.create(stream=True, **kw))
+    first = chunks[0].choices[0].model_extra["prompt_logprobs"]
+    assert first[0] is None and len(first) == len(whole) > 5 and first == whole
+    assert all(c.choices[0].model_extra.get("prompt_logprobs") is None for c in chunks[1:] if c.choices)
+    messages = [{"role": "user", "content": "Name a city."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 0})
+    whole = client.chat.completions.create(**kw).model_extra["prompt_logprobs"]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].model_extra["prompt_logprobs"] == whole and chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.model_extra.get("prompt_logprobs") is None for c in chunks[1:])
