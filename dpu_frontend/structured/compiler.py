@@ -25,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import time
 
 from outlines_core import Index, Vocabulary
@@ -32,11 +33,16 @@ from tokenizers import Tokenizer
 
 from shared_layout.automaton import MAX_AUTOMATON_WORDS, from_transitions
 
-from .regex import to_regex
+from .regex import has_max_length, to_regex
 from .request import Constraint, ConstraintError
 from .vocabulary import token_bytes
 
 MAX_REGEX_CHARS = 1 << 17
+log = logging.getLogger(__name__)
+
+
+class AutomatonTooLarge(ConstraintError):
+    """The automaton is past the word budget (a 400 unless a lighter form fits)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +111,22 @@ class ConstraintCompiler:
         return self._vocabulary
 
     def compile_now(self, c: Constraint) -> Compiled:
-        """The whole compile, synchronously (a worker thread runs it)."""
+        """The whole compile, synchronously (a worker thread runs it). A schema whose string
+        maxLengths make the automaton too large is compiled again without them (minLength and
+        everything else still enforced), and the server log says so."""
         t0 = time.perf_counter()
-        rx = to_regex(c)
+        try:
+            return self._compile(c, t0)
+        except AutomatonTooLarge:
+            if not has_max_length(c):
+                raise
+        compiled = self._compile(c, t0, drop_max_length=True)
+        log.warning("%s: the string maxLength bounds would make the token automaton too large; "
+                    "compiled without them (their lengths are not enforced)", c.param)
+        return compiled
+
+    def _compile(self, c: Constraint, t0: float, drop_max_length: bool = False) -> Compiled:
+        rx = to_regex(c, drop_max_length)
         if len(rx) > MAX_REGEX_CHARS:
             raise ConstraintError(f"'{c.param}': the constraint's regex is {len(rx)} characters; at most "
                                   f"{MAX_REGEX_CHARS} are allowed", c.param)
@@ -122,6 +141,6 @@ class ConstraintCompiler:
                                  drop_tokens=frozenset((self.eos_id,)))
         limit = min(self.config.max_words, MAX_AUTOMATON_WORDS)
         if words.size > limit:
-            raise ConstraintError(f"'{c.param}': the constraint's token automaton is {words.size} words "
+            raise AutomatonTooLarge(f"'{c.param}': the constraint's token automaton is {words.size} words "
                                   f"({len(transitions)} states); at most {limit} fit a request", c.param)
         return Compiled(words.tobytes(), len(transitions), time.perf_counter() - t0)

@@ -2,7 +2,9 @@
 
     json_schema: checked for keywords we cannot honour (400), integer bounds rewritten to exact
         digit-range regexes (outlines-core leaves minimum/maximum unenforced), string
-        minLength/maxLength dropped (not enforced: see _rewrite), then
+        minLength/maxLength kept (outlines-core counts characters, an escape as one; a
+        maxLength costs ~40 K automaton words per character, so the compiler may ask for a
+        second regex without the maxLengths: drop_max_length), then
         outlines_core.json_schema.build_regex_from_schema with bounded whitespace ("[ ]?" between
         tokens, no newlines: a small model cannot spin on blanks) and bounded recursion
     json_object: an object whose values are scalars, or flat arrays / objects of scalars
@@ -56,7 +58,7 @@ def escape(text: str) -> str:
     return "".join("\\" + c if c in _META else c for c in text)
 
 
-def to_regex(c: Constraint) -> str:
+def to_regex(c: Constraint, drop_max_length: bool = False) -> str:
     if c.kind == "regex":
         return c.source
     if c.kind == "choice":
@@ -65,7 +67,7 @@ def to_regex(c: Constraint) -> str:
         return JSON_OBJECT
     schema = json.loads(c.source)
     ints: list[str] = []
-    schema = _rewrite(schema, c.param, ints)
+    schema = _rewrite(schema, c.param, ints, drop_max_length=drop_max_length)
     try:
         rx = build_regex_from_schema(json.dumps(schema), WHITESPACE, MAX_RECURSION_DEPTH)
     except (ValueError, TypeError, RecursionError) as e:
@@ -76,7 +78,12 @@ def to_regex(c: Constraint) -> str:
     return rx
 
 
-def _rewrite(node: Any, where: str, ints: list[str], depth: int = 0) -> Any:
+def has_max_length(c: Constraint) -> bool:
+    """Whether a JSON-schema constraint bounds a string's length from above."""
+    return c.kind == "json_schema" and '"maxLength"' in c.source
+
+
+def _rewrite(node: Any, where: str, ints: list[str], depth: int = 0, drop_max_length: bool = False) -> Any:
     """A copy of the schema with bounded integers as placeholders; 400 on unknown keywords."""
     if depth > 64:
         raise ConstraintError(f"'{where}': schema nested too deeply", where)
@@ -96,20 +103,17 @@ def _rewrite(node: Any, where: str, ints: list[str], depth: int = 0) -> Any:
         raise ConstraintError(f"'{where}': bounds on a 'number' are not enforced; use an integer or drop them",
                               where)
     out = dict(node)
-    if node.get("type") == "string":
-        # A bounded string is a state per character, each with its own transitions over the whole
-        # vocabulary (~L x vocab of them: 40 characters of SmolLM2 are 8.7M ring words); not enforced.
-        out.pop("minLength", None)
+    if drop_max_length:
         out.pop("maxLength", None)
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            out[key] = {n: _rewrite(s, where, ints, depth + 1) for n, s in node[key].items()}
+            out[key] = {n: _rewrite(s, where, ints, depth + 1, drop_max_length) for n, s in node[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            out[key] = [_rewrite(s, where, ints, depth + 1) for s in node[key]]
+            out[key] = [_rewrite(s, where, ints, depth + 1, drop_max_length) for s in node[key]]
     for key in ("items", "additionalProperties"):
         if isinstance(node.get(key), dict):
-            out[key] = _rewrite(node[key], where, ints, depth + 1)
+            out[key] = _rewrite(node[key], where, ints, depth + 1, drop_max_length)
     return out
 
 

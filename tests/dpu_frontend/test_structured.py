@@ -105,3 +105,46 @@ def test_compiled_automaton_accepts_what_the_regex_accepts():
     for text in ("(12) abc", "(123)abc", "(123) ABC", "(123) abc "):
         assert not walk(text), text
     cc.close()
+
+
+def _schema(**string):
+    return Constraint("json_schema", json.dumps({"type": "object", "properties": {"s": {"type": "string", **string}},
+                                                 "required": ["s"]}, sort_keys=True), "response_format")
+
+
+def test_string_lengths_reach_the_regex():
+    rx = regex.to_regex(_schema(minLength=2, maxLength=4))
+    for n in range(1, 6):
+        assert bool(re.fullmatch(rx, '{"s":"' + "x" * n + '"}')) == (2 <= n <= 4), n
+    assert not re.fullmatch(rx, '{"s":"\\n"}')             # an escape is one character: below minLength 2
+    assert re.fullmatch(rx, '{"s":"a\\n"}')
+    no_max = regex.to_regex(_schema(minLength=2, maxLength=4), drop_max_length=True)
+    assert re.fullmatch(no_max, '{"s":"' + "x" * 9 + '"}') and not re.fullmatch(no_max, '{"s":"x"}')
+
+
+def test_a_max_length_past_the_budget_compiles_without_it(caplog):
+    """maxLength costs ~40 K automaton words per character on SmolLM2: past the budget the schema is
+    compiled again without its maxLengths (minLength kept) and the log says so; a schema without one
+    that is too large is still a 400."""
+    from dpu_frontend.structured.compiler import CompilerConfig, ConstraintCompiler
+    from dpu_frontend.tokenizer import load_tokenizer
+    from shared_layout.automaton import decode
+    tok = load_tokenizer("default")
+    cc = ConstraintCompiler(tok.tokenizer, min(tok.eos_ids), CompilerConfig(max_words=100_000))
+    exact = ConstraintCompiler(tok.tokenizer, min(tok.eos_ids)).compile_now(_schema(minLength=3, maxLength=8))
+    light = cc.compile_now(_schema(minLength=3, maxLength=40))
+    assert len(light.words) // 4 <= 100_000 < len(exact.words) // 4
+    assert "not enforced" in caplog.text
+    a = decode(np.frombuffer(light.words, "<i4"), tok.vocab_size)
+
+    def walk(text):
+        state = a.initial
+        for t in tok.encode(text, add_special_tokens=False):
+            if not a.allowed(state, tok.vocab_size)[t]:
+                return False
+            state = a.next_state(state, t)
+        return a.accepting(state)
+    assert walk('{"s":"abcdefgh"}') and not walk('{"s":"ab"}')     # minLength still holds
+    with pytest.raises(ConstraintError, match="at most 100000"):
+        cc.compile_now(Constraint("regex", "[a-z]{30}", "p"))
+    cc.close()
