@@ -82,7 +82,7 @@ def bench_sampler(rows=(1, 16), steps: int = 200) -> dict:
     from dpu_frontend.structured.request import parse
     from dpu_frontend.tokenizer import load_tokenizer
     from gpu_backend.sampling import sample
-    from gpu_backend.sequence import SamplingParams, Sequence
+    from gpu_backend.scheduler.sequence import SamplingParams, Sequence
     from shared_layout.automaton import decode
 
     tok = load_tokenizer("default")

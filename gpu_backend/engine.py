@@ -1,10 +1,10 @@
 """Engine: the host-side serving step, schedule -> run -> postprocess, over one ring.
 
-    intake (claim + validate pending slots) -> waiting queue
+    intake (claim + validate pending slots) -> Scheduler.add (the waiting queue)
     reap (cancel flags, stale frontend epochs) -> slots completed ABORT, blocks freed
-    policy.plan_step(PolicyInput) -> StepPlan
-    apply: preempt victims (blocks freed, DECODE_PAUSED, back to the queue front),
-           admit, allocate new KV blocks -> StepBatch (chunks of tokens per sequence)
+    Scheduler.schedule() (scheduler/: policy.plan_step, preempt victims, admit, allocate
+           KV blocks) -> SchedulerOutput: a StepBatch (chunks of tokens per sequence) and
+           the sequences preempted, whose slots go DECODE_PAUSED
     Runner.run(StepBatch) -> one sampled token per chunk that reaches its sequence's end
            (it raises: each chunk again alone, and only the chunks that fail alone end
            ERROR/INTERNAL; a token -1, a row that could not be sampled: that request alone)
@@ -17,13 +17,12 @@
            LENGTH, complete the slot, free its blocks
 
 The CPU executor and the null executor share this loop and differ only in
-the Runner. All state (queues, block tables) lives in host memory; the ring
+the Runner. All state (the scheduler's queues, block tables) lives in host memory; the ring
 sees only published tokens, counts and states. The engine is single-threaded;
 the daemon's heartbeat runs beside it.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -36,30 +35,13 @@ from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransitio
 from shared_layout.layout import logprob_record_words
 from shared_layout.timers import fine_timer_slack
 
-from .intake import Intake, IntakeConfig
-from .kv_cache import BlockAllocator
-from .policy import PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq, plan_step
-from .sequence import Sequence
+from .scheduler import (Intake, IntakeConfig, PolicyConfig, Scenario, Scheduler, Sequence, StepBatch, StepKind)
 
 log = logging.getLogger("blink.gpu_daemon")
 
 # Up to this many owned requests, a step checks their cancel flags one by one; above it,
 # one vectorised scan of the whole flag array is cheaper (a 4096-slot scan costs ~5 us).
 REAP_SCAN_LIMIT = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int          # position of the first token computed this step (= seq.num_computed)
-    num_tokens: int     # tokens computed this step
-    sample: bool        # the chunk reaches seq.num_tokens: sample the next token
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBatch:
-    kind: StepKind
-    chunks: tuple[ScheduledChunk, ...]
 
 
 class Runner(Protocol):
@@ -100,12 +82,8 @@ class Engine:
         self.ring, self.runner, self.config = ring, runner, config
         self.port = BackendPort(ring)
         self.intake = Intake(ring, self.port, intake)
-        self.allocator = BlockAllocator(config.num_blocks)
-        self.waiting: collections.deque[Sequence] = collections.deque()   # queue order
-        self.running: list[Sequence] = []                                  # admission order
-        self.prev_kind = StepKind.IDLE
+        self.scheduler = Scheduler(config.policy, config.num_blocks, scenario)
         self.admitting = True
-        self.scenario = scenario
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
         self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
@@ -114,7 +92,7 @@ class Engine:
 
     def _publish_kv(self) -> None:
         """Free KV blocks into the header, where the frontend's /metrics shows them (leak checks)."""
-        self.ring.set("kv_blocks_free", self.allocator.free_count)
+        self.ring.set("kv_blocks_free", self.scheduler.free_blocks)
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> bool:
@@ -130,21 +108,16 @@ class Engine:
                         log.error("slot %d resubmitted while its request %d ran; dropping that one", x.slot, old.seq)
                         self._drop(old)
                     self.owned[x.slot] = x
-                self.waiting.append(s)
-                self.waiting.extend(alone)
+                for x in [s] + alone:
+                    self.scheduler.add(x)
         self._reap()
-        inp = self._policy_input()
-        plan = plan_step(inp, self.config.policy)
-        if self.scenario is not None:
-            self.scenario.record(inp, plan)
-        self._preempt(plan.preempted)
-        if plan.kind == StepKind.IDLE:
+        out = self.scheduler.schedule()
+        self._pause(out.preempted)
+        if out.batch.kind == StepKind.IDLE:
             self._publish_kv()
-            return bool(plan.preempted)
-        batch = self._schedule(plan)
+            return bool(out.preempted)
         self.steps += 1
-        self.prev_kind = plan.kind
-        batch, tokens = self._run(batch)
+        batch, tokens = self._run(out.batch)
         self._postprocess(batch, tokens)
         self._publish_kv()
         return True
@@ -181,14 +154,6 @@ class Engine:
             ran.append(c)
         return StepBatch(batch.kind, tuple(ran)), tokens
 
-    def _policy_input(self) -> PolicyInput:
-        return PolicyInput(
-            waiting=tuple(WaitingReq(s.slot, s.num_tokens) for s in self.waiting),
-            running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
-            # Shared blocks counted as held by each sharer: a preempted sharer frees fewer than the
-            # policy assumes, so the free count it sees is lowered by the extra references.
-            free_blocks=max(0, self.allocator.free_count - self.allocator.extra_refs), prev_kind=self.prev_kind)
-
     def _reap(self) -> None:
         """End cancelled requests and those of a restarted frontend (within one step)."""
         epoch = self.ring.get("frontend_epoch")
@@ -206,67 +171,30 @@ class Engine:
             if s is not None:
                 self._finish(s, FinishReason.ABORT)
 
-    def _preempt(self, victims: tuple[int, ...]) -> None:
-        """Recompute preemption: free the blocks, pause the slot, requeue at the front."""
-        for slot in victims:
-            s = next(x for x in self.running if x.slot == slot)
-            self.running.remove(s)
-            self.allocator.free(s.blocks)
-            s.blocks, s.num_computed = [], 0
+    def _pause(self, preempted: tuple[Sequence, ...]) -> None:
+        """Preempted requests (back in the waiting queue, blocks freed): their slots go DECODE_PAUSED."""
+        for s in preempted:
             try:
-                if int(self.ring.state[slot]) != SlotState.DECODE_PAUSED:
-                    self.port.move(slot, SlotState.DECODE_PAUSED)
+                if int(self.ring.state[s.slot]) != SlotState.DECODE_PAUSED:
+                    self.port.move(s.slot, SlotState.DECODE_PAUSED)
             except IllegalTransition as e:   # the frontend scribbled on a slot we own
-                log.error("slot %d: %s; dropping its request", slot, e)
+                log.error("slot %d: %s; dropping its request", s.slot, e)
                 self._drop(s)
-                continue
-            self.waiting.appendleft(s)
-
-    def _schedule(self, plan: StepPlan) -> StepBatch:
-        for slot in plan.admitted:
-            s = self.waiting.popleft()
-            assert s.slot == slot, "policy admits a prefix of the waiting queue"
-            self.running.append(s)
-        by_slot = {s.slot: s for s in self.running}
-        for slot, n in plan.new_blocks:
-            if n:
-                by_slot[slot].blocks.extend(self.allocator.allocate(n))
-        chunks = [(by_slot[slot], n) for slot, n in plan.prefill] + [(by_slot[slot], 1) for slot in plan.decode]
-        return StepBatch(plan.kind, tuple(
-            ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens and not s.hold_last)
-            for s, n in chunks))
 
     def _postprocess(self, batch: StepBatch, tokens: list[int]) -> None:
+        self.scheduler.update(batch)
         it = iter(tokens)
         for c in batch.chunks:
-            c.seq.num_computed += c.num_tokens
             if c.sample:
                 self._emit(c.seq, int(next(it)))
             elif c.seq.hold_last and c.seq.num_computed == c.seq.num_tokens and c.seq.slot in self.owned:
                 self._fork(c.seq)
 
     def _fork(self, leader: Sequence) -> None:
-        """The leader computed its prompt but the last token: its members start beside it, sharing
-        its full blocks; each gets a copy of the partial last block (or, with no block free,
-        recomputes that block's tokens itself)."""
-        leader.hold_last = False
-        done = leader.num_computed                          # prompt_len - 1
-        bs = self.config.policy.block_size
-        full = done // bs
-        copies = []
-        for f in leader.forks:
-            if self.owned.get(f.slot) is not f:             # ended (cancelled) while it waited
-                continue
-            f.blocks = self.allocator.share(leader.blocks[:full])
-            f.num_computed = full * bs
-            f.prompt_logprobs = leader.prompt_logprobs      # the prompt's records, computed once
-            if done % bs and self.allocator.can_allocate(1):
-                (b,) = self.allocator.allocate(1)
-                copies.append((leader.blocks[full], b))
-                f.blocks.append(b)
-                f.num_computed = done
-            self.running.append(f)
-        leader.forks = []
+        """The leader computed its prompt but the last token: its members still owned start beside
+        it (Scheduler.fork), and the runner copies their partial last blocks."""
+        live = [f for f in leader.forks if self.owned.get(f.slot) is f]   # not ended while it waited
+        copies = self.scheduler.fork(leader, live)
         copy = getattr(self.runner, "copy_blocks", None)
         if copies and copy is not None:
             copy(copies)
@@ -310,27 +238,19 @@ class Engine:
         self._drop(s)
 
     def _drop(self, s: Sequence) -> None:
-        self.allocator.free(s.blocks)
-        s.blocks = []
+        self.scheduler.remove(s)
         self.owned.pop(s.slot, None)
         for f in s.forks:       # a leader dropped before its fork: so are its members
             if self.owned.get(f.slot) is f:
                 del self.owned[f.slot]
         s.forks = []
-        if s in self.running:
-            self.running.remove(s)
-        else:
-            try:
-                self.waiting.remove(s)
-            except ValueError:
-                pass
 
     # -- the loop -----------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     def abort_all(self, error: ErrorCode = ErrorCode.BACKEND_SHUTDOWN) -> None:
-        for s in list(self.running) + list(self.waiting):
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(s, FinishReason.ABORT, error)
 
     def serve(self, stop: threading.Event) -> None:
@@ -367,7 +287,5 @@ class Engine:
                 except Exception:
                     pass
             self.owned.clear()
-            self.waiting.clear()
-            self.running.clear()
-            self.allocator = BlockAllocator(self.config.num_blocks)
+            self.scheduler.reset()
             return True

@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from .sequence import Sequence
+from .scheduler.sequence import Sequence
 
 
 @dataclasses.dataclass(eq=False)

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from .kv_cache import KVPool
+from .kv_pool import KVPool
 from .model.attention import causal_attention
 
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from . import logits_processors, logprobs
-from .sequence import Sequence
+from .scheduler.sequence import Sequence
 
 
 def generator_for(seq: Sequence) -> torch.Generator:

@@ -3,7 +3,7 @@
  * machines without a GPU run the very code the kernel runs:
  *
  *   blink_plan / blink_finish / blink_intake_check   sched_policy.h, one call each
- *       -> tests diff them against gpu_backend/policy.py and intake.py
+ *       -> tests diff them against gpu_backend/scheduler/policy.py and scheduler/intake.py
  *   blink_twin_run   sched_loop.h on `nt` host threads with a barrier standing in
  *       for __syncthreads; the step graph is the echo run inline (or a callback
  *       that launches it on a GPU: the host-driven baseline of the benchmark);

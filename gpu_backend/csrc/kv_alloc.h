@@ -1,5 +1,5 @@
 /* The KV block allocator, as plain host+device C: the device's twin of
- * gpu_backend/kv_cache.py (BlockAllocator) plus the per-slot block tables the
+ * gpu_backend/scheduler/kv_cache.py (BlockAllocator) plus the per-slot block tables the
  * engine keeps on its Sequences. It lives in global memory next to the
  * scheduler's queues, so it survives tail relaunches, and only the
  * scheduler's thread 0 changes it (the schedule phase): no atomics.

@@ -1,6 +1,6 @@
 /* The scheduler's decisions as plain host+device C: the twin of
- * gpu_backend/policy.py (plan_step) and of the engine's request checks
- * (intake.py) and finish rule (engine._emit). No memory ordering, no ring
+ * gpu_backend/scheduler/policy.py (plan_step) and of the engine's request checks
+ * (scheduler/intake.py) and finish rule (engine._emit). No memory ordering, no ring
  * access, no CUDA: the kernel (sched_loop.h) is the mechanism around these
  * functions, and tests/gpu_backend/cuda diff-tests them against the Python
  * through host_twin.cc (g++ -> ctypes).

@@ -2,7 +2,7 @@
 called through ctypes. Two uses:
 
     plan_step(PolicyInput, PolicyConfig) -> StepPlan   the device's planner, for the
-        diff test against gpu_backend/policy.py (same signature as policy.plan_step)
+        diff test against gpu_backend/scheduler/policy.py (same signature as policy.plan_step)
     TwinScheduler(ring, SchedulerConfig).start()         the whole persistent loop
         (scan, claim, intake, publish, plan, window relaunch, shutdown) on host
         threads over a real ring, with the echo step run inline; the kernel
@@ -21,7 +21,7 @@ import numpy as np
 from shared_layout import Ring
 from shared_layout.layout import SLOT_DTYPE
 
-from .. import policy as py_policy
+from ..scheduler import policy as py_policy
 from . import build, structs
 from .config import SchedulerConfig
 
@@ -208,7 +208,7 @@ class TwinScheduler:
 
 class KVAllocator:
     """csrc/kv_alloc.h on the CPU over numpy arrays: the device allocator with
-    BlockAllocator's interface, for the diff test against gpu_backend/kv_cache.py."""
+    BlockAllocator's interface, for the diff test against gpu_backend/scheduler/kv_cache.py."""
 
     def __init__(self, num_blocks: int, rows: int, max_blocks: int):
         self.stack = np.zeros(max(1, num_blocks), np.uint32)          # [num_blocks]

@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 
 from shared_layout import Ring
 
-from ..policy import PolicyConfig, Scenario
+from ..scheduler.policy import PolicyConfig, Scenario
 
 
 class Executor(Protocol):

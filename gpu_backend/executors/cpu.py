@@ -25,16 +25,17 @@ import torch
 
 from shared_layout import Ring
 
-from ..engine import Engine, EngineConfig, StepBatch
-from ..intake import IntakeConfig
-from ..kv_cache import KVCacheConfig, KVPool, blocks_for_budget
+from ..engine import Engine, EngineConfig
+from ..scheduler import StepBatch
+from ..scheduler.intake import IntakeConfig
+from ..kv_pool import KVCacheConfig, KVPool, blocks_for_budget
 from .. import cpu_kernels
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedAttention, PagedBatch
-from ..policy import PolicyConfig, blocks_needed
+from ..scheduler.policy import PolicyConfig, blocks_needed
 from ..logprobs import PROMPT_ROWS, records
 from ..sampling import sample
-from ..sequence import Sequence
+from ..scheduler.sequence import Sequence
 from . import ExecutorOptions
 from .cpu_forward import KernelForward
 from .cpu_linear import prepare_model
@@ -244,7 +245,7 @@ class CpuExecutor:
         try:
             engine.serve(stop)
         finally:
-            self.options.save_scenario(engine.scenario)
+            self.options.save_scenario(engine.scheduler.scenario)
 
     def close(self) -> None:
         pass

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu_kernels import CpuKernels
-from ..kv_cache import KVPool
+from ..kv_pool import KVPool
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedBatch
 from .cpu_linear import PackedLinear, QuantKernelLinear

@@ -23,7 +23,7 @@ import time
 from shared_layout import Ring
 
 from ..cuda import build, driver
-from ..policy import PolicyConfig, blocks_needed
+from ..scheduler.policy import PolicyConfig, blocks_needed
 from . import ExecutorOptions
 
 log = logging.getLogger("blink.gpu_daemon")
@@ -103,7 +103,7 @@ class CudaHostLoopExecutor:
         from ..cuda.device_ring import HostMappedRing
         from ..engine import Engine, EngineConfig
         from ..graphs.hostloop import HostLoopRunner
-        from ..intake import IntakeConfig
+        from ..scheduler.intake import IntakeConfig
         self.device.make_current()          # this thread makes every step's CUDA calls
         mapped = HostMappedRing(ring)
         try:
@@ -117,7 +117,7 @@ class CudaHostLoopExecutor:
             try:
                 engine.serve(stop)
             finally:
-                self.options.save_scenario(engine.scenario)
+                self.options.save_scenario(engine.scheduler.scenario)
                 log.info("host loop: %d steps", engine.steps)
         finally:
             from ..cuda.driver import bindings

@@ -17,9 +17,10 @@ import time
 
 from shared_layout import Ring
 
-from ..engine import Engine, EngineConfig, StepBatch
-from ..intake import IntakeConfig
-from ..policy import PolicyConfig, blocks_needed
+from ..engine import Engine, EngineConfig
+from ..scheduler import StepBatch
+from ..scheduler.intake import IntakeConfig
+from ..scheduler.policy import PolicyConfig, blocks_needed
 from . import ExecutorOptions
 
 NULL_VOCAB_SIZE = 49152
@@ -79,7 +80,7 @@ class NullExecutor:
         try:
             engine.serve(stop)
         finally:
-            self.options.save_scenario(engine.scenario)
+            self.options.save_scenario(engine.scheduler.scenario)
 
     def close(self) -> None:
         pass

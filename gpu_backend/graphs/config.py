@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from ..kv_cache import blocks_for_budget
+from ..kv_pool import blocks_for_budget
 from ..model.config import ModelConfig
-from ..policy import PolicyConfig, blocks_needed
+from ..scheduler.policy import PolicyConfig, blocks_needed
 from .buckets import BucketConfig
 
 DEFAULT_MAX_BATCH_SIZE = 256

@@ -32,8 +32,8 @@ import numpy as np
 
 from shared_layout import Ring
 
-from ..engine import StepBatch
-from ..policy import StepKind
+from ..scheduler import StepBatch
+from ..scheduler.policy import StepKind
 from .buckets import KIND_DECODE, KIND_PREFILL, ROW_CHUNK, ROW_SAMPLE, BucketTable
 
 

@@ -262,7 +262,7 @@ def test_unloadable_model_is_one_line(ring_name):
 def test_policy_trace_records_replayable_decisions(ring_name, daemon, tmp_path):
     import json
 
-    from gpu_backend.policy import Scenario
+    from gpu_backend.scheduler.policy import Scenario
     trace = tmp_path / "trace.json"
     proc = daemon("--policy-trace", str(trace), "--max-batch-size", "3", "--max-prefill-tokens", "8")
     ring = wait_ready(ring_name, proc)

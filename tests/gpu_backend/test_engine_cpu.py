@@ -13,10 +13,10 @@ from gpu_backend import cpu_kernels
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors import ExecutorOptions
 from gpu_backend.executors.cpu import CpuExecutor, CpuRunner
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model import LlamaModel, greedy_generate, tiny_config
-from gpu_backend.policy import PolicyConfig, StepKind
+from gpu_backend.scheduler.policy import PolicyConfig, StepKind
 from shared_layout import ErrorCode, FinishReason, Ring, RingGeometry, SlotState
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -100,8 +100,8 @@ def test_greedy_equals_reference_with_arrivals_and_cancels(model):
             assert len(r.tokens) == cancelled_at
         else:
             assert (r.finish, r.tokens) == (FinishReason.LENGTH, want[i]), i
-    assert engine.allocator.free_count == engine.allocator.num_blocks
-    assert not engine.running and not engine.waiting
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def test_chunked_prefill_and_eos_and_stop_ids(model):
@@ -138,7 +138,7 @@ def test_preemption_under_a_tiny_pool_matches_reference_and_frees_everything(mod
     assert paused_seen
     for s, p, w in zip(slots, prompts, want):
         assert res[s].tokens == w[:56 - len(p)][:30]
-    assert engine.allocator.free_count == 14
+    assert engine.scheduler.allocator.free_count == 14
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(model):
@@ -194,7 +194,7 @@ def test_executor_failure_ends_the_batch_with_internal_error_and_keeps_serving(m
     assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INTERNAL)
     b = fe.submit(p2, 5)
     assert drain(engine, fe, [b])[b].tokens == greedy_generate(model, p2, 5)
-    assert engine.allocator.free_count == engine.allocator.num_blocks
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks
 
 
 def test_context_limit_ends_with_length(model):
@@ -217,7 +217,7 @@ def test_new_arrival_starts_within_one_decode_step(model):
         engine.step()
     late = fe.submit(rand_prompt(rng, 10), 5)
     engine.step()                                   # decode paused for one step: the newcomer prefills
-    assert engine.prev_kind == StepKind.PREFILL and len(fe.tokens_so_far(late)) == 1
+    assert engine.scheduler.prev_kind == StepKind.PREFILL and len(fe.tokens_so_far(late)) == 1
     before = len(fe.tokens_so_far(first))
     engine.step()                                   # and decode resumes for both
     assert len(fe.tokens_so_far(first)) == before + 1 and len(fe.tokens_so_far(late)) == 2
@@ -239,12 +239,12 @@ def test_an_engine_bug_ends_requests_with_internal_error_and_serving_goes_on(mod
     rng = random.Random(8)
     a = fe.submit(rand_prompt(rng, 5), 50)
     engine.step()
-    engine._schedule = lambda plan: 1 / 0     # sabotage: a bug outside the runner
+    engine.scheduler.schedule = lambda: 1 / 0     # sabotage: a bug outside the runner
     assert engine._safe_step()
-    del engine._schedule
+    del engine.scheduler.schedule
     r = fe.collect(a)
     assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INTERNAL)
-    assert not engine.owned and engine.allocator.free_count == engine.allocator.num_blocks
+    assert not engine.owned and engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks
     p = rand_prompt(rng, 6)
     b = fe.submit(p, 4)
     stop = threading.Event()

@@ -2,8 +2,8 @@
 import numpy as np
 
 from gpu_backend.engine import Engine, EngineConfig
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.policy import PolicyConfig
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.scheduler.policy import PolicyConfig
 from shared_layout import FrontendPort, Ring, RingGeometry, SlotRequest, SlotState
 
 

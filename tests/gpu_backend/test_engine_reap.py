@@ -10,8 +10,8 @@ import pytest
 
 from gpu_backend.engine import REAP_SCAN_LIMIT, Engine, EngineConfig
 from gpu_backend.executors.null import EchoRunner
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.policy import PolicyConfig
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.scheduler.policy import PolicyConfig
 from shared_layout import FinishReason, Ring, RingGeometry
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -42,4 +42,4 @@ def test_cancelled_requests_and_only_those_end_with_abort(requests):
         assert r.finish == (FinishReason.ABORT if s in victims else FinishReason.LENGTH)
         if s not in victims:
             assert r.tokens == [5, 6, 7] * 13 + [5]
-    assert not engine.owned and engine.allocator.free_count == 256 * 8
+    assert not engine.owned and engine.scheduler.allocator.free_count == 256 * 8

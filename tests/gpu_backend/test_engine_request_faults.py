@@ -12,7 +12,7 @@ import torch
 
 from gpu_backend import sampling
 from gpu_backend.executors.cpu import CpuRunner
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model import LlamaModel, greedy_generate, tiny_config
 from shared_layout import ErrorCode, FinishReason
 
@@ -47,7 +47,7 @@ def test_an_exception_in_one_requests_sampling_fails_it_alone(model):
     assert (res[b].finish, res[b].error) == (FinishReason.ERROR, ErrorCode.INTERNAL)
     assert res[a].tokens == greedy_generate(model, good1, 12)      # batched with it, untouched
     assert res[c].tokens == greedy_generate(model, good2, 12)
-    assert engine.allocator.free_count == engine.allocator.num_blocks and not engine.owned
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks and not engine.owned
 
 
 def test_nan_logits_of_one_request_fail_it_alone(model, monkeypatch):
@@ -69,11 +69,11 @@ def test_nan_logits_of_one_request_fail_it_alone(model, monkeypatch):
     assert (res[b].finish, res[b].error) == (FinishReason.ERROR, ErrorCode.INTERNAL)
     assert len(res[b].tokens) == 3                                   # the tokens before the NaN went out
     assert res[a].tokens == greedy_generate(model, good, 10)
-    assert engine.allocator.free_count == engine.allocator.num_blocks and not engine.owned
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks and not engine.owned
 
 
 def test_sample_marks_a_nan_row_and_leaves_the_others():
-    from gpu_backend.sequence import SamplingParams, Sequence
+    from gpu_backend.scheduler.sequence import SamplingParams, Sequence
     seqs = [Sequence(slot=i, seq=i + 1, epoch=1, prompt=[1, 2], max_tokens=4, params=SamplingParams(),
                      stop_ids=frozenset(), max_len=64) for i in range(3)]
     logits = torch.zeros(3, 16)

@@ -12,11 +12,11 @@ import torch
 from gpu_backend import cpu_kernels
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors.cpu import CpuRunner
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model import LlamaModel, greedy_generate, tiny_config
 from gpu_backend.model.attention import DenseCausalAttention
-from gpu_backend.policy import PolicyConfig
+from gpu_backend.scheduler.policy import PolicyConfig
 from shared_layout import ErrorCode, FinishReason, Ring, RingGeometry
 from shared_layout.extra import SamplingExtra
 
@@ -169,16 +169,16 @@ def test_a_group_prefills_once_and_each_choice_continues_alone(model, plen):
     slots = fe.submit_group(prompt, 5, 3, ignore_eos=True)
     engine.step()                                      # the prefill: the leader alone, its last token held
     if plen > 1:
-        assert counter.tokens == plen - 1 and len(engine.running) == 3
-        shared = engine.running[1].blocks[:(plen - 1) // 4]
-        assert shared == engine.running[0].blocks[:(plen - 1) // 4]
-        assert engine.allocator.extra_refs == 2 * len(shared)
+        assert counter.tokens == plen - 1 and len(engine.scheduler.running) == 3
+        shared = engine.scheduler.running[1].blocks[:(plen - 1) // 4]
+        assert shared == engine.scheduler.running[0].blocks[:(plen - 1) // 4]
+        assert engine.scheduler.allocator.extra_refs == 2 * len(shared)
     for s in slots:
         run(engine, fe, s)
     res = [fe.collect(s) for s in slots]
     assert [r.tokens for r in res] == [ref] * 3        # greedy: every choice the reference
     assert counter.tokens == (plen - 1 if plen > 1 else 0) + 3 * 5
-    assert engine.allocator.free_count == engine.allocator.num_blocks and engine.allocator.extra_refs == 0
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks and engine.scheduler.allocator.extra_refs == 0
 
 
 def test_seeded_choices_are_reproducible_and_differ_from_each_other(model):
@@ -215,4 +215,4 @@ def test_a_member_cancelled_before_the_fork_ends_alone_and_the_leader_takes_its_
     for s in slots:
         run(engine, fe, s)
     assert [fe.collect(s).finish for s in slots] == [FinishReason.ABORT] * 2
-    assert engine.allocator.free_count == engine.allocator.num_blocks and not engine.owned
+    assert engine.scheduler.allocator.free_count == engine.scheduler.allocator.num_blocks and not engine.owned

@@ -6,7 +6,7 @@ import torch
 from gpu_backend import logits_processors
 from gpu_backend.logprobs import records
 from gpu_backend.sampling import filter_batch, filter_logits, sample
-from gpu_backend.sequence import SamplingParams, Sequence
+from gpu_backend.scheduler.sequence import SamplingParams, Sequence
 from shared_layout.layout import decode_logprob_records
 
 V = 50

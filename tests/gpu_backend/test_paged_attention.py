@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model.attention import causal_attention
 from gpu_backend.paged_attention import PagedAttention, PagedBatch
 

@@ -2,7 +2,7 @@
 import torch
 
 from gpu_backend.sampling import filter_logits, sample
-from gpu_backend.sequence import SamplingParams, Sequence
+from gpu_backend.scheduler.sequence import SamplingParams, Sequence
 
 
 def seq(**params):

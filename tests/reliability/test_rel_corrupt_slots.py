@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors.null import EchoRunner
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.policy import PolicyConfig
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.scheduler.policy import PolicyConfig
 from shared_layout import ErrorCode, FinishReason, FrontendPort, Ring, RingGeometry, SlotRequest, SlotState
 from shared_layout.layout import MAX_STOP_IDS
 
@@ -154,8 +154,8 @@ def test_corrupted_slots_end_in_error_and_never_escape_the_ring(hostile, owned, 
     step_until_idle(engine)
 
     assert g.guards_intact(), "the engine wrote outside the ring"
-    assert engine.allocator.free_count == NUM_BLOCKS, "KV blocks leaked"
-    assert not engine.owned and not engine.running and not engine.waiting
+    assert engine.scheduler.allocator.free_count == NUM_BLOCKS, "KV blocks leaked"
+    assert not engine.owned and not engine.scheduler.running and not engine.scheduler.waiting
     for slot, prompt in prompts.items():            # honest neighbours are unharmed
         finish, error, tokens = honest_tokens(ring, slot)
         assert (finish, error) == (FinishReason.LENGTH, ErrorCode.NONE), slot
@@ -191,5 +191,5 @@ def test_scribbling_on_an_owned_slot_ends_only_that_request(field, value):
     ring.slots[5][field] = value
     step_until_idle(engine)
     assert g.guards_intact()
-    assert engine.allocator.free_count == NUM_BLOCKS
+    assert engine.scheduler.allocator.free_count == NUM_BLOCKS
     assert honest_tokens(ring, 0) == (FinishReason.LENGTH, ErrorCode.NONE, [[5, 6, 7][i % 3] for i in range(40)])

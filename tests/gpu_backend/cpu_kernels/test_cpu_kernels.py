@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_backend import cpu_kernels
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model.llama import RMSNorm, apply_rope
 from gpu_backend.paged_attention import PagedAttention, PagedBatch
 

@@ -123,8 +123,8 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
 def test_same_results_as_the_cpu_engine(ring_name, device, module):
     from gpu_backend.engine import Engine, EngineConfig
     from gpu_backend.executors.null import EchoRunner
-    from gpu_backend.intake import IntakeConfig
-    from gpu_backend.policy import PolicyConfig, blocks_needed
+    from gpu_backend.scheduler.intake import IntakeConfig
+    from gpu_backend.scheduler.policy import PolicyConfig, blocks_needed
     region = ShmRegion.create(ring_name, GEOM.total_size)
     ring = Ring.create(region.buf, GEOM)
     rt, mapped = runtime_on(ring, device, module, eos_ids=(7,), window_limit=5, max_batch_size=5,

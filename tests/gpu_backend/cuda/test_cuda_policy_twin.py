@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend import policy as P
+from gpu_backend.scheduler import policy as P
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors.null import EchoRunner
-from gpu_backend.intake import Intake, IntakeConfig
+from gpu_backend.scheduler.intake import Intake, IntakeConfig
 from shared_layout import BackendPort, ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState
 from shared_layout.layout import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SLOT_DTYPE
 

@@ -16,8 +16,8 @@ from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors.null import EchoRunner
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.policy import PolicyConfig, blocks_needed
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.scheduler.policy import PolicyConfig, blocks_needed
 from shared_layout import ErrorCode, FinishReason, Ring, RingGeometry, SlotState
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

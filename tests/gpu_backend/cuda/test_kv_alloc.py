@@ -1,5 +1,5 @@
 """The device's KV block allocator (csrc/kv_alloc.h, compiled with g++) against
-gpu_backend/kv_cache.BlockAllocator: the same random sequences of allocations
+gpu_backend/scheduler/kv_cache.BlockAllocator: the same random sequences of allocations
 and frees give the same block ids, free counts and errors; and inside the
 scheduler's CPU twin no block is ever held twice and every block comes back."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_backend.cuda import structs
-from gpu_backend.kv_cache import BlockAllocator
-from gpu_backend.policy import blocks_needed
+from gpu_backend.scheduler.kv_cache import BlockAllocator
+from gpu_backend.scheduler.policy import blocks_needed
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -3,7 +3,7 @@ run in the default 1 GiB), never more than the cap, at least one."""
 from __future__ import annotations
 
 from gpu_backend.executors.cpu import MAX_BATCH_SIZE_CAP, SEAT_TOKENS, default_max_batch_size
-from gpu_backend.kv_cache import blocks_for_budget
+from gpu_backend.kv_pool import blocks_for_budget
 
 
 def test_seats_come_from_the_kv_pool():

@@ -11,7 +11,7 @@ import torch
 from gpu_backend import cpu_kernels
 from gpu_backend.executors.cpu_forward import KernelForward, prefill_spans
 from gpu_backend.executors.cpu_linear import prepare_model
-from gpu_backend.kv_cache import KVCacheConfig, KVPool
+from gpu_backend.kv_pool import KVCacheConfig, KVPool
 from gpu_backend.model.config import tiny_config
 from gpu_backend.model.llama import LlamaModel
 from gpu_backend.paged_attention import PagedAttention, PagedBatch
@@ -135,9 +135,9 @@ def test_smollm2_bf16_greedy_tokens_agree_between_the_two_layers():
 def greedy_batch(runner, prompts: list[list[int]], n: int, forced=None) -> list[list[int]]:
     """Prefill every prompt in one step, then decode all of them together n - 1 times; each
     step's argmax is returned, and fed back unless `forced` gives the tokens to feed."""
-    from gpu_backend.engine import ScheduledChunk, StepBatch
-    from gpu_backend.policy import StepKind
-    from gpu_backend.sequence import SamplingParams, Sequence
+    from gpu_backend.scheduler import ScheduledChunk, StepBatch
+    from gpu_backend.scheduler.policy import StepKind
+    from gpu_backend.scheduler.sequence import SamplingParams, Sequence
     seqs, start = [], 0
     for i, p in enumerate(prompts):
         blocks = -(-(len(p) + n) // 16)

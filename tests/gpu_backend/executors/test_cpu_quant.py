@@ -130,7 +130,7 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     from tokenizers import Tokenizer
 
     from gpu_backend.executors.cpu import CpuRunner
-    from gpu_backend.kv_cache import KVCacheConfig, KVPool
+    from gpu_backend.kv_pool import KVCacheConfig, KVPool
     from gpu_backend.model.attention import DenseCausalAttention
     from gpu_backend.model.loader import load_model, prepare_default_model
     tok = Tokenizer.from_file(str(prepare_default_model() / "tokenizer.json"))

@@ -14,8 +14,8 @@ from gpu_backend import cli as daemon_cli
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors import ExecutorOptions
 from gpu_backend.executors.null import EchoRunner, NullExecutor
-from gpu_backend.intake import IntakeConfig
-from gpu_backend.policy import PolicyConfig
+from gpu_backend.scheduler.intake import IntakeConfig
+from gpu_backend.scheduler.policy import PolicyConfig
 from shared_layout import FinishReason, Ring, RingGeometry
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

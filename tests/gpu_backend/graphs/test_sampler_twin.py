@@ -11,7 +11,7 @@ import torch
 
 from gpu_backend import logits_processors, logprobs, sampling
 from gpu_backend.graphs import sampler
-from gpu_backend.sequence import SamplingParams, Sequence
+from gpu_backend.scheduler.sequence import SamplingParams, Sequence
 from shared_layout.layout import decode_logprob_records
 
 V = 300

@@ -27,9 +27,9 @@ from gpu_backend.executors import ExecutorOptions
 from gpu_backend.graphs.buckets import ROW_SAMPLE, BucketConfig, BucketTable
 from gpu_backend.graphs.cpu_graphs import CpuGraphs
 from gpu_backend.graphs.hostloop import CpuLauncher, HostLoopRunner, StepBlock
-from gpu_backend.intake import IntakeConfig
+from gpu_backend.scheduler.intake import IntakeConfig
 from gpu_backend.model import greedy_generate
-from gpu_backend.policy import PolicyConfig, blocks_needed
+from gpu_backend.scheduler.policy import PolicyConfig, blocks_needed
 from shared_layout import FinishReason, Ring, RingGeometry
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

@@ -1,7 +1,7 @@
-"""kv_cache: block allocator bookkeeping and pool sizing."""
+"""scheduler/kv_cache: block allocator bookkeeping."""
 import pytest
 
-from gpu_backend.kv_cache import BlockAllocator, KVCacheConfig, KVPool, blocks_for_budget
+from gpu_backend.scheduler.kv_cache import BlockAllocator
 
 
 def test_allocate_and_free():
@@ -41,15 +41,7 @@ def test_failed_allocation_takes_nothing():
     assert a.free_count == 1
 
 
-def test_pool_sizing_from_budget():
-    # SmolLM2: 30 layers x 3 kv heads x 64 dims, fp32, block 16: 2*30*16*3*64*4 = 737280 B per block
-    assert blocks_for_budget(1024 * 1024 * 1024, 30, 3, 64, 16, 4) == 1456
-    pool = KVPool(KVCacheConfig(num_blocks=5, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8))
-    assert tuple(pool.k.shape) == (2, 2, 5, 4, 8) and pool.nbytes == 2 * 2 * 5 * 4 * 2 * 8 * 4
-
-
 def test_shared_blocks_return_when_their_last_holder_frees_them():
-    from gpu_backend.kv_cache import BlockAllocator
     a = BlockAllocator(4)
     mine = a.allocate(2)
     theirs = a.share(mine[:1])

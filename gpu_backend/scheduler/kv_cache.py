@@ -1,9 +1,9 @@
-"""The paged KV cache: block bookkeeping (BlockAllocator) and the pool tensors (KVPool).
+"""KV block bookkeeping: which blocks of the paged pool are free and who holds the others.
 
-    memory budget -> num_blocks (blocks_for_budget) -> BlockAllocator (which
-    blocks are free; per-request block tables live on the engine's Sequence)
-    -> KVPool tensors [num_layers, kv_heads, num_blocks, block_size, head_dim]
-    that paged_attention.py writes and reads through the block tables.
+    kv_pool.blocks_for_budget -> num_blocks -> BlockAllocator (free list, holders
+    per block; per-request block tables live on the Sequence) -> the scheduler
+    allocates at admission and block boundaries, frees at finish and preemption;
+    the tensors the block ids index are kv_pool.KVPool's.
 
 The allocator separates checking from committing (`can_allocate` / `allocate`)
 and is integer-only, so the engine and the policy agree on `free_count`. Blocks
@@ -13,15 +13,6 @@ blocks (`share`); a block returns to the free list when its last holder frees it
 policy a free count that stays true whichever sharers it preempts.
 """
 from __future__ import annotations
-
-import dataclasses
-
-
-def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                      block_size: int, dtype_bytes: int) -> int:
-    """How many KV blocks (K and V, every layer) fit in `budget_bytes`."""
-    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    return budget_bytes // block_bytes
 
 
 class BlockAllocator:
@@ -72,38 +63,3 @@ class BlockAllocator:
                 self.extra_refs -= 1
             else:
                 self._free.append(b)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCacheConfig:
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-class KVPool:
-    """K and V storage of every layer, addressed by (kv head, block, offset in block).
-
-    Head-major: gathering a batch's blocks yields [kv_heads, batch, context, D]
-    slabs that the attention matmuls consume without a transposing copy.
-    """
-
-    def __init__(self, config: KVCacheConfig, dtype=None, device=None):
-        import torch
-        self.config = config
-        shape = (config.num_layers, config.num_kv_heads, config.num_blocks, config.block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
-        self.v = torch.zeros(shape, dtype=dtype or torch.float32, device=device)  # [L, KV, blocks, bs, D]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy K and V of block src into block dst, every layer, for each (src, dst): a fork's
-        copy of the prompt's last, partial block (copy-on-write)."""
-        for src, dst in pairs:
-            self.k[:, :, dst] = self.k[:, :, src]
-            self.v[:, :, dst] = self.v[:, :, src]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from gpu_backend.policy import (PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq,
+from gpu_backend.scheduler.policy import (PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq,
                                 plan_step)
-from gpu_backend.policy_sim import SimRequest, random_scenario, simulate
+from gpu_backend.scheduler.policy_sim import SimRequest, random_scenario, simulate
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parents[1] / "data"    # tests/gpu_backend/data: the CUDA diff tests replay it too
 CFG = PolicyConfig(max_batch_size=4, max_prefill_tokens=64, block_size=4)
 
 

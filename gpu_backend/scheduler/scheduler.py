@@ -1,0 +1,155 @@
+"""Scheduler: the queues, the policy applied to them, preemption and the KV blocks of every request.
+
+    Engine: add(Sequence) (claimed by intake) -> waiting queue
+    schedule() -> PolicyInput (queues, free blocks) -> policy.plan_step -> StepPlan
+        -> preempt victims (blocks freed, back to the waiting front) -> admit a
+           prefix of the waiting queue -> allocate new blocks -> SchedulerOutput
+           (StepBatch of chunks, the sequences preempted this step)
+    Engine runs the batch (Runner.run), then update(batch): num_computed advances
+    fork(leader): a group leader's members start beside it, sharing its full blocks
+    remove(seq): finished / cancelled / dropped: blocks back, out of the queues
+
+Everything is host memory and plain Python; the scheduler never touches the
+ring (the engine moves slot states and publishes). The CUDA persistent
+scheduler implements the same decisions in csrc/sched_policy.h and
+csrc/kv_alloc.h, diff-tested against policy.py and kv_cache.py.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .kv_cache import BlockAllocator
+from .policy import PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq, plan_step
+from .sequence import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int          # position of the first token computed this step (= seq.num_computed)
+    num_tokens: int     # tokens computed this step
+    sample: bool        # the chunk reaches seq.num_tokens: sample the next token
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    kind: StepKind
+    chunks: tuple[ScheduledChunk, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    batch: StepBatch                   # kind IDLE with no chunks: nothing to run
+    preempted: tuple[Sequence, ...]    # back at the front of the waiting queue, blocks freed
+
+
+class Scheduler:
+    """FCFS continuous batching over one KV pool (policy.py's rules); single-threaded."""
+
+    def __init__(self, policy: PolicyConfig, num_blocks: int, scenario: Scenario | None = None):
+        self.policy = policy
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: collections.deque[Sequence] = collections.deque()   # queue order
+        self.running: list[Sequence] = []                                  # admission order
+        self.prev_kind = StepKind.IDLE
+        self.scenario = scenario
+
+    @property
+    def free_blocks(self) -> int:
+        return self.allocator.free_count
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        inp = self._policy_input()
+        plan = plan_step(inp, self.policy)
+        if self.scenario is not None:
+            self.scenario.record(inp, plan)
+        preempted = tuple(self._preempt(slot) for slot in plan.preempted)
+        if plan.kind == StepKind.IDLE:
+            return SchedulerOutput(StepBatch(StepKind.IDLE, ()), preempted)
+        self.prev_kind = plan.kind
+        return SchedulerOutput(self._batch(plan), preempted)
+
+    def update(self, batch: StepBatch) -> None:
+        """The chunks that ran: their tokens' K/V is in the cache now."""
+        for c in batch.chunks:
+            c.seq.num_computed += c.num_tokens
+
+    def _policy_input(self) -> PolicyInput:
+        return PolicyInput(
+            waiting=tuple(WaitingReq(s.slot, s.num_tokens) for s in self.waiting),
+            running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
+            # Shared blocks counted as held by each sharer: a preempted sharer frees fewer than the
+            # policy assumes, so the free count it sees is lowered by the extra references.
+            free_blocks=max(0, self.allocator.free_count - self.allocator.extra_refs), prev_kind=self.prev_kind)
+
+    def _preempt(self, slot: int) -> Sequence:
+        """Recompute preemption: free the blocks, requeue at the front."""
+        s = next(x for x in self.running if x.slot == slot)
+        self.running.remove(s)
+        self.allocator.free(s.blocks)
+        s.blocks, s.num_computed = [], 0
+        self.waiting.appendleft(s)
+        return s
+
+    def _batch(self, plan: StepPlan) -> StepBatch:
+        for slot in plan.admitted:
+            s = self.waiting.popleft()
+            assert s.slot == slot, "policy admits a prefix of the waiting queue"
+            self.running.append(s)
+        by_slot = {s.slot: s for s in self.running}
+        for slot, n in plan.new_blocks:
+            if n:
+                by_slot[slot].blocks.extend(self.allocator.allocate(n))
+        chunks = [(by_slot[slot], n) for slot, n in plan.prefill] + [(by_slot[slot], 1) for slot in plan.decode]
+        return StepBatch(plan.kind, tuple(
+            ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens and not s.hold_last)
+            for s, n in chunks))
+
+    def fork(self, leader: Sequence, members: list[Sequence]) -> list[tuple[int, int]]:
+        """The leader computed its prompt but the last token: `members` (its live forks) start
+        beside it, sharing its full blocks; each gets a copy of the partial last block (or,
+        with no block free, recomputes that block's tokens itself). Returns the (src, dst)
+        block copies the runner must make."""
+        leader.hold_last = False
+        done = leader.num_computed                          # prompt_len - 1
+        bs = self.policy.block_size
+        full = done // bs
+        copies = []
+        for f in members:
+            f.blocks = self.allocator.share(leader.blocks[:full])
+            f.num_computed = full * bs
+            f.prompt_logprobs = leader.prompt_logprobs      # the prompt's records, computed once
+            if done % bs and self.allocator.can_allocate(1):
+                (b,) = self.allocator.allocate(1)
+                copies.append((leader.blocks[full], b))
+                f.blocks.append(b)
+                f.num_computed = done
+            self.running.append(f)
+        leader.forks = []
+        return copies
+
+    def remove(self, s: Sequence) -> None:
+        """A request leaves (finished, cancelled, dropped): its blocks back, out of the queues."""
+        self.allocator.free(s.blocks)
+        s.blocks = []
+        if s in self.running:
+            self.running.remove(s)
+        else:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+
+    def reset(self) -> None:
+        """Forget every request and start over from a clean pool (the engine's last-resort net)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.allocator = BlockAllocator(self.num_blocks)
