@@ -36,6 +36,9 @@ class HealthMonitor:
         self.vocab_size = 0
         self.kv_blocks_total = 0           # the daemon's KV pool (0: not reported)
         self.kv_blocks_free = 0
+        self.prefix_caching = False        # the daemon shares cached prefix blocks; counters below
+        self.kv_blocks_cached = 0
+        self.prefix_counters = {"hit_tokens": 0, "miss_tokens": 0, "hit_blocks": 0, "miss_blocks": 0}
         self._beat: int | None = None
         self._beat_seen_s = 0.0
 
@@ -61,6 +64,9 @@ class HealthMonitor:
         self.vocab_size = int(header["model_vocab_size"])
         self.kv_blocks_total = int(header["kv_blocks_total"])
         self.kv_blocks_free = int(header["kv_blocks_free"])
+        self.prefix_caching = bool(int(header["prefix_caching"]))
+        self.kv_blocks_cached = int(header["kv_blocks_cached"])
+        self.prefix_counters = {k: int(header["prefix_" + k]) for k in self.prefix_counters}
 
     def heartbeat_age_s(self, now_s: float | None = None) -> float | None:
         if self._beat is None:

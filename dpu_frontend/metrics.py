@@ -181,6 +181,8 @@ class FrontendMetrics:
                 ("kv_blocks_free", "blink_kv_blocks_free", "KV cache blocks free after the daemon's latest step.")):
             if key in stats:
                 lines += _gauge(name, help_text, [({}, float(stats[key]))])
+        if stats.get("prefix_cache"):
+            lines += _prefix_cache(stats["prefix_cache"])
         if "polls_total" in stats:
             lines += ["# HELP blink_ring_polls_total Token reader polls of the ring (each one bulk read).",
                       "# TYPE blink_ring_polls_total counter",
@@ -196,6 +198,20 @@ class FrontendMetrics:
         if supervisor:
             lines += _restarts(supervisor)
         return "\n".join(lines) + "\n"
+
+
+def _prefix_cache(pc: dict) -> list[str]:
+    """The daemon's prefix cache (ring header counters since it started): admitted tokens and
+    blocks found cached (hits) or computed (misses), and the blocks holding a cache entry."""
+    lines = []
+    for outcome in ("hits", "misses"):
+        name = f"blink_prefix_cache_{outcome}_total"
+        what = "found in the prefix cache" if outcome == "hits" else "not found in the prefix cache (computed)"
+        lines += [f"# HELP {name} Admitted tokens / KV blocks {what}, by unit.", f"# TYPE {name} counter"]
+        key = "hit" if outcome == "hits" else "miss"
+        lines += [f'{name}{{unit="{unit}"}} {int(pc[f"{key}_{unit}"])}' for unit in ("tokens", "blocks")]
+    return lines + _gauge("blink_prefix_cache_blocks", "KV blocks holding a prefix-cache entry (held or evictable).",
+                          [({}, float(pc["kv_blocks_cached"]))])
 
 
 def _restarts(children: dict) -> list[str]:

@@ -192,6 +192,13 @@ class RingClient:
         remote backend (verbs) or none attached."""
         return self._health.shares_clock if self._health else False
 
+    def prefix_cache_stats(self) -> dict | None:
+        """The daemon's prefix-cache counters from the ring header; None when it runs without one."""
+        h = self._health
+        if h is None or not h.prefix_caching:
+            return None
+        return {"kv_blocks_cached": h.kv_blocks_cached, **h.prefix_counters}
+
     def stats(self) -> dict:
         """Counters and gauges for /metrics."""
         s = self._session
@@ -214,6 +221,7 @@ class RingClient:
             "frontend_epoch": s.epoch if s else 0,
             "kv_blocks_total": self._health.kv_blocks_total if self._health else 0,
             "kv_blocks_free": self._health.kv_blocks_free if self._health else 0,
+            "prefix_cache": self.prefix_cache_stats(),
             "attach_total": self._attaches,
             "backend": dataclasses.asdict(h),
             "submitted_total": self._submitted,

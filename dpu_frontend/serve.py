@@ -59,6 +59,11 @@ DAEMON_FLAGS = (
     ("--dtype", str, "cpu executor weights/KV: auto | float32 | bfloat16 (auto: bf16 on CPUs with native bf16)"),
     ("--shutdown-grace-s", float, "on stop, in-flight requests get this long before they are aborted"),
 )
+# Daemon on/off knobs (BooleanOptionalAction): passed as --FLAG / --no-FLAG when given.
+DAEMON_SWITCHES = (
+    ("--prefix-caching", "reuse the KV blocks of a prompt prefix another request computed "
+                         "(default on; --no-prefix-caching turns it off)"),
+)
 # Frontend knobs passed through unchanged.
 FRONTEND_FLAGS = (
     ("--max-queue", int, "requests waiting for a slot before 429"),
@@ -121,6 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("passed to blink gpu-daemon")
     for flag, kind, help_text in DAEMON_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=help_text)
+    for flag, help_text in DAEMON_SWITCHES:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     group = p.add_argument_group("passed to blink frontend")
     for flag, kind, help_text in FRONTEND_FLAGS:
         group.add_argument(flag, type=kind, default=None, help=help_text)
@@ -148,9 +155,19 @@ def _passthrough(args: argparse.Namespace, flags) -> list[str]:
     return out
 
 
+def _switches(args: argparse.Namespace, switches) -> list[str]:
+    out = []
+    for flag, _ in switches:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            out.append(flag if value else "--no-" + flag.lstrip("-"))
+    return out
+
+
 def daemon_argv(args: argparse.Namespace) -> list[str]:
     return [*blink_command(), "gpu-daemon", "--ring", args.ring, "--model", args.model,
-            "--executor", args.executor, "--log-level", args.log_level, *_passthrough(args, DAEMON_FLAGS)]
+            "--executor", args.executor, "--log-level", args.log_level, *_passthrough(args, DAEMON_FLAGS),
+            *_switches(args, DAEMON_SWITCHES)]
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:

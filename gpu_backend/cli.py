@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step (e.g. 20 = 50 tokens/s per stream); 0: as fast as possible")
     p.add_argument("--policy-trace", default=None, metavar="PATH",
                    help="record every batching decision to PATH as a policy Scenario (JSON) on exit")
+    p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix another request computed (default on; "
+                        "--no-prefix-caching turns it off; the cuda executor's device loop has none yet)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from . import rdma_server       # --transport shm|verbs and the RDMA bootstrap flags
     rdma_server.add_arguments(p)
@@ -104,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                               max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
                               threads=args.threads, dtype=args.dtype, shutdown_grace_s=args.shutdown_grace_s,
-                              policy_trace=args.policy_trace, step_ms=args.step_ms)
+                              policy_trace=args.policy_trace, step_ms=args.step_ms,
+                              prefix_caching=args.prefix_caching)
     try:
         rdma = rdma_server.config_from_args(args)      # before the model loads: no RDMA, one line
     except SystemExit as e:

@@ -61,6 +61,7 @@ class EngineConfig:
     idle_sleep_max_s: float = 0.002  # polling back-off ceiling when the ring is quiet
     idle_fine_polls: int = 20        # 50 us apart after the last work before backing off (~1-2 ms)
     shutdown_grace_s: float = 2.0    # in-flight requests get this long to finish on stop
+    prefix_caching: bool = True      # the scheduler shares cached KV blocks of a common prefix
 
 
 def _records_or_blank(records: np.ndarray | None, n: int, k: int) -> np.ndarray:
@@ -82,17 +83,24 @@ class Engine:
         self.ring, self.runner, self.config = ring, runner, config
         self.port = BackendPort(ring)
         self.intake = Intake(ring, self.port, intake)
-        self.scheduler = Scheduler(config.policy, config.num_blocks, scenario)
+        self.scheduler = Scheduler(config.policy, config.num_blocks, scenario, config.prefix_caching)
         self.admitting = True
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
         self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
         ring.set("kv_blocks_total", config.num_blocks)
+        ring.set("prefix_caching", int(config.prefix_caching))
         self._publish_kv()
 
     def _publish_kv(self) -> None:
-        """Free KV blocks into the header, where the frontend's /metrics shows them (leak checks)."""
+        """Free KV blocks (evictable cached ones included) and the prefix cache's counters into the
+        header, where the frontend's /metrics shows them."""
         self.ring.set("kv_blocks_free", self.scheduler.free_blocks)
+        st = self.scheduler.stats
+        for name, value in (("prefix_hit_tokens", st.hit_tokens), ("prefix_miss_tokens", st.miss_tokens),
+                            ("prefix_hit_blocks", st.hit_blocks), ("prefix_miss_blocks", st.miss_blocks),
+                            ("kv_blocks_cached", self.scheduler.allocator.cached_count)):
+            self.ring.set(name, value)
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> bool:

@@ -42,7 +42,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
 LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
@@ -91,7 +91,13 @@ HEADER_FIELDS = [
     ("model_max_len", "u32", 1, "context length (prompt + output), published before READY"),
     ("backend_pid", "u32", 1, "daemon process id (0 on the device-only path)"),
     ("kv_blocks_total", "u32", 1, "KV cache blocks in the daemon's pool (0: not reported)"),
-    ("kv_blocks_free", "u32", 1, "KV blocks free after the daemon's latest step"),
+    ("kv_blocks_free", "u32", 1, "KV blocks free after the daemon's latest step (evictable cached ones included)"),
+    ("prefix_caching", "u32", 1, "1: the daemon's scheduler shares cached KV blocks of common prefixes"),
+    ("kv_blocks_cached", "u32", 1, "KV blocks holding a prefix-cache entry (held or evictable)"),
+    ("prefix_hit_tokens", "u64", 1, "admitted tokens found in the prefix cache, since the daemon started"),
+    ("prefix_miss_tokens", "u64", 1, "admitted tokens not found there (computed)"),
+    ("prefix_hit_blocks", "u64", 1, "admitted KV blocks found in the prefix cache"),
+    ("prefix_miss_blocks", "u64", 1, "admitted KV blocks not found there"),
 ]
 
 SLOT_FIELDS = [

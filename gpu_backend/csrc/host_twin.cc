@@ -13,6 +13,8 @@
  *       any shared-counter atomic that lands inside the ring or the host
  *       control block (blink_twin_ring_rmw: must stay 0).
  *   blink_kv_*_c      kv_alloc.h, for the diff test against kv_cache.BlockAllocator
+ *   blink_pkv_*_c, blink_block_hash_c   kv_alloc.h's prefix-caching allocator and key
+ *       chain, for the diff test against kv_cache.BlockAllocator and block_hash
  *   blink_graph_*_c   graph_table.h (step key, O(1) lookup, rows), for the diff
  *       test against gpu_backend/graphs/buckets.py
  *   blink_twin_stage / blink_twin_finish   model_step.h on the CPU: the model step
@@ -170,6 +172,18 @@ int blink_extra_check(const int32_t *w, uint32_t vocab, uint32_t n_logit_bias, u
     return blink_extra_ok([w](uint32_t i) { return (uint32_t)w[i]; }, vocab, n_logit_bias, n_allowed_ids,
                           bad_words_words);
 }
+
+/* kv_alloc.h's prefix-caching allocator, one call each (the diff test against kv_cache.BlockAllocator). */
+void blink_pkv_init_c(blink_pkv_t *p) { blink_pkv_init(p); }
+int blink_pkv_alloc_c(blink_pkv_t *p, uint32_t n, uint32_t *out) { return blink_pkv_alloc(p, n, out); }
+int blink_pkv_share_c(blink_pkv_t *p, const uint32_t *b, uint32_t n) { return blink_pkv_share(p, b, n); }
+int blink_pkv_free_c(blink_pkv_t *p, const uint32_t *b, uint32_t n) { return blink_pkv_free(p, b, n); }
+uint32_t blink_pkv_lookup_c(const blink_pkv_t *p, const uint64_t *k, uint32_t n, uint32_t *out) {
+    return blink_pkv_lookup(p, k, n, out);
+}
+int blink_pkv_take_c(blink_pkv_t *p, const uint32_t *b, uint32_t n) { return blink_pkv_take(p, b, n); }
+int blink_pkv_commit_c(blink_pkv_t *p, uint32_t b, uint64_t k) { return blink_pkv_commit(p, b, k); }
+uint64_t blink_block_hash_c(uint64_t parent, const int32_t *t, uint32_t n) { return blink_block_hash(parent, t, n); }
 
 int blink_kv_init_c(const blink_kv_t *kv, uint32_t *free_count) {
     blink_kv_init(kv, free_count);

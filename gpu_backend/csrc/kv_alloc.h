@@ -20,6 +20,28 @@
  * random sequences against it: tests/gpu_backend/cuda/test_kv_alloc.py).
  * The free count is a pointer so the scheduler keeps it where the policy reads
  * it (blink_sched_state_t.free_blocks).
+ *
+ * blink_pkv_*: the reference-counted allocator with automatic prefix caching,
+ * the twin of scheduler/kv_cache.py's BlockAllocator (same block ids, counts,
+ * lookups and evictions on the same traces: tests/gpu_backend/cuda/test_kv_prefix.py).
+ *
+ *   free_stack[0 .. never_cached)   free blocks that hold no cache entry (LIFO)
+ *   refs[block]                     holders (0: free or evictable)
+ *   key[block], has_key[block]      the key a full, computed block is committed under
+ *   lru_prev / lru_next [block]     evictable blocks (cached, no holder), LRU first
+ *   table_key / table_block [cap]   key -> block, open addressing with linear probing,
+ *                                   backward-shift deletion (no tombstones); cap is a
+ *                                   power of two >= 2 * num_blocks
+ *
+ *   lookup(keys) -> the cached blocks of the longest run of leading keys present
+ *   take(blocks)  one more holder each; an evictable block leaves the LRU list
+ *   alloc(n)      never-cached blocks first, then the LRU evictable ones (key dropped)
+ *   commit(b, k)  a held, full block enters the cache unless it or k is there already
+ *   free(blocks)  last first; a block whose last holder leaves goes to the LRU tail
+ *                 when it has a key, else back on the free stack
+ *
+ * blink_block_hash is the key chain of kv_cache.block_hash: splitmix64 steps over
+ * the parent key and each token id. Only the scheduler's thread 0 calls these.
  */
 #ifndef BLINK_KV_ALLOC_H
 #define BLINK_KV_ALLOC_H
@@ -96,6 +118,190 @@ static inline BLINK_HD int blink_kv_check(const blink_kv_t *kv, uint32_t free_co
     uint32_t owned = 0;
     for (uint32_t i = 0; i < kv->num_blocks; ++i) owned += kv->owner[i] != 0;
     return owned + free_count == kv->num_blocks ? 0 : 3;
+}
+
+/* ---- the prefix-caching allocator ---------------------------------------------------- */
+
+#define BLINK_KV_NIL 0xFFFFFFFFu
+#define BLINK_KV_NOT_CACHED 5         /* take of a block with no key: nothing taken */
+#define BLINK_KV_ROOT_HASH 0x424C494E4B4B5643ull   /* kv_cache.ROOT_HASH */
+
+typedef struct BLINK_ALIGN8 blink_pkv {
+    uint32_t *free_stack;         /* [num_blocks] never-cached free blocks; top = free_stack[never_cached - 1] */
+    uint32_t *refs;               /* [num_blocks] */
+    uint64_t *key;                /* [num_blocks] */
+    uint32_t *has_key;            /* [num_blocks] */
+    uint32_t *lru_prev;           /* [num_blocks] */
+    uint32_t *lru_next;           /* [num_blocks] */
+    uint64_t *table_key;          /* [table_cap] */
+    uint32_t *table_block;        /* [table_cap] BLINK_KV_NIL = empty */
+    uint32_t num_blocks;
+    uint32_t table_cap;           /* power of two >= 2 * num_blocks */
+    uint32_t never_cached;        /* entries on free_stack */
+    uint32_t evictable;           /* entries on the LRU list */
+    uint32_t lru_head, lru_tail;  /* least / most recently used evictable block */
+    uint32_t extra_refs;          /* sum over blocks of (refs - 1) */
+    uint32_t cached;              /* blocks with a key */
+    uint32_t evictions;
+    uint32_t reserved;
+} blink_pkv_t;
+
+static inline BLINK_HD uint64_t blink_kv_mix64(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* kv_cache.block_hash: the key of a full block from its parent's key and its tokens. */
+static inline BLINK_HD uint64_t blink_block_hash(uint64_t parent, const int32_t *tokens, uint32_t n) {
+    uint64_t h = blink_kv_mix64(parent + 0x9E3779B97F4A7C15ull);
+    for (uint32_t i = 0; i < n; ++i) h = blink_kv_mix64((h ^ (uint64_t)(uint32_t)tokens[i]) + 0x9E3779B97F4A7C15ull);
+    return h;
+}
+
+static inline BLINK_HD void blink_pkv_init(blink_pkv_t *p) {
+    for (uint32_t i = 0; i < p->num_blocks; ++i) {
+        p->free_stack[i] = p->num_blocks - 1 - i;
+        p->refs[i] = 0;
+        p->has_key[i] = 0;
+        p->lru_prev[i] = p->lru_next[i] = BLINK_KV_NIL;
+    }
+    for (uint32_t i = 0; i < p->table_cap; ++i) p->table_block[i] = BLINK_KV_NIL;
+    p->never_cached = p->num_blocks;
+    p->evictable = p->extra_refs = p->cached = p->evictions = 0;
+    p->lru_head = p->lru_tail = BLINK_KV_NIL;
+}
+
+static inline BLINK_HD uint32_t blink_pkv_free_count(const blink_pkv_t *p) { return p->never_cached + p->evictable; }
+
+static inline BLINK_HD uint32_t blink_pkv_find(const blink_pkv_t *p, uint64_t k) {
+    const uint32_t mask = p->table_cap - 1;
+    for (uint32_t i = (uint32_t)k & mask;; i = (i + 1) & mask) {
+        const uint32_t b = p->table_block[i];
+        if (b == BLINK_KV_NIL) return BLINK_KV_NIL;
+        if (p->table_key[i] == k) return b;
+    }
+}
+
+static inline BLINK_HD void blink_pkv_table_put(blink_pkv_t *p, uint64_t k, uint32_t b) {
+    const uint32_t mask = p->table_cap - 1;
+    uint32_t i = (uint32_t)k & mask;
+    while (p->table_block[i] != BLINK_KV_NIL) i = (i + 1) & mask;
+    p->table_key[i] = k;
+    p->table_block[i] = b;
+}
+
+/* Remove key k (present): backward-shift the run after it so every probe still ends at a gap. */
+static inline BLINK_HD void blink_pkv_table_del(blink_pkv_t *p, uint64_t k) {
+    const uint32_t mask = p->table_cap - 1;
+    uint32_t i = (uint32_t)k & mask;
+    while (p->table_key[i] != k || p->table_block[i] == BLINK_KV_NIL) i = (i + 1) & mask;
+    for (uint32_t j = (i + 1) & mask; p->table_block[j] != BLINK_KV_NIL; j = (j + 1) & mask) {
+        const uint32_t home = (uint32_t)p->table_key[j] & mask;
+        /* entry j may move into the gap at i when its home is not cyclically in (i, j] */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            p->table_key[i] = p->table_key[j];
+            p->table_block[i] = p->table_block[j];
+            i = j;
+        }
+    }
+    p->table_block[i] = BLINK_KV_NIL;
+}
+
+static inline BLINK_HD void blink_pkv_lru_unlink(blink_pkv_t *p, uint32_t b) {
+    const uint32_t pr = p->lru_prev[b], nx = p->lru_next[b];
+    if (pr != BLINK_KV_NIL) p->lru_next[pr] = nx; else p->lru_head = nx;
+    if (nx != BLINK_KV_NIL) p->lru_prev[nx] = pr; else p->lru_tail = pr;
+    p->lru_prev[b] = p->lru_next[b] = BLINK_KV_NIL;
+    --p->evictable;
+}
+
+static inline BLINK_HD void blink_pkv_lru_append(blink_pkv_t *p, uint32_t b) {
+    p->lru_prev[b] = p->lru_tail;
+    p->lru_next[b] = BLINK_KV_NIL;
+    if (p->lru_tail != BLINK_KV_NIL) p->lru_next[p->lru_tail] = b; else p->lru_head = b;
+    p->lru_tail = b;
+    ++p->evictable;
+}
+
+/* `n` blocks into out[0..n); BLINK_KV_NO_BLOCKS (nothing taken) when fewer are free. */
+static inline BLINK_HD int blink_pkv_alloc(blink_pkv_t *p, uint32_t n, uint32_t *out) {
+    if (n > blink_pkv_free_count(p)) return BLINK_KV_NO_BLOCKS;
+    for (uint32_t k = 0; k < n; ++k) {
+        uint32_t b;
+        if (p->never_cached) {
+            b = p->free_stack[--p->never_cached];
+        } else {
+            b = p->lru_head;
+            blink_pkv_lru_unlink(p, b);
+            blink_pkv_table_del(p, p->key[b]);
+            p->has_key[b] = 0;
+            --p->cached;
+            ++p->evictions;
+        }
+        p->refs[b] = 1;
+        out[k] = b;
+    }
+    return BLINK_KV_OK;
+}
+
+/* One more holder of each held block (a fork's shared prefix). */
+static inline BLINK_HD int blink_pkv_share(blink_pkv_t *p, const uint32_t *blocks, uint32_t n) {
+    for (uint32_t k = 0; k < n; ++k)
+        if (blocks[k] >= p->num_blocks || !p->refs[blocks[k]]) return BLINK_KV_NOT_OWNED;
+    for (uint32_t k = 0; k < n; ++k) ++p->refs[blocks[k]];
+    p->extra_refs += n;
+    return BLINK_KV_OK;
+}
+
+/* One holder gives `blocks` back, last first. */
+static inline BLINK_HD int blink_pkv_free(blink_pkv_t *p, const uint32_t *blocks, uint32_t n) {
+    for (uint32_t k = 0; k < n; ++k)
+        if (blocks[k] >= p->num_blocks || !p->refs[blocks[k]]) return BLINK_KV_NOT_OWNED;
+    for (uint32_t k = n; k-- > 0;) {
+        const uint32_t b = blocks[k];
+        if (--p->refs[b]) --p->extra_refs;
+        else if (p->has_key[b]) blink_pkv_lru_append(p, b);
+        else p->free_stack[p->never_cached++] = b;
+    }
+    return BLINK_KV_OK;
+}
+
+/* The cached blocks of the longest run of leading keys present, into out; their count. */
+static inline BLINK_HD uint32_t blink_pkv_lookup(const blink_pkv_t *p, const uint64_t *keys, uint32_t n,
+                                                 uint32_t *out) {
+    uint32_t k = 0;
+    for (; k < n; ++k) {
+        const uint32_t b = blink_pkv_find(p, keys[k]);
+        if (b == BLINK_KV_NIL) break;
+        out[k] = b;
+    }
+    return k;
+}
+
+/* One more holder of each cached block (from lookup); an evictable one leaves the LRU list. */
+static inline BLINK_HD int blink_pkv_take(blink_pkv_t *p, const uint32_t *blocks, uint32_t n) {
+    for (uint32_t k = 0; k < n; ++k)
+        if (blocks[k] >= p->num_blocks || !p->has_key[blocks[k]]) return BLINK_KV_NOT_CACHED;
+    for (uint32_t k = 0; k < n; ++k) {
+        const uint32_t b = blocks[k];
+        if (p->refs[b]) ++p->extra_refs;
+        else blink_pkv_lru_unlink(p, b);
+        ++p->refs[b];
+    }
+    return BLINK_KV_OK;
+}
+
+/* A held, full, computed block enters the cache under `k`: 1; 0 when it has a key already or
+ * another block holds k; -1 when the block is not held. */
+static inline BLINK_HD int blink_pkv_commit(blink_pkv_t *p, uint32_t b, uint64_t k) {
+    if (b >= p->num_blocks || !p->refs[b]) return -1;
+    if (p->has_key[b] || blink_pkv_find(p, k) != BLINK_KV_NIL) return 0;
+    p->key[b] = k;
+    p->has_key[b] = 1;
+    blink_pkv_table_put(p, k, b);
+    ++p->cached;
+    return 1;
 }
 
 #endif /* BLINK_KV_ALLOC_H */

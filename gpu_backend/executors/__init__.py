@@ -51,6 +51,7 @@ class ExecutorOptions:
     shutdown_grace_s: float = 2.0
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
     step_ms: float = 0.0                # null executor: each engine step takes at least this long (0: no pacing)
+    prefix_caching: bool = True         # share cached KV blocks of a common prefix (engine executors)
 
     def scenario(self, policy: PolicyConfig) -> Scenario | None:
         """A recorder for the policy decisions when --policy-trace was given."""

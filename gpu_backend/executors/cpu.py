@@ -237,7 +237,8 @@ class CpuExecutor:
         log.info("decoder layer: %s", "fused C++ kernels" if runner.kernel_forward else "PyTorch ops")
         return Engine(ring, runner,
                       EngineConfig(self.policy, self.pool.config.num_blocks,
-                                   shutdown_grace_s=self.options.shutdown_grace_s),
+                                   shutdown_grace_s=self.options.shutdown_grace_s,
+                                   prefix_caching=self.options.prefix_caching),
                       IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids), scenario=scenario)
 
     def serve(self, ring: Ring, stop: threading.Event) -> None:

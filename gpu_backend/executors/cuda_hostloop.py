@@ -110,7 +110,8 @@ class CudaHostLoopExecutor:
             self.launcher.bind(ring, mapped.device_addr)
             runner = HostLoopRunner(ring, self.block, self.launcher, self.table)
             engine = Engine(ring, runner, EngineConfig(self.policy, self.num_blocks,
-                                                       shutdown_grace_s=self.options.shutdown_grace_s),
+                                                       shutdown_grace_s=self.options.shutdown_grace_s,
+                                   prefix_caching=self.options.prefix_caching),
                             IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids,
                                          structured_outputs=False, prompt_logprobs=False),
                             scenario=self.options.scenario(self.policy))

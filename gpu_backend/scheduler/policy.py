@@ -17,7 +17,7 @@ Terms. A request knows `num_tokens` tokens (prompt + generated so far) and has
 A running request with remaining == 1 is a *decoder* (its last sampled token
 goes in next); with remaining > 1 it is *prefilling* (a prompt chunked over
 several steps, or a preempted request being recomputed). Waiting requests hold
-no blocks and have num_computed == 0. `blocks(n) = ceil(n / block_size)`.
+no blocks; they start at num_computed == num_cached (0 without a prefix hit). `blocks(n) = ceil(n / block_size)`.
 Whenever a scheduled chunk reaches num_tokens the engine samples one token.
 
 Decision rules, in order:
@@ -40,6 +40,11 @@ Decision rules, in order:
        min(num_tokens, budget, (free - reserve) * block_size), where reserve is
        the number of decoders whose next token needs a fresh block (so
        admitting never forces an immediate preemption). A chunk of 0 stops.
+       A request with a prefix-cache hit (num_cached leading tokens in cached
+       blocks, block-aligned, fewer than num_tokens) computes from there:
+       chunk = min(num_tokens - num_cached, budget, (free - reserve -
+       cached_idle) * block_size), and the free count drops by its new blocks
+       plus cached_idle, the hit blocks no request held (counted free until taken).
     No preemption happens in a PREFILL step.
  3. DECODE step: decoders in admission order each need blocks(num_computed + 1)
     - held blocks (0 or 1). While one needs more than is free, the most
@@ -85,6 +90,8 @@ class PolicyConfig:
 class WaitingReq:
     id: int
     num_tokens: int      # tokens to prefill: the prompt, or prompt + generated after a preemption
+    num_cached: int = 0  # leading tokens whose K/V is in prefix-cache blocks (block-aligned, < num_tokens)
+    cached_idle: int = 0 # of those blocks, the ones no request holds (they leave the free count when taken)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +114,8 @@ class PolicyInput:
     prev_kind: StepKind = StepKind.IDLE
 
     def to_json(self) -> dict:
-        return {"waiting": [[w.id, w.num_tokens] for w in self.waiting],
+        return {"waiting": [[w.id, w.num_tokens] + ([w.num_cached, w.cached_idle] if w.num_cached else [])
+                            for w in self.waiting],
                 "running": [[r.id, r.num_tokens, r.num_computed, r.num_blocks] for r in self.running],
                 "free_blocks": self.free_blocks, "prev_kind": int(self.prev_kind)}
 
@@ -182,11 +190,11 @@ def _plan_prefill(inp: PolicyInput, cfg: PolicyConfig, decoders: list[RunningReq
     for w in inp.waiting:                                          # rule 2b
         if budget == 0 or seats == 0:
             break
-        chunk = min(w.num_tokens, budget, (free - reserve) * bs)
+        chunk = min(w.num_tokens - w.num_cached, budget, (free - reserve - w.cached_idle) * bs)
         if chunk <= 0:
             break
-        need = blocks_needed(chunk, bs)
-        free -= need
+        need = blocks_needed(chunk, bs)    # num_cached is block-aligned: new blocks from there
+        free -= need + w.cached_idle
         budget -= chunk
         seats -= 1
         prefill.append((w.id, chunk))

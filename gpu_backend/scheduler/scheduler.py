@@ -1,11 +1,15 @@
 """Scheduler: the queues, the policy applied to them, preemption and the KV blocks of every request.
 
     Engine: add(Sequence) (claimed by intake) -> waiting queue
-    schedule() -> PolicyInput (queues, free blocks) -> policy.plan_step -> StepPlan
+    schedule() -> prefix-cache lookup for the waiting (hash chain of their full
+           blocks -> the longest cached run, at least one token left to compute)
+        -> PolicyInput (queues, hits, free blocks) -> policy.plan_step -> StepPlan
         -> preempt victims (blocks freed, back to the waiting front) -> admit a
-           prefix of the waiting queue -> allocate new blocks -> SchedulerOutput
+           prefix of the waiting queue (each takes its cached blocks and starts
+           at num_computed = the hit) -> allocate new blocks -> SchedulerOutput
            (StepBatch of chunks, the sequences preempted this step)
-    Engine runs the batch (Runner.run), then update(batch): num_computed advances
+    Engine runs the batch (Runner.run), then update(batch): num_computed advances,
+           the blocks that became full are committed to the prefix cache
     fork(leader): a group leader's members start beside it, sharing its full blocks
     remove(seq): finished / cancelled / dropped: blocks back, out of the queues
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from .kv_cache import BlockAllocator
+from .kv_cache import ROOT_HASH, BlockAllocator, block_hash
 from .policy import PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq, plan_step
 from .sequence import Sequence
 
@@ -44,17 +48,31 @@ class SchedulerOutput:
     preempted: tuple[Sequence, ...]    # back at the front of the waiting queue, blocks freed
 
 
-class Scheduler:
-    """FCFS continuous batching over one KV pool (policy.py's rules); single-threaded."""
+@dataclasses.dataclass
+class PrefixStats:
+    """Prefix-cache outcome of every admission (counters, from the start)."""
+    hit_tokens: int = 0      # prompt (+ output, after a preemption) tokens found cached
+    miss_tokens: int = 0     # tokens to compute
+    hit_blocks: int = 0
+    miss_blocks: int = 0     # blocks_needed(num_tokens) - hit blocks
 
-    def __init__(self, policy: PolicyConfig, num_blocks: int, scenario: Scenario | None = None):
+
+class Scheduler:
+    """FCFS continuous batching over one KV pool (policy.py's rules), with automatic prefix
+    caching unless `prefix_caching` is False; single-threaded."""
+
+    def __init__(self, policy: PolicyConfig, num_blocks: int, scenario: Scenario | None = None,
+                 prefix_caching: bool = True):
         self.policy = policy
         self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: collections.deque[Sequence] = collections.deque()   # queue order
         self.running: list[Sequence] = []                                  # admission order
         self.prev_kind = StepKind.IDLE
         self.scenario = scenario
+        self.stats = PrefixStats()
+        self._hits: dict[int, list[int]] = {}      # slot -> cached blocks it takes if admitted this step
 
     @property
     def free_blocks(self) -> int:
@@ -78,24 +96,63 @@ class Scheduler:
         return SchedulerOutput(self._batch(plan), preempted)
 
     def update(self, batch: StepBatch) -> None:
-        """The chunks that ran: their tokens' K/V is in the cache now."""
+        """The chunks that ran: their tokens' K/V is in the cache now; blocks that became full
+        are committed to the prefix cache."""
         for c in batch.chunks:
             c.seq.num_computed += c.num_tokens
+            if self.prefix_caching:
+                self._commit(c.seq)
+
+    def _keys(self, s: Sequence, n: int) -> list[int]:
+        """The prefix-cache keys of s's first `n` full blocks (extending its chain as needed)."""
+        bs, keys = self.policy.block_size, s.block_hashes
+        parent = keys[-1] if keys else ROOT_HASH
+        for j in range(len(keys), n):
+            parent = block_hash(parent, s.token_slice(j * bs, (j + 1) * bs))
+            keys.append(parent)
+        return keys[:n]
+
+    def _commit(self, s: Sequence) -> None:
+        full = min(s.num_computed // self.policy.block_size, len(s.blocks))
+        if full > s.num_committed:
+            for b, key in zip(s.blocks[s.num_committed:full], self._keys(s, full)[s.num_committed:]):
+                self.allocator.commit(b, key)
+            s.num_committed = full
+
+    def _hit(self, s: Sequence) -> list[int]:
+        """Cached blocks a waiting request can start from. At least one token is left to compute
+        (a token is sampled from its logits); none for a request that wants prompt logprobs,
+        which need the logits of every prompt position."""
+        if not self.prefix_caching or s.params.prompt_logprobs is not None:
+            return []
+        return self.allocator.lookup(self._keys(s, (s.num_tokens - 1) // self.policy.block_size))
+
+    def _waiting_req(self, s: Sequence, claimed: set[int]) -> WaitingReq:
+        hit = self._hits[s.slot] = self._hit(s)
+        idle = [b for b in hit if self.allocator.idle(b) and b not in claimed]   # counted once in the queue
+        claimed.update(idle)
+        return WaitingReq(s.slot, s.num_tokens, len(hit) * self.policy.block_size, len(idle))
 
     def _policy_input(self) -> PolicyInput:
+        self._hits.clear()
+        claimed: set[int] = set()
+        seats = self.policy.max_batch_size - len(self.running)    # only these many can be admitted
         return PolicyInput(
-            waiting=tuple(WaitingReq(s.slot, s.num_tokens) for s in self.waiting),
+            waiting=tuple(self._waiting_req(s, claimed) if i < seats else WaitingReq(s.slot, s.num_tokens)
+                          for i, s in enumerate(self.waiting)),
             running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
             # Shared blocks counted as held by each sharer: a preempted sharer frees fewer than the
-            # policy assumes, so the free count it sees is lowered by the extra references.
-            free_blocks=max(0, self.allocator.free_count - self.allocator.extra_refs), prev_kind=self.prev_kind)
+            # policy assumes, so the free count it sees is lowered by the extra references. Not
+            # clamped at 0: with many sharers it goes negative, and a clamp would credit the policy
+            # blocks that preempting them never frees (it then over-allocates).
+            free_blocks=self.allocator.free_count - self.allocator.extra_refs, prev_kind=self.prev_kind)
 
     def _preempt(self, slot: int) -> Sequence:
         """Recompute preemption: free the blocks, requeue at the front."""
         s = next(x for x in self.running if x.slot == slot)
         self.running.remove(s)
         self.allocator.free(s.blocks)
-        s.blocks, s.num_computed = [], 0
+        s.blocks, s.num_computed, s.num_committed = [], 0, 0
         self.waiting.appendleft(s)
         return s
 
@@ -103,7 +160,7 @@ class Scheduler:
         for slot in plan.admitted:
             s = self.waiting.popleft()
             assert s.slot == slot, "policy admits a prefix of the waiting queue"
-            self.running.append(s)
+            self._admit(s, self._hits.get(slot, []))
         by_slot = {s.slot: s for s in self.running}
         for slot, n in plan.new_blocks:
             if n:
@@ -112,6 +169,21 @@ class Scheduler:
         return StepBatch(plan.kind, tuple(
             ScheduledChunk(s, s.num_computed, n, s.num_computed + n == s.num_tokens and not s.hold_last)
             for s, n in chunks))
+
+    def _admit(self, s: Sequence, hit: list[int]) -> None:
+        """Into the running list, holding its cached prefix blocks (taken before any allocation of
+        this step, so none of them is evicted under it)."""
+        bs = self.policy.block_size
+        s.blocks = self.allocator.take(hit)
+        s.num_computed = s.num_committed = len(hit)
+        s.num_computed *= bs
+        need = (s.num_tokens + bs - 1) // bs
+        st = self.stats
+        st.hit_tokens += s.num_computed
+        st.miss_tokens += s.num_tokens - s.num_computed
+        st.hit_blocks += len(hit)
+        st.miss_blocks += need - len(hit)
+        self.running.append(s)
 
     def fork(self, leader: Sequence, members: list[Sequence]) -> list[tuple[int, int]]:
         """The leader computed its prompt but the last token: `members` (its live forks) start
@@ -126,6 +198,7 @@ class Scheduler:
         for f in members:
             f.blocks = self.allocator.share(leader.blocks[:full])
             f.num_computed = full * bs
+            f.num_committed = min(full, leader.num_committed)
             f.prompt_logprobs = leader.prompt_logprobs      # the prompt's records, computed once
             if done % bs and self.allocator.can_allocate(1):
                 (b,) = self.allocator.allocate(1)
@@ -139,7 +212,7 @@ class Scheduler:
     def remove(self, s: Sequence) -> None:
         """A request leaves (finished, cancelled, dropped): its blocks back, out of the queues."""
         self.allocator.free(s.blocks)
-        s.blocks = []
+        s.blocks, s.num_committed = [], 0
         if s in self.running:
             self.running.remove(s)
         else:

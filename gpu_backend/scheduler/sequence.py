@@ -6,6 +6,10 @@
     block table, output tokens -> published back into the slot (tokens, and the
     logprob records the sampler left in `step_logprobs` / `prompt_logprobs`).
 
+The prefix cache's keys of its full blocks (`block_hashes`, a hash chain over
+prompt + output) are computed once, as blocks fill or when it waits, and survive
+preemption, so a recomputed request finds its own blocks again.
+
 A group (n choices of one prompt) is its leader Sequence holding the others in
 `forks`: the leader prefills the prompt but its last token (`hold_last`), then the
 engine forks the others from it (shared KV blocks) and every choice computes that
@@ -75,6 +79,8 @@ class Sequence:
     forks: list["Sequence"] = dataclasses.field(default_factory=list)   # group members not yet forked
     hold_last: bool = False           # a group leader before its fork: the prompt's last token is held back
     automaton_state: int = -1         # params.automaton's current state (-1: its initial state, not yet stepped)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)   # prefix-cache keys of its first full blocks
+    num_committed: int = 0            # leading blocks of `blocks` already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 5u
+#define BLINK_LAYOUT_VERSION 6u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
@@ -95,8 +95,15 @@ typedef struct BLINK_ALIGN8 blink_ring_header {
     uint32_t model_max_len;  /* @132: context length (prompt + output), published before READY */
     uint32_t backend_pid;  /* @136: daemon process id (0 on the device-only path) */
     uint32_t kv_blocks_total;  /* @140: KV cache blocks in the daemon's pool (0: not reported) */
-    uint32_t kv_blocks_free;  /* @144: KV blocks free after the daemon's latest step */
-    uint8_t _pad0[108];
+    uint32_t kv_blocks_free;  /* @144: KV blocks free after the daemon's latest step (evictable cached ones included) */
+    uint32_t prefix_caching;  /* @148: 1: the daemon's scheduler shares cached KV blocks of common prefixes */
+    uint32_t kv_blocks_cached;  /* @152: KV blocks holding a prefix-cache entry (held or evictable) */
+    uint8_t _pad0[4];
+    uint64_t prefix_hit_tokens;  /* @160: admitted tokens found in the prefix cache, since the daemon started */
+    uint64_t prefix_miss_tokens;  /* @168: admitted tokens not found there (computed) */
+    uint64_t prefix_hit_blocks;  /* @176: admitted KV blocks found in the prefix cache */
+    uint64_t prefix_miss_blocks;  /* @184: admitted KV blocks not found there */
+    uint8_t _pad1[64];
 } blink_ring_header_t;
 
 BLINK_STATIC_ASSERT(sizeof(blink_ring_header_t) == 256, "blink_ring_header size");
@@ -124,6 +131,12 @@ BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 132, "blink_
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 136, "blink_ring_header.backend_pid offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 140, "blink_ring_header.kv_blocks_total offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 144, "blink_ring_header.kv_blocks_free offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_caching) == 148, "blink_ring_header.prefix_caching offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_cached) == 152, "blink_ring_header.kv_blocks_cached offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_tokens) == 160, "blink_ring_header.prefix_hit_tokens offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_tokens) == 168, "blink_ring_header.prefix_miss_tokens offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_blocks) == 176, "blink_ring_header.prefix_hit_blocks offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_blocks) == 184, "blink_ring_header.prefix_miss_blocks offset");
 
 typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t state;  /* @0: SlotState */

@@ -90,3 +90,31 @@ def test_queue_wait_needs_a_shared_clock():
     assert _stage_counts(m) == (0, 1, 1)
     page = m.render(None, None)
     assert "blink_queue_wait_seconds_count" not in page and "# TYPE blink_queue_wait_seconds histogram" in page
+
+
+def test_prefix_cache_counters_go_from_the_ring_header_to_the_page():
+    """The daemon's prefix-cache words in the ring header -> HealthMonitor -> the ring client's
+    stats -> /metrics; a daemon without the cache shows none of them (run-batch's probe)."""
+    from dpu_frontend.backend_health import HealthMonitor
+    from dpu_frontend.ring_client import RingClient
+    from shared_layout import Ring, RingGeometry
+    geom = RingGeometry(4, 1024, 1024)
+    ring = Ring.create(bytearray(geom.total_size), geom)
+    for name, v in (("prefix_caching", 1), ("kv_blocks_cached", 9), ("prefix_hit_tokens", 1504),
+                    ("prefix_miss_tokens", 210), ("prefix_hit_blocks", 94), ("prefix_miss_blocks", 14)):
+        ring.set(name, v)
+    mon = HealthMonitor(1.0, shares_clock=True)
+    mon.observe(ring.header)
+    client = RingClient.__new__(RingClient)          # only what stats() reads of the health monitor
+    client._health = mon
+    stats = {"prefix_cache": RingClient.prefix_cache_stats(client)}
+    page = FrontendMetrics("m").render(stats, None)
+    assert metric(page, "blink_prefix_cache_hits_total", unit="tokens") == 1504
+    assert metric(page, "blink_prefix_cache_misses_total", unit="tokens") == 210
+    assert metric(page, "blink_prefix_cache_hits_total", unit="blocks") == 94
+    assert metric(page, "blink_prefix_cache_misses_total", unit="blocks") == 14
+    assert metric(page, "blink_prefix_cache_blocks") == 9
+    ring.set("prefix_caching", 0)
+    mon.observe(ring.header)
+    assert "prefix_cache" not in FrontendMetrics("m").render({"prefix_cache": RingClient.prefix_cache_stats(client)},
+                                                             None)

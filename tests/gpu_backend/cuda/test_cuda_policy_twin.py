@@ -73,8 +73,10 @@ def _record_engine_scenario(seed: int) -> P.Scenario:
     max_len = 96
     num_blocks = P.blocks_needed(max_len, policy.block_size) + int(rng.integers(0, 12))   # tight: preemptions
     scenario = P.Scenario(policy, name=f"engine-seed{seed}")
-    engine = Engine(ring, EchoRunner(), EngineConfig(policy, num_blocks), IntakeConfig(49152, max_len),
-                    scenario=scenario)
+    # The device loop has no prefix cache (its planner sees num_cached = 0): record without one, or a
+    # preempted request re-admitted onto its own cached blocks would plan what the device never does.
+    engine = Engine(ring, EchoRunner(), EngineConfig(policy, num_blocks, prefix_caching=False),
+                    IntakeConfig(49152, max_len), scenario=scenario)
     fp = FrontendPlayer(ring)
     submitted = 0
     for _ in range(400):
