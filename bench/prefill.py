@@ -1,0 +1,257 @@
+"""Prefill benchmark: time to first token for one long prompt, and where a prefill's time goes.
+
+    serve:   for each checkout (the code before a change, and after): `blink serve` with default
+             settings from that checkout -> one streamed /v1/completions request per prompt length
+             (real text of exact token length, max_tokens 1), TTFT = send to first chunk; lengths
+             interleaved across checkouts and repeats -> the minimum per (checkout, length), the
+             scaling exponent (least-squares slope of log TTFT on log length), the load average
+             -> bench/results/<date>-<machine>-prefill.json + .md (CPU model and flags named)
+    profile: in process, the CPU executor's KernelForward over one prompt, in chunks of the
+             policy's max_prefill_tokens, every kernel call timed -> CPU-ms per component
+             (attention, matmuls, rope/norms/silu, other) for each length
+
+    python -m bench.prefill serve --checkout before=/tmp/blink-base --checkout after=. \\
+        --lengths 360,1600,3500 --repeats 3 --out bench/results/<date>-<machine>-prefill
+    python -m bench.prefill profile --lengths 360,1600,3500
+
+The exponent is what survives a loaded machine: other tenants slow every length by about the
+same factor, so the slope stays where the absolute times do not.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def scaling_exponent(lengths: list[int], seconds: list[float]) -> float:
+    """b in t = a * n^b, least squares on the logs."""
+    xs, ys = [math.log(n) for n in lengths], [math.log(t) for t in seconds]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+# ---- profile: in process, per component ----
+
+class _Timed:
+    """A callable wrapped so that the process CPU time it takes (all threads) adds to totals[name]:
+    CPU time, not wall time, so that other tenants of a shared machine do not count."""
+
+    def __init__(self, fn, name: str, totals: dict[str, float]):
+        self.fn, self.name, self.totals = fn, name, totals
+
+    def __call__(self, *args):
+        t = time.process_time()
+        out = self.fn(*args)
+        self.totals[self.name] = self.totals.get(self.name, 0.0) + time.process_time() - t
+        return out
+
+
+def profile(lengths: list[int], chunk: int, repeats: int) -> dict:
+    """CPU-ms per component of one prefill of each length through the CPU executor's kernel layer
+    (the fastest of `repeats` by total CPU time; wall time alongside)."""
+    import torch
+
+    from gpu_backend.executors import ExecutorOptions
+    from gpu_backend.executors.cpu import CpuExecutor, DEFAULT_MAX_PREFILL_TOKENS
+    from gpu_backend.paged_attention import PagedBatch
+
+    ex = CpuExecutor(ExecutorOptions(model="default"))
+    chunk = chunk or DEFAULT_MAX_PREFILL_TOKENS
+    runner_forward = _kernel_forward(ex)
+    totals: dict[str, float] = {}
+    for name in ("add_rms_norm", "rope_cache", "silu_mul", "decode_attention", "prefill_attention"):
+        if hasattr(runner_forward, name):
+            setattr(runner_forward, name, _Timed(getattr(runner_forward, name), name, totals))
+    for p in runner_forward.plans:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(p, name, _Timed(getattr(p, name), f"matmul_{name}", totals))
+    bs = ex.pool.config.block_size
+    vocab = ex.model.config.vocab_size
+    out = {}
+    for n in lengths:
+        best = None
+        for _ in range(repeats):
+            table = list(range((n + bs - 1) // bs))
+            ids = torch.randint(100, vocab, (n,))
+            totals.clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                for start in range(0, n, chunk):
+                    m = min(chunk, n - start)
+                    batch = PagedBatch.build([(start, m, table)], bs)
+                    hidden = runner_forward(ids[start:start + m], torch.arange(start, start + m), batch)
+                ex.model.compute_logits(hidden[-1:])
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if best is None or cpu < best["cpu_ms"] / 1e3:
+                best = {"wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3, **{k: v * 1e3 for k, v in sorted(totals.items())}}
+        attn = best.get("decode_attention", 0.0) + best.get("prefill_attention", 0.0)
+        mm = sum(v for k, v in best.items() if k.startswith("matmul_"))
+        small = sum(best.get(k, 0.0) for k in ("add_rms_norm", "rope_cache", "silu_mul"))
+        best.update(attention_ms=attn, matmuls_ms=mm, small_kernels_ms=small,
+                    other_ms=best["cpu_ms"] - attn - mm - small)
+        out[str(n)] = best
+        print(f"{n:5d} tokens: {best['cpu_ms']:8.1f} CPU-ms (wall {best['wall_ms']:8.1f})  attention {attn:8.1f}  "
+              f"matmuls {mm:8.1f}  norm/rope/silu {small:6.1f}  other {best['other_ms']:6.1f}", flush=True)
+    return {"chunk_tokens": chunk, "threads": torch.get_num_threads(), "by_length": out}
+
+
+def _kernel_forward(ex):
+    from gpu_backend.executors.cpu_forward import KernelForward
+    if not KernelForward.applicable(ex.model, ex.kernels):
+        raise SystemExit("the fused kernel layer does not apply here (no g++?)")
+    return KernelForward(ex.model, ex.pool, ex.kernels)
+
+
+# ---- serve: TTFT through `blink serve`, one checkout after another ----
+
+def _ttft(base_url: str, model: str, prompt: str, timeout_s: float = 900.0) -> float:
+    """Seconds from sending one streamed completion (max_tokens 1) to its first data chunk."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(base_url)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0.0})
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                raise RuntimeError("the stream ended before a chunk")
+            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                return time.perf_counter() - t0
+    finally:
+        conn.close()
+
+
+def _commit_of(path: pathlib.Path) -> str:
+    marker = path / ".commit"
+    if marker.is_file():
+        return marker.read_text().strip()
+    out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def serve_sweep(checkouts: dict[str, pathlib.Path], lengths: list[int], repeats: int, log_dir: pathlib.Path) -> dict:
+    """TTFT of one prompt per length through `blink serve` (default settings) from each checkout."""
+    from bench.interference import stop_group
+    from bench.servers import SERVED_NAME, free_port, wait_ready
+    from bench.workload import PromptMaker, load_tokenizer
+    import numpy as np
+    maker = PromptMaker(load_tokenizer("default"))
+    rng = np.random.default_rng(0)
+    prompts = {(n, r): maker.make(n, rng) for n in lengths for r in range(repeats)}    # unique text each
+    out = {}
+    for label, path in checkouts.items():
+        port = free_port()
+        argv = [sys.executable, "-m", "dpu_frontend.cli", "serve", "--model", "default", "--port", str(port),
+                "--ring", f"blink-prefill-{os.getpid()}-{port}", "--served-model-name", SERVED_NAME]
+        env = dict(os.environ, PYTHONPATH=str(path))
+        log_path = log_dir / f"prefill-serve-{label}.log"
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=str(path), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_ready(None, f"http://127.0.0.1:{port}", SERVED_NAME, timeout_s=600.0, health_path="/health")
+            ready_s = time.monotonic() - t0
+            url = f"http://127.0.0.1:{port}"
+            _ttft(url, SERVED_NAME, maker.make(16, rng)[0])                 # warm-up: first request's costs
+            runs: dict[int, list[float]] = {n: [] for n in lengths}
+            tokens: dict[int, int] = {}
+            for r in range(repeats):
+                for n in lengths:
+                    text, got = prompts[n, r]
+                    # a long prefill step can outlast the frontend's heartbeat timeout (it then answers
+                    # 503 until the daemon beats again): wait for health before each measurement
+                    wait_ready(None, url, SERVED_NAME, timeout_s=900.0, health_path="/health")
+                    runs[n].append(_ttft(url, SERVED_NAME, text))
+                    tokens[n] = got
+                    print(f"{label}: {got} tokens, TTFT {runs[n][-1] * 1e3:.0f} ms", flush=True)
+        finally:
+            stop_group(proc, 20.0)
+        best = {n: min(v) for n, v in runs.items()}
+        out[label] = {"checkout": _commit_of(path), "ready_s": ready_s,
+                      "prompt_tokens": {str(n): tokens[n] for n in lengths},
+                      "ttft_s": {str(n): best[n] for n in lengths},
+                      "ttft_all_s": {str(n): runs[n] for n in lengths},
+                      "exponent": scaling_exponent([tokens[n] for n in lengths], [best[n] for n in lengths])}
+        print(f"{label}: ready in {ready_s:.1f} s, exponent {out[label]['exponent']:.2f}", flush=True)
+    return out
+
+
+def write_serve_results(result: dict, out: pathlib.Path, argv: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    cpu = result["cpu"]
+    lines = [f"# Prefill: TTFT of one prompt through `blink serve` ({result['date']})", "",
+             f"CPU: {cpu['model']} ({os.cpu_count()} cores), flags {' '.join(cpu['simd_flags'])}; "
+             f"attention path {cpu['attention_isa']}, quantized matmuls {cpu['quant_isa']}. "
+             f"Load average at start: {result['loadavg_start']} (end: {result['loadavg_end']}); the machine "
+             "is shared, so absolute times carry the others' load; the exponent is the robust number.", "",
+             "Command: `" + " ".join(argv) + "`", "",
+             "Each server alone, default settings (`blink serve --model default`), one streamed "
+             "/v1/completions request at a time, max_tokens 1; the minimum over the repeats.", "",
+             "| checkout | " + " | ".join(f"{n} tok" for n in result["runs"][next(iter(result["runs"]))]["prompt_tokens"].values())
+             + " | exponent | ready (s) |", "|---|" + "---|" * (len(result["lengths"]) + 2)]
+    for label, r in result["runs"].items():
+        lines.append(f"| {label} ({r['checkout']}) | " + " | ".join(f"{v * 1e3:,.0f} ms" for v in r["ttft_s"].values())
+                     + f" | {r['exponent']:.2f} | {r['ready_s']:.1f} |")
+    if result.get("notes"):
+        lines += ["", *result["notes"]]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("profile", help="ms per component of one prefill, in process")
+    pp.add_argument("--lengths", default="360,1600,3500")
+    pp.add_argument("--chunk", type=int, default=0, help="tokens a prefill step (default: the policy's)")
+    pp.add_argument("--repeats", type=int, default=2)
+    pp.add_argument("--out", default=None, help="write the profile as JSON here")
+    sp = sub.add_parser("serve", help="TTFT through blink serve from one or more checkouts")
+    sp.add_argument("--checkout", action="append", required=True, metavar="LABEL=PATH",
+                    help="a source tree to serve from (git archive of a commit, or this repo)")
+    sp.add_argument("--lengths", default="360,1600,3500")
+    sp.add_argument("--repeats", type=int, default=2)
+    sp.add_argument("--out", required=True, help="results path without suffix (.json and .md are written)")
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        from bench.cpu_executor import cpu_description
+        from gpu_backend import cpu_kernels
+        checkouts = {c.split("=", 1)[0]: pathlib.Path(c.split("=", 1)[1]).resolve() for c in args.checkout}
+        lengths = [int(x) for x in args.lengths.split(",")]
+        load_start = os.getloadavg()
+        runs = serve_sweep(checkouts, lengths, args.repeats, pathlib.Path(tempfile.gettempdir()))   # server logs
+        kernels = cpu_kernels.load()
+        cpu = dict(cpu_description(), attention_isa=cpu_kernels.ISA_NAMES[kernels.attention_isa] if kernels else None)
+        result = {"date": datetime.date.today().isoformat(), "cpu": cpu, "lengths": lengths, "repeats": args.repeats,
+                  "loadavg_start": [round(x, 2) for x in load_start],
+                  "loadavg_end": [round(x, 2) for x in os.getloadavg()], "runs": runs}
+        write_serve_results(result, pathlib.Path(args.out), ["python", "-m", "bench.prefill", *(argv or sys.argv[1:])])
+        return
+    if args.cmd == "profile":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # as the daemon runs (gpu_backend/cli.py)
+        result = profile([int(x) for x in args.lengths.split(",")], args.chunk, args.repeats)
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
