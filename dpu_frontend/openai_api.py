@@ -26,8 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from . import protocol
-from .protocol import (MAX_BAD_WORDS, MAX_CHOICES, MAX_I32, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,  # noqa: F401
-                       MIN_SEED, ApiLimits)
+from .protocol import MAX_I32, ApiLimits  # noqa: F401  (the service builds its limits through this module)
 from .structured import request as structured
 from .structured import tools as tool_calls
 from .structured.request import Constraint
@@ -264,6 +263,8 @@ def parse_chat(body: Any, limits: ApiLimits) -> ChatRequest:
 
 
 def _message(m: protocol.ChatCompletionMessageParam) -> ChatMessage:
+    if m.tool_calls is None and m.content.__class__ is str:
+        return ChatMessage(m.role, m.content, (), m.tool_call_id)
     calls = tuple({"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                   for c in m.tool_calls or ())
     return ChatMessage(m.role, m.text(), tool_calls=calls, tool_call_id=m.tool_call_id)

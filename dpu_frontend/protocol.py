@@ -83,8 +83,10 @@ def param_of(loc: tuple, at: str | None = None) -> str:
 
 
 def _is_union_label(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "none", "dict", "list") or not part.isidentifier() \
-        and not part.isdigit() or part[:1].isupper()
+    """pydantic names a union member in `loc` by its type: 'str', 'list[TextContentPart]', a model's class."""
+    if part in ("str", "int", "float", "bool", "none", "dict", "list") or part[:1].isupper():
+        return True
+    return not part.isidentifier() and not part.isdigit()
 
 
 _RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
@@ -176,7 +178,7 @@ class OneError:
 
 class OpenAIBaseModel(BaseModel):
     """Strict JSON types (no "10" for 10, no true for 1), unknown keys rejected, null = not given."""
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -293,6 +295,8 @@ class ToolCallParam(BaseModel):
 
 
 _MESSAGE_FIELDS = ("role", "content", "name")
+_PLAIN_KEYS = frozenset(("role", "content", "name"))
+_PLAIN_ROLES = frozenset(("system", "developer", "user", "assistant"))
 _EMPTY_OK = ("tool_calls", "function_call", "audio", "refusal", "reasoning_content")   # accepted when empty
 
 
@@ -314,6 +318,8 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
         if not isinstance(m, dict):
             return m
         role = m.get("role")
+        if role in _PLAIN_ROLES and m.get("content") is not None and m.keys() <= _PLAIN_KEYS:
+            return m        # the common message: a role, its content, perhaps a name
         if role == "function":
             raise invalid("the legacy function role is not supported; use 'tool'", "role")
         if role == "tool":
