@@ -82,7 +82,7 @@ class Engine:
                              f"one {intake.max_model_len}-token context")
         self.ring, self.runner, self.config = ring, runner, config
         self.port = BackendPort(ring)
-        self.intake = Intake(ring, self.port, intake)
+        self.intake = Intake(ring, self.port, intake, owned=lambda: self.owned.values())
         self.scheduler = Scheduler(config.policy, config.num_blocks, scenario, config.prefix_caching)
         self.admitting = True
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running

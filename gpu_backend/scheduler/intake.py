@@ -6,7 +6,8 @@
          (offsets, lengths, parameters), prompt_len < max_model_len, every
          prompt token id < vocab, the sampling data (logit_bias, allowed ids,
          bad words, the structured-output automaton: shared_layout.extra.decode_extra)
-         well formed and in the vocabulary
+         well formed and in the vocabulary, its output range clear of every live
+         request's (a frontend that allocated it twice would have one overwrite the other)
       -> Sequence with the prompt and the sampling data copied out of the arena,
          or the slot completed at once (ABORT / ERROR with its ErrorCode).
 
@@ -25,6 +26,7 @@ import collections
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -53,8 +55,11 @@ class IntakeConfig:
 
 
 class Intake:
-    def __init__(self, ring: Ring, port: BackendPort, config: IntakeConfig):
+    def __init__(self, ring: Ring, port: BackendPort, config: IntakeConfig,
+                 owned: Callable[[], Iterable[Sequence]] = tuple):
         self.ring, self.port, self.config = ring, port, config
+        self._owned = owned    # the requests the engine still holds (their output ranges are written)
+        self._taken: list[tuple[int, int]] = []   # output ranges [start, end) of this frontend's live requests
         self._orphans: dict[tuple[int, int], float] = {}   # (slot, seq) of a waiting member -> first seen (s)
         self._automata: collections.OrderedDict[bytes, object] = collections.OrderedDict()   # words' hash -> decoded
 
@@ -65,6 +70,8 @@ class Intake:
         if pending.size == 0:
             return []
         frontend_epoch = self.ring.get("frontend_epoch")
+        self._taken = [(s.output_offset, s.output_offset + s.max_tokens) for s in self._owned()
+                       if s.epoch == frontend_epoch and s.max_tokens]
         slots = self.ring.slots
         members: dict[int, list[int]] = {}    # group seq -> member slots pending
         firsts = []
@@ -99,6 +106,8 @@ class Intake:
             seq, finish, error = None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST   # cannot share its prefill
         if seq is None:
             self.port.complete(slot, finish, error)
+        elif seq.max_tokens:
+            self._taken.append((seq.output_offset, seq.output_offset + seq.max_tokens))
         return seq
 
     def _automaton(self, extra):
@@ -142,6 +151,11 @@ class Intake:
         err = request_error(self.ring.geom, r)
         if err != ErrorCode.NONE:
             return None, FinishReason.ERROR, err
+        ooff, mt = int(r["output_offset"]), int(r["max_tokens"])
+        if mt and any(ooff < end and start < ooff + mt for start, end in self._taken):
+            # Another live request's tokens are written there: a buggy frontend's double
+            # allocation; serving it would overwrite that request's output.
+            return None, FinishReason.ERROR, ErrorCode.INVALID_REQUEST
         plen, poff = int(r["prompt_len"]), int(r["prompt_offset"])
         if plen >= self.config.max_model_len:
             return None, FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG
@@ -176,6 +190,6 @@ class Intake:
         if not flags & FLAG_IGNORE_EOS or automaton is not None:   # a finished structure ends with EOS
             stop.update(self.config.eos_ids)
         return Sequence(slot=slot, seq=int(r["seq"]), epoch=int(r["epoch"]),
-                        prompt=np.asarray(prompt, np.int64).tolist(), max_tokens=int(r["max_tokens"]),
+                        prompt=np.asarray(prompt, np.int64).tolist(), max_tokens=mt, output_offset=ooff,
                         params=params, stop_ids=frozenset(stop),
                         max_len=self.config.max_model_len), FinishReason.NONE, ErrorCode.NONE

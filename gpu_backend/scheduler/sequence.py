@@ -69,6 +69,7 @@ class Sequence:
     params: SamplingParams
     stop_ids: frozenset[int]          # stop token ids plus EOS unless ignore_eos
     max_len: int                      # prompt + output never exceed this (context)
+    output_offset: int = 0            # first token of its output range in the ring's output arena (claimed)
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0             # tokens whose K/V is in the cache
     blocks: list[int] = dataclasses.field(default_factory=list)   # block table

@@ -140,6 +140,7 @@ def test_corrupted_slots_end_in_error_and_never_escape_the_ring(hostile, owned, 
     prompts = {0: [5, 6, 7], 1: [11] * 20, 2: [300, 301]}
     for slot, prompt in prompts.items():
         submit_honest(ring, slot, prompt, 40)
+    engine.step()   # the honest requests are live before any garbage arrives (whose ranges may overlap theirs)
     hostile_slots = []
     for i, (fields, tokens) in enumerate(hostile):
         slot = len(HONEST_SLOTS) + i
@@ -173,6 +174,23 @@ def test_corrupted_slots_end_in_error_and_never_escape_the_ring(hostile, owned, 
             assert int(r["error_code"]) in (ErrorCode.INVALID_REQUEST, ErrorCode.INVALID_TOKEN,
                                             ErrorCode.PROMPT_TOO_LONG, ErrorCode.OUT_OF_MEMORY)
             assert int(r["generated"]) == 0
+
+
+def test_a_request_whose_output_range_overlaps_a_live_one_is_refused():
+    """A frontend that hands out one output range twice: the second request ends INVALID_REQUEST
+    and the first one's tokens are never overwritten."""
+    g = GuardedRing()
+    ring = g.ring
+    engine = make_engine(ring)
+    submit_honest(ring, 0, [5, 6, 7], 40)            # output tokens [0, 40)
+    engine.step()
+    write_hostile(ring, 5, {"output_offset": 30, "max_tokens": 20}, [9, 8])
+    write_hostile(ring, 6, {"output_offset": 40, "max_tokens": 20}, [9, 8])   # adjacent: fine
+    step_until_idle(engine)
+    assert honest_tokens(ring, 0) == (FinishReason.LENGTH, ErrorCode.NONE, [[5, 6, 7][i % 3] for i in range(40)])
+    assert honest_tokens(ring, 5) == (FinishReason.ERROR, ErrorCode.INVALID_REQUEST, [])
+    assert honest_tokens(ring, 6)[:2] == (FinishReason.LENGTH, ErrorCode.NONE)
+    assert engine.scheduler.allocator.free_count == NUM_BLOCKS
 
 
 @pytest.mark.parametrize("field,value", [
