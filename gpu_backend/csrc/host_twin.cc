@@ -2,7 +2,8 @@
  * built with g++ into a shared library (gpu_backend/cuda/build.py) so that CI
  * machines without a GPU run the very code the kernel runs:
  *
- *   blink_plan / blink_finish / blink_intake_check   sched_policy.h, one call each
+ *   blink_plan / blink_finish / blink_intake_check   sched_policy.h, one call each (blink_plan:
+ *       FCFS through blink_plan_step, or any policy through blink_plan_step_policy)
  *       -> tests diff them against gpu_backend/scheduler/policy.py and scheduler/intake.py
  *   blink_twin_run   sched_loop.h on `nt` host threads with a barrier standing in
  *       for __syncthreads; the step graph is the echo run inline (or a callback
@@ -131,12 +132,14 @@ uint32_t blink_max_window(void) { return BLINK_MAX_WINDOW; }
 /* Atomics that hit ring or control memory since the library was loaded (0: none). */
 uint64_t blink_twin_ring_rmw(void) { return __atomic_load_n(&g_ring_rmw, __ATOMIC_RELAXED); }
 
-/* One plan_step over explicit lists; ids are indices into `reqs` (the caller's table). */
+/* One plan_step over explicit lists; ids are indices into `reqs` (the caller's table), and
+ * into `times` under a policy other than FCFS (rules == NULL: FCFS through blink_plan_step). */
 void blink_plan(const blink_policy_config_t *cfg, const blink_req_t *reqs, const uint32_t *waiting,
                 uint32_t n_waiting, const uint32_t *running, uint32_t n_running, uint32_t free_blocks,
                 uint32_t prev_kind, uint32_t *counts /* [6]: kind, n_prefill, n_decode, n_preempted,
                                                         n_admitted, n_new_blocks */,
-                uint32_t *lists /* [7 * cap] */, uint32_t cap) {
+                uint32_t *lists /* [7 * cap] */, uint32_t cap, const blink_sched_rules_t *rules,
+                const blink_req_time_t *times) {
     blink_plan_t plan;
     plan.prefill_id = lists;
     plan.prefill_len = lists + cap;
@@ -145,8 +148,17 @@ void blink_plan(const blink_policy_config_t *cfg, const blink_req_t *reqs, const
     plan.admitted_id = lists + 4 * cap;
     plan.new_blocks_id = lists + 5 * cap;
     plan.new_blocks_n = lists + 6 * cap;
-    blink_plan_step(cfg, reqs, waiting, 0, n_waiting, n_waiting ? n_waiting : 1, running, n_running,
-                    free_blocks, prev_kind, &plan);
+    if (rules == NULL) {
+        blink_plan_step(cfg, reqs, waiting, 0, n_waiting, n_waiting ? n_waiting : 1, running, n_running,
+                        free_blocks, prev_kind, &plan);
+    } else {
+        std::vector<uint32_t> w_out(n_waiting + 1), r_out(n_running + 1), victims(n_running + 1),
+            lid(n_waiting + n_running + 1);
+        std::vector<int64_t> lkey(n_waiting + n_running + 1);
+        blink_plan_step_policy(cfg, rules, reqs, times, waiting, 0, n_waiting, n_waiting ? n_waiting : 1, running,
+                               n_running, free_blocks, prev_kind, &plan, w_out.data(), r_out.data(), victims.data(),
+                               lkey.data(), lid.data());
+    }
     counts[0] = plan.kind;
     counts[1] = plan.n_prefill;
     counts[2] = plan.n_decode;
@@ -321,6 +333,8 @@ long blink_struct_size(const char *strct) {
     if (!strcmp(strct, "blink_graph_lut_t")) return sizeof(blink_graph_lut_t);
     if (!strcmp(strct, "blink_graph_table_t")) return sizeof(blink_graph_table_t);
     if (!strcmp(strct, "blink_step_io_t")) return sizeof(blink_step_io_t);
+    if (!strcmp(strct, "blink_sched_rules_t")) return sizeof(blink_sched_rules_t);
+    if (!strcmp(strct, "blink_req_time_t")) return sizeof(blink_req_time_t);
     return -1;
 }
 

@@ -8,6 +8,9 @@
  *   requests (blink_req_t by slot id) + waiting deque + running list + free blocks
  *     -> blink_plan_step -> blink_plan_t (kind, prefill chunks, decodes,
  *        preemptions newest first, admissions, new blocks per scheduled id)
+ *   the same + blink_sched_rules_t (policy, LVF weights, clock) + blink_req_time_t
+ *     per request -> blink_plan_step_policy: rule 0 (blink_order_requests: the
+ *     FCFS, PRIORITY or LVF order and the victims) then the same rules
  *
  * Every rule below names the numbered rule of policy.py it mirrors; keep the
  * two in step (the diff test fails otherwise).
@@ -42,32 +45,231 @@ static inline BLINK_HD uint32_t blink_req_tokens(const blink_req_t *r) {
     return r->prompt_len + r->generated;
 }
 
-/* Rules 1-4 of policy.py. `waiting` is a deque of capacity w_cap starting at
- * w_head; ids index `reqs`. Fills `plan` (its arrays hold max_batch_size
- * entries, or n_running where that is larger). */
-static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, const blink_req_t *reqs,
+/* policy.SchedPolicy */
+#define BLINK_POLICY_FCFS 0u
+#define BLINK_POLICY_PRIORITY 1u
+#define BLINK_POLICY_LVF 2u
+
+/* PolicyConfig's policy fields and PolicyInput.now_us. */
+typedef struct blink_sched_rules {
+    uint32_t policy;              /* BLINK_POLICY_* */
+    uint32_t lvf_alpha_milli;     /* alpha x 1000 */
+    int32_t lvf_beta_b_milli;     /* beta_B x 1000 (rotary tolerance, in TBT SLOs) */
+    int32_t lvf_beta_f_milli;     /* beta_F x 1000 (waiting tolerance, in TTFT SLOs) */
+    uint32_t lvf_xfer_blocks;     /* B_xfer */
+    uint32_t reserved;
+    int64_t now_us;               /* the scheduler's clock */
+} blink_sched_rules_t;
+
+/* What rule 0 reads of a request besides its blink_req_t (WaitingReq / RunningReq fields). */
+typedef struct blink_req_time {
+    uint32_t id;                  /* the tie key (the slot on the device) */
+    int32_t priority;             /* lower first */
+    int64_t arrival_us;
+    int64_t last_us;              /* latest token's time, -1: none yet (waiting: not rotary) */
+    int64_t run_us;               /* running: when it last entered the running list */
+    int64_t ttft_slo_us, tbt_slo_us;
+} blink_req_time_t;
+
+static inline BLINK_HD int64_t blink_floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;   /* C truncates; Python floors */
+}
+
+/* policy.vlt_waiting / vlt_running */
+static inline BLINK_HD int64_t blink_vlt_waiting(const blink_sched_rules_t *ru, const blink_req_time_t *t) {
+    if (t->last_us >= 0) {
+        int64_t lag = ru->now_us - t->last_us - blink_floor_div((int64_t)ru->lvf_beta_b_milli * t->tbt_slo_us, 1000);
+        return (int64_t)ru->lvf_alpha_milli * (lag > 0 ? lag : 0) / 1000;
+    }
+    int64_t lag = ru->now_us - t->arrival_us - blink_floor_div((int64_t)ru->lvf_beta_f_milli * t->ttft_slo_us, 1000);
+    return lag > 0 ? lag : 0;
+}
+
+static inline BLINK_HD int64_t blink_vlt_running(const blink_sched_rules_t *ru, const blink_req_time_t *t) {
+    return -(ru->now_us - t->run_us);
+}
+
+/* policy.first_blocks (no prefix cache on the device: num_cached = 0) */
+static inline BLINK_HD int64_t blink_first_blocks(const blink_policy_config_t *cfg, const blink_req_t *r) {
+    int64_t n = blink_req_tokens(r);
+    if (n > (int64_t)cfg->max_prefill_tokens) n = cfg->max_prefill_tokens;
+    return (n + cfg->block_size - 1) / cfg->block_size;
+}
+
+/* 1 if a's key (k0, arrival, id) sorts before b's. */
+static inline BLINK_HD int blink_key_less(int64_t a0, const blink_req_time_t *a, int64_t b0, const blink_req_time_t *b) {
+    if (a0 != b0) return a0 < b0;
+    if (a->arrival_us != b->arrival_us) return a->arrival_us < b->arrival_us;
+    return a->id < b->id;
+}
+
+/* Insertion sort of ids by (key[i], arrival, id); key is indexed like ids. Keys are unique (the id). */
+static inline BLINK_HD void blink_sort_ids(uint32_t *ids, int64_t *key, uint32_t n, const blink_req_time_t *times) {
+    for (uint32_t i = 1; i < n; ++i) {
+        uint32_t id = ids[i];
+        int64_t k = key[i];
+        uint32_t j = i;
+        while (j > 0 && blink_key_less(k, &times[id], key[j - 1], &times[ids[j - 1]])) {
+            ids[j] = ids[j - 1];
+            key[j] = key[j - 1];
+            --j;
+        }
+        ids[j] = id;
+        key[j] = k;
+    }
+}
+
+static inline BLINK_HD int64_t blink_reserve(const blink_policy_config_t *cfg, const blink_req_t *reqs,
+                                             const uint32_t *running, uint32_t n_running) {
+    int64_t reserve = 0;
+    for (uint32_t i = 0; i < n_running; ++i) {
+        const blink_req_t *r = &reqs[running[i]];
+        if ((int64_t)blink_req_tokens(r) - r->num_computed == 1 &&
+            blink_blocks_needed((int64_t)r->num_computed + 1, cfg->block_size) > (int64_t)r->num_blocks)
+            ++reserve;
+    }
+    return reserve;
+}
+
+/* LVF's preemption candidate: running, VLT < 0 (key = -VLT > 0), decoding. */
+static inline BLINK_HD int blink_lvf_candidate(const blink_req_t *r, int64_t key) {
+    return r->status == BLINK_REQ_RUNNING && key > 0 && (int64_t)blink_req_tokens(r) - r->num_computed == 1;
+}
+
+/* Rule 0 of policy.py (order_requests): w_out[w_count] and r_out[n_running] get the policy's
+ * waiting and running orders, victims[] the ids preempted for waiting ones (worst first);
+ * returns their count. Scratch: lkey and lid hold w_count + n_running entries. */
+static inline BLINK_HD uint32_t blink_order_requests(const blink_sched_rules_t *ru, const blink_policy_config_t *cfg,
+                                                     const blink_req_t *reqs, const blink_req_time_t *times,
+                                                     const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
+                                                     uint32_t w_cap, const uint32_t *running, uint32_t n_running,
+                                                     uint32_t free_blocks, uint32_t *w_out, uint32_t *r_out,
+                                                     uint32_t *victims, int64_t *lkey, uint32_t *lid) {
+    for (uint32_t k = 0; k < w_count; ++k) w_out[k] = waiting[(w_head + k) % w_cap];
+    for (uint32_t i = 0; i < n_running; ++i) r_out[i] = running[i];
+    if (ru->policy == BLINK_POLICY_FCFS) return 0;
+    const int64_t free0 = (int64_t)free_blocks - blink_reserve(cfg, reqs, running, n_running);
+    const int64_t seats0 = (int64_t)cfg->max_batch_size - n_running;
+    uint32_t n_victims = 0;
+    if (ru->policy == BLINK_POLICY_PRIORITY) {
+        for (uint32_t k = 0; k < w_count; ++k) lkey[k] = times[w_out[k]].priority;
+        blink_sort_ids(w_out, lkey, w_count, times);
+        for (uint32_t i = 0; i < n_running; ++i) lkey[i] = times[r_out[i]].priority;
+        blink_sort_ids(r_out, lkey, n_running, times);
+        int64_t free = free0, seats = seats0;
+        uint32_t alive = n_running;
+        for (uint32_t k = 0; k < w_count; ++k) {
+            const blink_req_time_t *wt = &times[w_out[k]];
+            int64_t need = blink_first_blocks(cfg, &reqs[w_out[k]]);
+            int64_t f = free, s = seats;
+            uint32_t j = alive;
+            while ((need > f || s <= 0) && j > 0 &&
+                   blink_key_less(wt->priority, wt, times[r_out[j - 1]].priority, &times[r_out[j - 1]])) {
+                --j;
+                f += reqs[r_out[j]].num_blocks;
+                ++s;
+            }
+            if (need > f || s <= 0) break;
+            for (uint32_t v = alive; v > j; --v) victims[n_victims++] = r_out[v - 1];
+            alive = j;
+            free = f - need;
+            seats = s - 1;
+        }
+        return n_victims;
+    }
+    /* LVF: step 1, contention check */
+    int64_t total = 0;
+    for (uint32_t k = 0; k < w_count; ++k) total += blink_first_blocks(cfg, &reqs[w_out[k]]);
+    if (total <= free0 && (int64_t)w_count <= seats0) return 0;
+    /* step 2: L sorted by -VLT (then arrival, id); waiting and running ids never collide */
+    const uint32_t n = w_count + n_running;
+    for (uint32_t k = 0; k < w_count; ++k) { lid[k] = w_out[k]; lkey[k] = -blink_vlt_waiting(ru, &times[w_out[k]]); }
+    for (uint32_t i = 0; i < n_running; ++i) {
+        lid[w_count + i] = r_out[i];
+        lkey[w_count + i] = -blink_vlt_running(ru, &times[r_out[i]]);
+    }
+    blink_sort_ids(lid, lkey, n, times);
+    /* step 3 */
+    int64_t b_left = free0 + ru->lvf_xfer_blocks, s_left = seats0;
+    for (uint32_t i = 0; i < n; ++i)
+        if (blink_lvf_candidate(&reqs[lid[i]], lkey[i])) ++s_left;
+    uint32_t n_chosen = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+        if (reqs[lid[i]].status == BLINK_REQ_RUNNING || lkey[i] > 0 || s_left <= 0) continue;
+        int64_t need = blink_first_blocks(cfg, &reqs[lid[i]]);
+        if (need <= b_left) {
+            w_out[n_chosen++] = lid[i];
+            b_left -= need;
+            --s_left;
+        }
+    }
+    /* step 4 */
+    int64_t b_swap = (int64_t)ru->lvf_xfer_blocks - b_left, s_swap = (int64_t)n_chosen - seats0;
+    for (uint32_t i = n; i > 0; --i) {
+        uint32_t id = lid[i - 1];
+        if (blink_lvf_candidate(&reqs[id], lkey[i - 1]) && (b_swap > 0 || s_swap > 0)) {
+            victims[n_victims++] = id;
+            b_swap -= reqs[id].num_blocks;
+            --s_swap;
+        }
+    }
+    /* orders: the chosen, then the other waiting in L order; running in L order */
+    uint32_t nw = n_chosen, nr = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+        uint32_t id = lid[i];
+        if (reqs[id].status == BLINK_REQ_RUNNING) {
+            r_out[nr++] = id;
+            continue;
+        }
+        int chosen = 0;
+        for (uint32_t c = 0; c < n_chosen; ++c) chosen |= w_out[c] == id;
+        if (!chosen) w_out[nw++] = id;
+    }
+    return n_victims;
+}
+
+static inline BLINK_HD int blink_in(const uint32_t *ids, uint32_t n, uint32_t id) {
+    for (uint32_t i = 0; i < n; ++i)
+        if (ids[i] == id) return 1;
+    return 0;
+}
+
+/* Rules 1-4 of policy.py after rule 0: `waiting` is a deque of capacity w_cap starting at
+ * w_head, `running` in the policy's order; `victims` leave for a PREFILL step. Ids index
+ * `reqs`. Fills `plan` (its arrays hold max_batch_size entries, or n_running where that
+ * is larger). */
+static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, const blink_req_t *reqs,
                                             const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                             uint32_t w_cap, const uint32_t *running, uint32_t n_running,
+                                            const uint32_t *victims, uint32_t n_victims,
                                             uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
     const int64_t bs = cfg->block_size;
     plan->kind = BLINK_STEP_IDLE;
     plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
 
-    uint32_t n_decoders = 0, n_prefilling = 0;
+    uint32_t n_decoders = 0, n_prefilling = 0, n_prefilling_all = 0;
+    int64_t freed = 0;
     for (uint32_t i = 0; i < n_running; ++i) {
         const blink_req_t *r = &reqs[running[i]];
         int64_t remaining = (int64_t)blink_req_tokens(r) - r->num_computed;
+        int victim = blink_in(victims, n_victims, running[i]);
+        if (victim) freed += r->num_blocks;
         if (remaining == 1) ++n_decoders;
-        else if (remaining > 1) ++n_prefilling;
+        else if (remaining > 1) {
+            ++n_prefilling_all;
+            if (!victim) ++n_prefilling;
+        }
     }
-    int64_t seats = (int64_t)cfg->max_batch_size - n_running;
+    int64_t seats = (int64_t)cfg->max_batch_size - (n_running - n_victims);
     int prefill_work = n_prefilling > 0 || (w_count > 0 && seats > 0);
 
     /* rule 1: decode pauses for one PREFILL step to admit arrivals, then resumes */
     if (prefill_work && (n_decoders == 0 || prev_kind != BLINK_STEP_PREFILL)) {
-        int64_t budget = cfg->max_prefill_tokens, free = free_blocks;
+        int64_t budget = cfg->max_prefill_tokens, free = (int64_t)free_blocks + freed;
         int blocked = 0;
         for (uint32_t i = 0; i < n_running; ++i) {                /* rule 2a */
+            if (blink_in(victims, n_victims, running[i])) continue;
             const blink_req_t *r = &reqs[running[i]];
             int64_t remaining = (int64_t)blink_req_tokens(r) - r->num_computed;
             if (remaining <= 1) continue;
@@ -87,6 +289,7 @@ static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, co
         if (!blocked) {
             int64_t reserve = 0;
             for (uint32_t i = 0; i < n_running; ++i) {
+                if (blink_in(victims, n_victims, running[i])) continue;
                 const blink_req_t *r = &reqs[running[i]];
                 if ((int64_t)blink_req_tokens(r) - r->num_computed == 1 &&
                     blink_blocks_needed((int64_t)r->num_computed + 1, bs) > (int64_t)r->num_blocks)
@@ -110,6 +313,7 @@ static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, co
         }
         if (plan->n_prefill > 0) {
             plan->kind = BLINK_STEP_PREFILL;
+            for (uint32_t v = 0; v < n_victims; ++v) plan->preempted_id[plan->n_preempted++] = victims[v];
             return;
         }
         plan->n_new_blocks = plan->n_admitted = 0;   /* nothing scheduled: fall through */
@@ -140,8 +344,33 @@ static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, co
         plan->kind = BLINK_STEP_DECODE;
         return;
     }
-    if (n_prefilling > 0 && n_running > 1)                          /* rule 4: deadlock breaker */
+    if (n_prefilling_all > 0 && n_running > 1)                      /* rule 4: deadlock breaker */
         plan->preempted_id[plan->n_preempted++] = running[n_running - 1];
+}
+
+/* policy.plan_step with FCFS (what the persistent scheduler runs). */
+static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, const blink_req_t *reqs,
+                                            const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
+                                            uint32_t w_cap, const uint32_t *running, uint32_t n_running,
+                                            uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
+    blink_plan_core(cfg, reqs, waiting, w_head, w_count, w_cap, running, n_running, 0, 0, free_blocks, prev_kind,
+                    plan);
+}
+
+/* policy.plan_step under any policy: rule 0, then rules 1-4. Scratch: w_out [w_count],
+ * r_out and victims [n_running], lkey and lid [w_count + n_running]. A request's status
+ * (BLINK_REQ_RUNNING or not) tells rule 0 which list it is on. */
+static inline BLINK_HD void blink_plan_step_policy(const blink_policy_config_t *cfg, const blink_sched_rules_t *ru,
+                                                   const blink_req_t *reqs, const blink_req_time_t *times,
+                                                   const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
+                                                   uint32_t w_cap, const uint32_t *running, uint32_t n_running,
+                                                   uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan,
+                                                   uint32_t *w_out, uint32_t *r_out, uint32_t *victims,
+                                                   int64_t *lkey, uint32_t *lid) {
+    uint32_t n_victims = blink_order_requests(ru, cfg, reqs, times, waiting, w_head, w_count, w_cap, running,
+                                              n_running, free_blocks, w_out, r_out, victims, lkey, lid);
+    blink_plan_core(cfg, reqs, w_out, 0, w_count, w_count ? w_count : 1, r_out, n_running, victims, n_victims,
+                    free_blocks, prev_kind, plan);
 }
 
 /* Finish rule of engine._emit, after `token` was appended (r->generated counts it):

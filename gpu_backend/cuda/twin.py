@@ -72,15 +72,39 @@ def _u32(a) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=np.uint32))
 
 
+class SchedRules(ctypes.Structure):
+    """blink_sched_rules_t (sched_policy.h): PolicyConfig's policy fields and the clock."""
+    _fields_ = [("policy", ctypes.c_uint32), ("lvf_alpha_milli", ctypes.c_uint32),
+                ("lvf_beta_b_milli", ctypes.c_int32), ("lvf_beta_f_milli", ctypes.c_int32),
+                ("lvf_xfer_blocks", ctypes.c_uint32), ("reserved", ctypes.c_uint32), ("now_us", ctypes.c_int64)]
+
+
+class ReqTime(ctypes.Structure):
+    """blink_req_time_t (sched_policy.h): what rule 0 reads of a request."""
+    _fields_ = [("id", ctypes.c_uint32), ("priority", ctypes.c_int32), ("arrival_us", ctypes.c_int64),
+                ("last_us", ctypes.c_int64), ("run_us", ctypes.c_int64), ("ttft_slo_us", ctypes.c_int64),
+                ("tbt_slo_us", ctypes.c_int64)]
+
+
 def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_policy.StepPlan:
-    """policy.plan_step computed by the device's C++ planner."""
+    """policy.plan_step computed by the device's C++ planner (blink_plan_step for FCFS,
+    blink_plan_step_policy otherwise)."""
     ids = [w.id for w in inp.waiting] + [r.id for r in inp.running]
     reqs = (structs.Req * max(1, len(ids)))()
+    times = (ReqTime * max(1, len(ids)))()
     for i, w in enumerate(inp.waiting):
         reqs[i].prompt_len = w.num_tokens
+        reqs[i].status = structs.REQ_WAITING
+        times[i] = ReqTime(w.id, w.priority, w.arrival_us, w.last_us, 0, w.ttft_slo_us, w.tbt_slo_us)
     for j, r in enumerate(inp.running):
         q = reqs[len(inp.waiting) + j]
         q.prompt_len, q.num_computed, q.num_blocks = r.num_tokens, r.num_computed, r.num_blocks
+        q.status = structs.REQ_RUNNING
+        times[len(inp.waiting) + j] = ReqTime(r.id, r.priority, r.arrival_us, -1, r.run_us, 0, 0)
+    rules = None
+    if cfg.policy != py_policy.SchedPolicy.FCFS:
+        rules = ctypes.byref(SchedRules(int(cfg.policy), cfg.lvf_alpha_milli, cfg.lvf_beta_b_milli,
+                                        cfg.lvf_beta_f_milli, cfg.lvf_xfer_blocks, 0, inp.now_us))
     pc = structs.PolicyConfig(max_batch_size=cfg.max_batch_size, max_prefill_tokens=cfg.max_prefill_tokens,
                               block_size=cfg.block_size)
     cap = max(1, cfg.max_batch_size + len(inp.waiting) + len(inp.running))   # room even for off-invariant inputs
@@ -92,7 +116,7 @@ def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_pol
     lib().blink_plan(ctypes.byref(pc), ctypes.byref(reqs), vp(waiting.ctypes.data), ctypes.c_uint32(len(waiting)),
                      vp(running.ctypes.data), ctypes.c_uint32(len(running)), ctypes.c_uint32(inp.free_blocks),
                      ctypes.c_uint32(int(inp.prev_kind)), vp(counts.ctypes.data), vp(lists.ctypes.data),
-                     ctypes.c_uint32(cap))
+                     ctypes.c_uint32(cap), rules, ctypes.byref(times))
     kind, n_pre, n_dec, n_preempt, n_adm, n_new = (int(c) for c in counts)
     col = [lists[k * cap:(k + 1) * cap] for k in range(7)]
     name = lambda h: ids[int(h)]   # noqa: E731  index -> request id

@@ -203,3 +203,51 @@ def test_device_checks_sampling_data_as_decode_extra(twin_lib):
     assert not twin.extra_ok(encode_extra(many), vocab, *many.counts)
     assert twin.extra_ok(encode_extra(SamplingExtra(bad_words=many.bad_words[1:])), vocab,
                          *SamplingExtra(bad_words=many.bad_words[1:]).counts)
+
+
+def _random_policy_input(rng: random.Random, cfg: P.PolicyConfig, max_running: int) -> P.PolicyInput:
+    """_random_input with priorities, arrivals, rotary requests, SLOs and a clock (microseconds)."""
+    base = _random_input(rng, cfg, max_running)
+    now = rng.randint(0, 10**7)
+    t = lambda: rng.randint(0, now)   # noqa: E731
+    waiting = tuple(P.WaitingReq(w.id, w.num_tokens, 0, 0, rng.randint(-2, 2), t(),
+                                 rng.choice([-1, -1, t()]), rng.choice([0, 10**4, 10**6]),
+                                 rng.choice([0, 3, 10**5])) for w in base.waiting)
+    running = tuple(P.RunningReq(r.id, r.num_tokens, r.num_computed, r.num_blocks, rng.randint(-2, 2), t(), t())
+                    for r in base.running)
+    return P.PolicyInput(waiting, running, base.free_blocks, base.prev_kind, now)
+
+
+@pytest.mark.parametrize("policy", [P.SchedPolicy.PRIORITY, P.SchedPolicy.LVF])
+def test_random_inputs_plan_alike_under_each_policy(twin_lib, policy):
+    """Rule 0 (orders, victims, the VLT formula with negative tolerances) in C++ as in Python."""
+    from gpu_backend.cuda import twin
+    rng = random.Random(20261125 + int(policy))
+    preempting_prefills = 0
+    for _ in range(3000):
+        cfg = P.PolicyConfig(rng.randint(1, 8), rng.choice([1, 3, 16, 64, 2048]), rng.choice([1, 2, 4, 16]),
+                             policy=policy, lvf_alpha_milli=rng.choice([0, 1000, 3000]),
+                             lvf_beta_b_milli=rng.choice([-700, 0, 1500]), lvf_beta_f_milli=rng.choice([0, 500]),
+                             lvf_xfer_blocks=rng.choice([0, 3, 2400]))
+        inp = _random_policy_input(rng, cfg, min(6, cfg.max_batch_size + 1))
+        want = P.plan_step(inp, cfg)
+        assert twin.plan_step(inp, cfg) == want, (inp, cfg)
+        preempting_prefills += want.kind == P.StepKind.PREFILL and bool(want.preempted)
+    assert preempting_prefills > 50      # rule 0 preempted for waiting requests, not just rule 3
+
+
+@pytest.mark.parametrize("policy", [P.SchedPolicy.PRIORITY, P.SchedPolicy.LVF])
+def test_simulated_policy_scenarios_replay_alike(twin_lib, policy, tmp_path):
+    """policy_sim's recorded traces with priorities and SLO classes, replayed by the C++ planner."""
+    from gpu_backend.cuda import twin
+    from gpu_backend.scheduler.policy_sim import random_scenario
+    rng = random.Random(4242)
+    steps = 0
+    for i in range(12):
+        path = tmp_path / f"{i}.json"
+        random_scenario(rng, name=f"{policy.name}-{i}", policy=policy).dump(path)
+        scenario = P.Scenario.from_json(json.loads(path.read_text()))
+        for k, (inp, plan) in enumerate(scenario.steps):
+            assert twin.plan_step(inp, scenario.config) == plan, f"step {k} of {scenario.name}"
+        steps += len(scenario.steps)
+    assert steps > 500
