@@ -1,9 +1,9 @@
 """Prefill benchmark: time to first token for one long prompt, and where a prefill's time goes.
 
     serve:   for each checkout (the code before a change, and after): `blink serve` with default
-             settings from that checkout -> one streamed /v1/completions request per prompt length
-             (real text of exact token length, max_tokens 1), TTFT = send to first chunk; lengths
-             interleaved across checkouts and repeats -> the minimum per (checkout, length), the
+             settings from that checkout, all running -> one streamed /v1/completions request per
+             prompt length (real text of exact token length, max_tokens 1), TTFT = send to first
+             chunk, alternating between the checkouts -> the minimum per (checkout, length), the
              scaling exponent (least-squares slope of log TTFT on log length), the load average
              -> bench/results/<date>-<machine>-prefill.json + .md (CPU model and flags named)
     profile: in process, the CPU executor's KernelForward over one prompt, in chunks of the
@@ -148,50 +148,55 @@ def _commit_of(path: pathlib.Path) -> str:
 
 
 def serve_sweep(checkouts: dict[str, pathlib.Path], lengths: list[int], repeats: int, log_dir: pathlib.Path) -> dict:
-    """TTFT of one prompt per length through `blink serve` (default settings) from each checkout."""
+    """TTFT of one prompt per length through `blink serve` (default settings) from each checkout.
+
+    Every checkout's server runs for the whole sweep (an idle one waits passively), and the
+    requests alternate between them: repeat -> length -> checkout, so a shift in the other
+    tenants' load falls on both sides, not on whichever ran second."""
     from bench.interference import stop_group
     from bench.servers import SERVED_NAME, free_port, wait_ready
     from bench.workload import PromptMaker, load_tokenizer
     import numpy as np
     maker = PromptMaker(load_tokenizer("default"))
     rng = np.random.default_rng(0)
-    prompts = {(n, r): maker.make(n, rng) for n in lengths for r in range(repeats)}    # unique text each
-    out = {}
-    for label, path in checkouts.items():
-        port = free_port()
-        argv = [sys.executable, "-m", "dpu_frontend.cli", "serve", "--model", "default", "--port", str(port),
-                "--ring", f"blink-prefill-{os.getpid()}-{port}", "--served-model-name", SERVED_NAME]
-        env = dict(os.environ, PYTHONPATH=str(path))
-        log_path = log_dir / f"prefill-serve-{label}.log"
-        t0 = time.monotonic()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, cwd=str(path), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            wait_ready(None, f"http://127.0.0.1:{port}", SERVED_NAME, timeout_s=600.0, health_path="/health")
-            ready_s = time.monotonic() - t0
-            url = f"http://127.0.0.1:{port}"
-            _ttft(url, SERVED_NAME, maker.make(16, rng)[0])                 # warm-up: first request's costs
-            runs: dict[int, list[float]] = {n: [] for n in lengths}
-            tokens: dict[int, int] = {}
-            for r in range(repeats):
-                for n in lengths:
-                    text, got = prompts[n, r]
+    procs, urls, ready = {}, {}, {}
+    try:
+        for label, path in checkouts.items():          # one at a time: start-up is measured alone
+            port = free_port()
+            argv = [sys.executable, "-m", "dpu_frontend.cli", "serve", "--model", "default", "--port", str(port),
+                    "--ring", f"blink-prefill-{os.getpid()}-{port}", "--served-model-name", SERVED_NAME]
+            env = dict(os.environ, PYTHONPATH=str(path))
+            t0 = time.monotonic()
+            with open(log_dir / f"prefill-serve-{os.getpid()}-{label}.log", "wb") as log:
+                procs[label] = subprocess.Popen(argv, cwd=str(path), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            urls[label] = f"http://127.0.0.1:{port}"
+            wait_ready(None, urls[label], SERVED_NAME, timeout_s=600.0, health_path="/health")
+            ready[label] = time.monotonic() - t0
+            _ttft(urls[label], SERVED_NAME, maker.make(16, rng)[0])          # warm-up: first request's costs
+        runs = {label: {n: [] for n in lengths} for label in checkouts}
+        tokens: dict[int, int] = {}
+        for _ in range(repeats):
+            for n in lengths:
+                for label in checkouts:
+                    text, tokens[n] = maker.make(n, rng)                    # unique text each request
                     # a long prefill step can outlast the frontend's heartbeat timeout (it then answers
                     # 503 until the daemon beats again): wait for health before each measurement
-                    wait_ready(None, url, SERVED_NAME, timeout_s=900.0, health_path="/health")
-                    runs[n].append(_ttft(url, SERVED_NAME, text))
-                    tokens[n] = got
-                    print(f"{label}: {got} tokens, TTFT {runs[n][-1] * 1e3:.0f} ms", flush=True)
-        finally:
+                    wait_ready(None, urls[label], SERVED_NAME, timeout_s=900.0, health_path="/health")
+                    runs[label][n].append(_ttft(urls[label], SERVED_NAME, text))
+                    print(f"{label}: {tokens[n]} tokens, TTFT {runs[label][n][-1] * 1e3:.0f} ms", flush=True)
+    finally:
+        for proc in procs.values():
             stop_group(proc, 20.0)
-        best = {n: min(v) for n, v in runs.items()}
-        out[label] = {"checkout": _commit_of(path), "ready_s": ready_s,
+    out = {}
+    for label, path in checkouts.items():
+        best = {n: min(v) for n, v in runs[label].items()}
+        out[label] = {"checkout": _commit_of(path), "ready_s": ready[label],
                       "prompt_tokens": {str(n): tokens[n] for n in lengths},
                       "ttft_s": {str(n): best[n] for n in lengths},
-                      "ttft_all_s": {str(n): runs[n] for n in lengths},
+                      "ttft_all_s": {str(n): runs[label][n] for n in lengths},
                       "exponent": scaling_exponent([tokens[n] for n in lengths], [best[n] for n in lengths])}
-        print(f"{label}: ready in {ready_s:.1f} s, exponent {out[label]['exponent']:.2f}", flush=True)
+        print(f"{label}: ready in {ready[label]:.1f} s, exponent {out[label]['exponent']:.2f}", flush=True)
     return out
 
 
@@ -205,8 +210,9 @@ def write_serve_results(result: dict, out: pathlib.Path, argv: list[str]) -> Non
              f"Load average at start: {result['loadavg_start']} (end: {result['loadavg_end']}); the machine "
              "is shared, so absolute times carry the others' load; the exponent is the robust number.", "",
              "Command: `" + " ".join(argv) + "`", "",
-             "Each server alone, default settings (`blink serve --model default`), one streamed "
-             "/v1/completions request at a time, max_tokens 1; the minimum over the repeats.", "",
+             "Default settings (`blink serve --model default`), the servers of both checkouts up for the "
+             "whole sweep, one streamed /v1/completions request at a time alternating between them "
+             "(an idle server waits passively), max_tokens 1; the minimum over the repeats.", "",
              "| checkout | " + " | ".join(f"{n} tok" for n in result["runs"][next(iter(result["runs"]))]["prompt_tokens"].values())
              + " | exponent | ready (s) |", "|---|" + "---|" * (len(result["lengths"]) + 2)]
     for label, r in result["runs"].items():
