@@ -234,7 +234,8 @@ class GenerationService:
                                 min_tokens=min(s.min_tokens, max_tokens), logprobs=s.logprobs,
                                 prompt_logprobs=s.prompt_logprobs if len(gen.prompt_ids) > 1 else None,
                                 extra=SamplingExtra(s.logit_bias, s.allowed_token_ids, gen.bad_words_ids,
-                                                    gen.automaton))
+                                                    gen.automaton),
+                                priority=s.priority, ttft_slo_ms=s.ttft_slo_ms, tbt_slo_ms=s.tbt_slo_ms)
         loop = asyncio.get_running_loop()
         try:
             if s.best_of > 1:

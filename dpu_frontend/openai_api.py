@@ -97,6 +97,9 @@ class SamplingOptions:
     n: int = 1                          # choices returned
     constraint: Constraint | None = None   # structured output (response_format, structured_outputs, guided_*)
     best_of: int = 1                    # choices generated (>= n); the n with the highest cumulative logprob return
+    priority: int = 0                   # lower runs first (the daemon's priority policy)
+    ttft_slo_ms: int = 0                # 0: the daemon's default
+    tbt_slo_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +190,9 @@ def _sampling(r: protocol.SamplingRequest, body: dict, logprobs: int | None, ech
         n=r.n,
         best_of=r.best_of if r.best_of is not None else r.n,
         constraint=_constraint(body),
+        priority=r.priority,
+        ttft_slo_ms=r.ttft_slo_ms or 0,
+        tbt_slo_ms=r.tbt_slo_ms or 0,
     )
 
 

@@ -387,6 +387,13 @@ class SamplingRequest(OpenAIBaseModel):
     guided_grammar: NonEmpty | None = Field(None, description="not supported: a grammar gets a 400")
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # scheduling (the daemon's --scheduling-policy decides what they do)
+    priority: Annotated[int, Field(ge=-MAX_I32 - 1, le=MAX_I32, description="lower runs first (vLLM's meaning); "
+                                   "used by --scheduling-policy priority")] = 0
+    ttft_slo_ms: Annotated[int, Field(ge=1, le=MAX_I32, description="time-to-first-token target in ms (default: "
+                                      "the server's --ttft-slo-ms); used by --scheduling-policy lvf")] | None = None
+    tbt_slo_ms: Annotated[int, Field(ge=1, le=MAX_I32, description="time-between-tokens target in ms (default: "
+                                     "the server's --tbt-slo-ms); used by --scheduling-policy lvf")] | None = None
     # accepted, without effect on the generation
     user: Ignored = None
     metadata: Ignored = None
@@ -396,7 +403,6 @@ class SamplingRequest(OpenAIBaseModel):
     use_beam_search: Annotated[bool, NoOp((False,), "beam search is not supported")] | None = None
     length_penalty: Annotated[float, NoOp((1.0,), "length_penalty is not supported")] | None = None
     truncate_prompt_tokens: Annotated[Any, NoOp((), "truncate_prompt_tokens is not supported")] = None
-    priority: Annotated[int, NoOp((0,), "request priorities are not supported")] | None = None
     spaces_between_special_tokens: Annotated[bool, NoOp((True,), "spaces_between_special_tokens=false is not "
                                                                   "supported")] | None = None
     return_tokens_as_token_ids: Annotated[bool, NoOp((False,), "return_tokens_as_token_ids is not supported")] \

@@ -41,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None          # top entries per generated token's record; None: no records
     prompt_logprobs: int | None = None   # top entries per prompt token's record
     extra: SamplingExtra = SamplingExtra()   # logit_bias, allowed ids, bad words (token ids)
+    priority: int = 0                    # scheduling: lower runs first
+    ttft_slo_ms: int = 0                 # 0: the daemon's default
+    tbt_slo_ms: int = 0
 
 
 class RequestHandle:

@@ -162,7 +162,8 @@ class RingSession:
                         logprobs=LOGPROBS_OFF if params.logprobs is None else params.logprobs,
                         prompt_logprobs=LOGPROBS_OFF if params.prompt_logprobs is None else params.prompt_logprobs,
                         logprobs_offset=lp_off, prompt_logprobs_offset=lp_off + gen_words,
-                        extra_offset=flight.prompt_offset + int(prompt.size), extra=params.extra)
+                        extra_offset=flight.prompt_offset + int(prompt.size), extra=params.extra,
+                        priority=params.priority, ttft_slo_ms=params.ttft_slo_ms, tbt_slo_ms=params.tbt_slo_ms)
         req = SlotRequest(seq=flight.seq, prompt_offset=flight.prompt_offset, prompt_len=int(prompt.size),
                           output_offset=flight.output_offset, max_tokens=flight.max_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,

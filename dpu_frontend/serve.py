@@ -58,6 +58,10 @@ DAEMON_FLAGS = (
     ("--threads", int, "CPU threads for the cpu executor (default: all cores)"),
     ("--dtype", str, "cpu executor weights/KV: auto | float32 | bfloat16 (auto: bf16 on CPUs with native bf16)"),
     ("--shutdown-grace-s", float, "on stop, in-flight requests get this long before they are aborted"),
+    ("--step-ms", float, "--model null only: each engine step takes at least this long"),
+    ("--scheduling-policy", str, "fcfs | priority | lvf: which waiting request runs first (default fcfs)"),
+    ("--ttft-slo-ms", int, "TTFT target of a request that names none (default 5000), for lvf"),
+    ("--tbt-slo-ms", int, "time-between-tokens target of a request that names none (default 100), for lvf"),
 )
 # Daemon on/off knobs (BooleanOptionalAction): passed as --FLAG / --no-FLAG when given.
 DAEMON_SWITCHES = (

@@ -75,6 +75,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a prompt prefix another request computed (default on; "
                         "--no-prefix-caching turns it off; the cuda executor's device loop has none yet)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority", "lvf"),
+                   help="which waiting request runs first: fcfs (arrival order), priority (the request's "
+                        "'priority', lower first; worse ones are preempted for better ones), lvf (SuperInfer's "
+                        "Largest Virtual Lag Time first: requests lagging their TTFT/TBT targets first, long "
+                        "runners rotated out). The cuda executor's device loop runs fcfs")
+    p.add_argument("--ttft-slo-ms", type=_positive_int, default=5000,
+                   help="time-to-first-token target of a request that names none (ttft_slo_ms), for lvf")
+    p.add_argument("--tbt-slo-ms", type=_positive_int, default=100,
+                   help="time-between-tokens target of a request that names none (tbt_slo_ms), for lvf")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from . import rdma_server       # --transport shm|verbs and the RDMA bootstrap flags
     rdma_server.add_arguments(p)
@@ -109,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
                               threads=args.threads, dtype=args.dtype, shutdown_grace_s=args.shutdown_grace_s,
                               policy_trace=args.policy_trace, step_ms=args.step_ms,
-                              prefix_caching=args.prefix_caching)
+                              prefix_caching=args.prefix_caching, scheduling_policy=args.scheduling_policy,
+                              ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms)
     try:
         rdma = rdma_server.config_from_args(args)      # before the model loads: no RDMA, one line
     except SystemExit as e:

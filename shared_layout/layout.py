@@ -42,7 +42,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
 LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
@@ -135,6 +135,10 @@ SLOT_FIELDS = [
     ("group_size", "u32", 1, "choices of one prompt (n): the slots of a group share its prefill; 0 or 1 = alone"),
     ("group_index", "u32", 1, "this slot's choice in its group; 0 = the leader, written after the others"),
     ("group_seq", "u64", 1, "seq of the group's leader (every member, the leader included)"),
+    ("priority", "i32", 1, "scheduling priority, lower runs first (vLLM's meaning); 0 = default"),
+    ("ttft_slo_ms", "u32", 1, "time-to-first-token target in ms; 0 = the daemon's default"),
+    ("tbt_slo_ms", "u32", 1, "time-between-tokens target in ms; 0 = the daemon's default"),
+    ("_sched_pad", "u32", 1, "zero; keeps the 8-byte alignment"),
     # -- progress: backend writes; tokens first, generated count after --
     ("generated", "u32", 1, "tokens published in the output arena"),
     ("finish_reason", "u32", 1, "FinishReason, valid in DECODE_COMPLETED"),

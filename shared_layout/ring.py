@@ -83,6 +83,9 @@ class SlotRequest:
     group_size: int = 0                   # n choices of one prompt (0 / 1: alone)
     group_index: int = 0                  # 0: the group's leader
     group_seq: int = 0                    # the leader's seq
+    priority: int = 0                     # lower runs first
+    ttft_slo_ms: int = 0                  # 0: the daemon's default
+    tbt_slo_ms: int = 0
 
     def __post_init__(self):
         if len(self.stop_ids) > MAX_STOP_IDS:
@@ -109,7 +112,8 @@ class SlotRequest:
                    | (FLAG_LOGPROBS if self.logprobs >= 0 else 0)
                    | (FLAG_PROMPT_LOGPROBS if self.prompt_logprobs >= 0 else 0)),
             seed=0 if self.seed is None else self.seed & 0xFFFFFFFFFFFFFFFF,
-            n_stop_ids=len(self.stop_ids), stop_ids=self.stop_ids + (0,) * (MAX_STOP_IDS - len(self.stop_ids)))
+            n_stop_ids=len(self.stop_ids), stop_ids=self.stop_ids + (0,) * (MAX_STOP_IDS - len(self.stop_ids)),
+            priority=self.priority, ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms)
         if self.extra or self.logprobs >= 0 or self.prompt_logprobs >= 0 or self.group_size:
             v.update(logprobs=max(self.logprobs, 0), prompt_logprobs=max(self.prompt_logprobs, 0),
                      logprobs_offset=self.logprobs_offset, prompt_logprobs_offset=self.prompt_logprobs_offset,
@@ -138,7 +142,8 @@ class SlotRequest:
                    logprobs=int(r["logprobs"]) if flags & FLAG_LOGPROBS else LOGPROBS_OFF,
                    prompt_logprobs=int(r["prompt_logprobs"]) if flags & FLAG_PROMPT_LOGPROBS else LOGPROBS_OFF, logprobs_offset=int(r["logprobs_offset"]),
                    prompt_logprobs_offset=int(r["prompt_logprobs_offset"]), extra_offset=int(r["extra_offset"]),
-                   group_size=int(r["group_size"]), group_index=int(r["group_index"]), group_seq=int(r["group_seq"]))
+                   group_size=int(r["group_size"]), group_index=int(r["group_index"]), group_seq=int(r["group_seq"]),
+                   priority=int(r["priority"]), ttft_slo_ms=int(r["ttft_slo_ms"]), tbt_slo_ms=int(r["tbt_slo_ms"]))
 
 
 def _slot_struct() -> tuple[struct.Struct, list[tuple[str, int]]]:

@@ -20,7 +20,8 @@ from typing import Callable, Protocol
 
 from shared_layout import Ring
 
-from ..scheduler.policy import PolicyConfig, Scenario
+from ..scheduler.intake import IntakeConfig
+from ..scheduler.policy import PolicyConfig, Scenario, SchedPolicy
 
 
 class Executor(Protocol):
@@ -52,6 +53,17 @@ class ExecutorOptions:
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
     step_ms: float = 0.0                # null executor: each engine step takes at least this long (0: no pacing)
     prefix_caching: bool = True         # share cached KV blocks of a common prefix (engine executors)
+    scheduling_policy: str = "fcfs"     # fcfs | priority | lvf (engine executors; the device loop runs fcfs)
+    ttft_slo_ms: int = 5000             # a request's TTFT target when it names none
+    tbt_slo_ms: int = 100               # its time-between-tokens target when it names none
+
+    def sched(self, policy: PolicyConfig) -> PolicyConfig:
+        """`policy` under the scheduling policy these options name."""
+        return dataclasses.replace(policy, policy=SchedPolicy[self.scheduling_policy.upper()])
+
+    def slo(self, intake: IntakeConfig) -> IntakeConfig:
+        """`intake` with these options' default SLOs."""
+        return dataclasses.replace(intake, ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms)
 
     def scenario(self, policy: PolicyConfig) -> Scenario | None:
         """A recorder for the policy decisions when --policy-trace was given."""

@@ -223,9 +223,9 @@ class CpuExecutor:
         self.vocab_size = cfg.vocab_size
         self.max_model_len = max_len
         self.eos_ids = tuple(cfg.eos_token_ids)
-        self.policy = PolicyConfig(max_batch_size=options.max_batch_size or default_max_batch_size(num_blocks, bs),
-                                   max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
-                                   block_size=bs)
+        self.policy = options.sched(PolicyConfig(
+            max_batch_size=options.max_batch_size or default_max_batch_size(num_blocks, bs),
+            max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS, block_size=bs))
         self.pool = KVPool(KVCacheConfig(num_blocks, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                            dtype=model.dtype, device=model.device)
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB), context %d", num_blocks, bs,
@@ -239,7 +239,8 @@ class CpuExecutor:
                       EngineConfig(self.policy, self.pool.config.num_blocks,
                                    shutdown_grace_s=self.options.shutdown_grace_s,
                                    prefix_caching=self.options.prefix_caching),
-                      IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids), scenario=scenario)
+                      self.options.slo(IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids)),
+                      scenario=scenario)
 
     def serve(self, ring: Ring, stop: threading.Event) -> None:
         engine = self.engine(ring, self.options.scenario(self.policy))

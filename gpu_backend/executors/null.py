@@ -66,9 +66,9 @@ class NullExecutor:
         self.options = options
         bs = options.block_size
         max_batch = options.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-        self.policy = PolicyConfig(max_batch_size=max_batch,
-                                   max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
-                                   block_size=bs)
+        self.policy = options.sched(PolicyConfig(
+            max_batch_size=max_batch, max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+            block_size=bs))
         # Bookkeeping only (no tensors): room for a full context in every seat.
         self.num_blocks = max_batch * blocks_needed(self.max_model_len, bs)
 
@@ -76,7 +76,7 @@ class NullExecutor:
         engine = Engine(ring, EchoRunner(self.options.step_ms / 1e3),
                         EngineConfig(self.policy, self.num_blocks, shutdown_grace_s=self.options.shutdown_grace_s,
                                    prefix_caching=self.options.prefix_caching),
-                        IntakeConfig(self.vocab_size, self.max_model_len, eos_ids=()),
+                        self.options.slo(IntakeConfig(self.vocab_size, self.max_model_len, eos_ids=())),
                         scenario=self.options.scenario(self.policy))
         try:
             engine.serve(stop)

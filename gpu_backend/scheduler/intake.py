@@ -52,6 +52,8 @@ class IntakeConfig:
     # samples in its graphs, which step no token automaton and keep no prompt logits).
     structured_outputs: bool = True
     prompt_logprobs: bool = True
+    ttft_slo_ms: int = 5000        # a request's targets when its slot says 0 (SuperInfer's defaults)
+    tbt_slo_ms: int = 100
 
 
 class Intake:
@@ -192,4 +194,7 @@ class Intake:
         return Sequence(slot=slot, seq=int(r["seq"]), epoch=int(r["epoch"]),
                         prompt=np.asarray(prompt, np.int64).tolist(), max_tokens=mt, output_offset=ooff,
                         params=params, stop_ids=frozenset(stop),
-                        max_len=self.config.max_model_len), FinishReason.NONE, ErrorCode.NONE
+                        max_len=self.config.max_model_len, priority=int(r["priority"]),
+                        ttft_slo_us=1000 * (int(r["ttft_slo_ms"]) or self.config.ttft_slo_ms),
+                        tbt_slo_us=1000 * (int(r["tbt_slo_ms"]) or self.config.tbt_slo_ms),
+                        arrival_us=time.monotonic_ns() // 1000), FinishReason.NONE, ErrorCode.NONE

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
+from collections.abc import Callable
 
 from .kv_cache import ROOT_HASH, BlockAllocator, block_hash
-from .policy import PolicyConfig, PolicyInput, RunningReq, Scenario, StepKind, StepPlan, WaitingReq, plan_step
+from .policy import (PolicyConfig, PolicyInput, RunningReq, Scenario, SchedPolicy, StepKind, StepPlan, WaitingReq,
+                     plan_step)
 from .sequence import Sequence
 
 
@@ -57,13 +60,23 @@ class PrefixStats:
     miss_blocks: int = 0     # blocks_needed(num_tokens) - hit blocks
 
 
+def monotonic_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
 class Scheduler:
-    """FCFS continuous batching over one KV pool (policy.py's rules), with automatic prefix
-    caching unless `prefix_caching` is False; single-threaded."""
+    """Continuous batching over one KV pool (policy.py's rules; FCFS, PRIORITY or LVF as
+    `policy.policy` says), with automatic prefix caching unless `prefix_caching` is False;
+    single-threaded. A preempted request's full blocks stay in the prefix cache: readmitted,
+    it takes them back and recomputes only its partial last block, unless they were evicted
+    meanwhile (then it recomputes them). `clock_us` is the time LVF's lags are measured on
+    (intake stamps arrivals with monotonic_us too)."""
 
     def __init__(self, policy: PolicyConfig, num_blocks: int, scenario: Scenario | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, clock_us: Callable[[], int] = monotonic_us):
         self.policy = policy
+        self.clock_us = clock_us
+        self._now_us = 0
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
@@ -98,8 +111,11 @@ class Scheduler:
     def update(self, batch: StepBatch) -> None:
         """The chunks that ran: their tokens' K/V is in the cache now; blocks that became full
         are committed to the prefix cache."""
+        now = self.clock_us()
         for c in batch.chunks:
             c.seq.num_computed += c.num_tokens
+            if c.sample:
+                c.seq.last_us = now
             if self.prefix_caching:
                 self._commit(c.seq)
 
@@ -131,16 +147,22 @@ class Scheduler:
         hit = self._hits[s.slot] = self._hit(s)
         idle = [b for b in hit if self.allocator.idle(b) and b not in claimed]   # counted once in the queue
         claimed.update(idle)
-        return WaitingReq(s.slot, s.num_tokens, len(hit) * self.policy.block_size, len(idle))
+        return WaitingReq(s.slot, s.num_tokens, len(hit) * self.policy.block_size, len(idle), *_times(s))
 
     def _policy_input(self) -> PolicyInput:
         self._hits.clear()
         claimed: set[int] = set()
         seats = self.policy.max_batch_size - len(self.running)    # only these many can be admitted
+        if self.policy.policy != SchedPolicy.FCFS:
+            seats = len(self.waiting)       # any of them may be admitted (reordered, or after preemptions)
+        self._now_us = self.clock_us()
         return PolicyInput(
-            waiting=tuple(self._waiting_req(s, claimed) if i < seats else WaitingReq(s.slot, s.num_tokens)
+            waiting=tuple(self._waiting_req(s, claimed) if i < seats else WaitingReq(s.slot, s.num_tokens, 0, 0,
+                                                                                    *_times(s))
                           for i, s in enumerate(self.waiting)),
-            running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks)) for s in self.running),
+            running=tuple(RunningReq(s.slot, s.num_tokens, s.num_computed, len(s.blocks), s.priority, s.arrival_us,
+                                     s.run_us) for s in self.running),
+            now_us=self._now_us,
             # Shared blocks counted as held by each sharer: a preempted sharer frees fewer than the
             # policy assumes, so the free count it sees is lowered by the extra references. Not
             # clamped at 0: with many sharers it goes negative, and a clamp would credit the policy
@@ -158,8 +180,13 @@ class Scheduler:
 
     def _batch(self, plan: StepPlan) -> StepBatch:
         for slot in plan.admitted:
-            s = self.waiting.popleft()
-            assert s.slot == slot, "policy admits a prefix of the waiting queue"
+            if self.policy.policy == SchedPolicy.FCFS:
+                s = self.waiting.popleft()
+                assert s.slot == slot, "FCFS admits a prefix of the waiting queue"
+            else:
+                s = next(x for x in self.waiting if x.slot == slot)
+                self.waiting.remove(s)
+            s.run_us = self._now_us
             self._admit(s, self._hits.get(slot, []))
         by_slot = {s.slot: s for s in self.running}
         for slot, n in plan.new_blocks:
@@ -226,3 +253,8 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.allocator = BlockAllocator(self.num_blocks)
+
+
+def _times(s: Sequence) -> tuple[int, int, int, int, int]:
+    """WaitingReq's policy fields of a waiting sequence."""
+    return s.priority, s.arrival_us, s.last_us, s.ttft_slo_us, s.tbt_slo_us

@@ -82,6 +82,12 @@ class Sequence:
     automaton_state: int = -1         # params.automaton's current state (-1: its initial state, not yet stepped)
     block_hashes: list[int] = dataclasses.field(default_factory=list)   # prefix-cache keys of its first full blocks
     num_committed: int = 0            # leading blocks of `blocks` already offered to the prefix cache
+    priority: int = 0                 # lower runs first (PRIORITY policy)
+    ttft_slo_us: int = 0              # its TTFT / TBT targets (the request's or the daemon's default; LVF)
+    tbt_slo_us: int = 0
+    arrival_us: int = 0               # claimed at, on the scheduler's clock (time.monotonic_ns() // 1000)
+    last_us: int = -1                 # its latest token's time; -1: none yet
+    run_us: int = 0                   # when it last entered the running list
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 6u
+#define BLINK_LAYOUT_VERSION 7u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
@@ -172,17 +172,21 @@ typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t group_index;  /* @160: this slot's choice in its group; 0 = the leader, written after the others */
     uint8_t _pad0[4];
     uint64_t group_seq;  /* @168: seq of the group's leader (every member, the leader included) */
-    uint32_t generated;  /* @176: tokens published in the output arena */
-    uint32_t finish_reason;  /* @180: FinishReason, valid in DECODE_COMPLETED */
-    uint32_t error_code;  /* @184: ErrorCode, valid in DECODE_COMPLETED */
+    int32_t priority;  /* @176: scheduling priority, lower runs first (vLLM's meaning); 0 = default */
+    uint32_t ttft_slo_ms;  /* @180: time-to-first-token target in ms; 0 = the daemon's default */
+    uint32_t tbt_slo_ms;  /* @184: time-between-tokens target in ms; 0 = the daemon's default */
+    uint32_t _sched_pad;  /* @188: zero; keeps the 8-byte alignment */
+    uint32_t generated;  /* @192: tokens published in the output arena */
+    uint32_t finish_reason;  /* @196: FinishReason, valid in DECODE_COMPLETED */
+    uint32_t error_code;  /* @200: ErrorCode, valid in DECODE_COMPLETED */
     uint8_t _pad1[4];
-    uint64_t t_submit_ns;  /* @192: frontend clock at submit */
-    uint64_t t_picked_ns;  /* @200: backend clock at the claim */
-    uint64_t t_first_ns;  /* @208: backend clock at the first token */
-    uint64_t t_last_ns;  /* @216: backend clock at the latest token */
+    uint64_t t_submit_ns;  /* @208: frontend clock at submit */
+    uint64_t t_picked_ns;  /* @216: backend clock at the claim */
+    uint64_t t_first_ns;  /* @224: backend clock at the first token */
+    uint64_t t_last_ns;  /* @232: backend clock at the latest token */
 } blink_slot_t;
 
-BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 224, "blink_slot size");
+BLINK_STATIC_ASSERT(sizeof(blink_slot_t) == 240, "blink_slot size");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, state) == 0, "blink_slot.state offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, cancel) == 4, "blink_slot.cancel offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, seq) == 8, "blink_slot.seq offset");
@@ -215,13 +219,17 @@ BLINK_STATIC_ASSERT(offsetof(blink_slot_t, automaton_words) == 152, "blink_slot.
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_size) == 156, "blink_slot.group_size offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_index) == 160, "blink_slot.group_index offset");
 BLINK_STATIC_ASSERT(offsetof(blink_slot_t, group_seq) == 168, "blink_slot.group_seq offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 176, "blink_slot.generated offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 180, "blink_slot.finish_reason offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 184, "blink_slot.error_code offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 192, "blink_slot.t_submit_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 200, "blink_slot.t_picked_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 208, "blink_slot.t_first_ns offset");
-BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 216, "blink_slot.t_last_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, priority) == 176, "blink_slot.priority offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, ttft_slo_ms) == 180, "blink_slot.ttft_slo_ms offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, tbt_slo_ms) == 184, "blink_slot.tbt_slo_ms offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, _sched_pad) == 188, "blink_slot._sched_pad offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, generated) == 192, "blink_slot.generated offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, finish_reason) == 196, "blink_slot.finish_reason offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, error_code) == 200, "blink_slot.error_code offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_submit_ns) == 208, "blink_slot.t_submit_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_picked_ns) == 216, "blink_slot.t_picked_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_first_ns) == 224, "blink_slot.t_first_ns offset");
+BLINK_STATIC_ASSERT(offsetof(blink_slot_t, t_last_ns) == 232, "blink_slot.t_last_ns offset");
 
 /* Legal state changes and the side that may make each (states.TRANSITIONS). */
 static inline BLINK_HD int blink_transition_allowed(uint32_t from, uint32_t to, uint32_t side) {
