@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import aiohttp
 
@@ -125,15 +126,21 @@ def test_base_url_takes_the_server_root_with_or_without_v1():
     assert base_of("http://h:1/v1/") == base_of("http://h:1/v1") == base_of("http://h:1") == "http://h:1"
 
 
-def test_the_echo_server_shows_no_prefix_cache_so_blend_leads_no_groups(null_server, tmp_path, tokenizer):
-    async def probe():
+def test_the_prefix_cache_probe_reads_the_servers_metrics(null_server):
+    async def probe(url):
         async with aiohttp.ClientSession() as session:
-            return await caches_prefixes(session, null_server, {})
-    assert asyncio.run(probe()) is False
+            return await caches_prefixes(session, url, {})
+    metrics = urllib.request.urlopen(null_server + "/metrics", timeout=10).read().decode()
+    assert asyncio.run(probe(null_server)) is ("prefix_cache" in metrics)
+    assert asyncio.run(probe("http://127.0.0.1:9")) is False   # nobody there: assume no cache
+
+
+def test_blend_without_a_prefix_cache_leads_no_groups(null_server, tmp_path, tokenizer):
     src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(chat(f"m{k}", f"question {k}", system=SYSTEM) for k in range(4)) + "\n")
+    src.write_text("\n".join(chat(f"m{k}", f"question {k}", max_tokens=4 - k % 2, system=SYSTEM)
+                             for k in range(4)) + "\n")
     out = tmp_path / "out.jsonl"
-    summary = run(src, out, null_server, tokenizer=tokenizer, order="blend", concurrency=1)
+    summary = run(src, out, null_server, tokenizer=tokenizer, order="blend", concurrency=1, prefix_cache=False)
     assert summary.ok == 4
     requests = read_requests(src)
     plan = ordering.plan([work_item(r, tokenizer) for r in requests], "blend", prefix_cache=False)
