@@ -9,6 +9,9 @@
         E2E = the last such chunk (vLLM's `latency`); an HTTP error, a broken
           stream, an error event or the timeout -> failure
 
+`first_token_seconds` is the blocking one-request TTFT probe the prefill and prefix-cache
+benchmarks use (one request at a time, no event loop).
+
 The request asks for a fixed output length (max_tokens, ignore_eos) and the
 server's usage numbers (stream_options.include_usage); `extra_body` adds what a
 particular server needs (llama.cpp: logit_bias against EOS when it ignores ignore_eos).
@@ -141,3 +144,32 @@ def _handle_event(event: bytes, rec: RequestRecord, text_parts: list[str], t0: f
             if usage.get("prompt_tokens") is not None:
                 rec.server_prompt_tokens = int(usage["prompt_tokens"])
     return result
+
+
+def first_token_seconds(base_url: str, path: str, body: dict, timeout_s: float = 900.0) -> float:
+    """Seconds from POSTing one streamed request (`body` gets stream: true) to its first chunk
+    that carries output: text or content, or a finish_reason (a chat stream's role-only
+    opening chunk does not count)."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                raise RuntimeError("the stream ended before a chunk")
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or []
+            c = choices[0] if choices else {}
+            if c.get("text") is not None or (c.get("delta") or {}).get("content") is not None \
+                    or c.get("finish_reason"):
+                return time.perf_counter() - t0
+    finally:
+        conn.close()

@@ -118,25 +118,9 @@ def _kernel_forward(ex):
 
 def _ttft(base_url: str, model: str, prompt: str, timeout_s: float = 900.0) -> float:
     """Seconds from sending one streamed completion (max_tokens 1) to its first data chunk."""
-    import http.client
-    import urllib.parse
-    u = urllib.parse.urlsplit(base_url)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0.0})
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            line = resp.readline()
-            if not line:
-                raise RuntimeError("the stream ended before a chunk")
-            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                return time.perf_counter() - t0
-    finally:
-        conn.close()
+    from bench.client import first_token_seconds
+    return first_token_seconds(base_url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1,
+                                                             "temperature": 0.0}, timeout_s)
 
 
 def _commit_of(path: pathlib.Path) -> str:

@@ -32,28 +32,9 @@ QUESTIONS = ["What is the main topic of the text above?", "Name one person menti
 
 def _ttft(url: str, model: str, messages: list[dict], timeout_s: float = 900.0) -> float:
     """Seconds from sending one streamed chat completion (max_tokens 1) to its first content chunk."""
-    import http.client
-    import urllib.parse
-    u = urllib.parse.urlsplit(url)
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": 1, "stream": True, "temperature": 0.0})
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            line = resp.readline()
-            if not line:
-                raise RuntimeError("the stream ended before a chunk")
-            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                chunk = json.loads(line[5:])
-                delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
-                if delta.get("content") is not None or chunk["choices"][0].get("finish_reason"):
-                    return time.perf_counter() - t0
-    finally:
-        conn.close()
+    from bench.client import first_token_seconds
+    return first_token_seconds(url, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1,
+                                                             "temperature": 0.0}, timeout_s)
 
 
 def _metrics(url: str) -> dict[str, float]:
