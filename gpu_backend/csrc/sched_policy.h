@@ -191,21 +191,27 @@ static inline BLINK_HD uint32_t blink_order_requests(const blink_sched_rules_t *
     }
     blink_sort_ids(lid, lkey, n, times);
     /* step 3 */
-    int64_t b_left = free0 + ru->lvf_xfer_blocks, s_left = seats0;
+    int64_t b_left = free0 + ru->lvf_xfer_blocks, s_free = seats0, s_cand = 0, s_swap = 0;
     for (uint32_t i = 0; i < n; ++i)
-        if (blink_lvf_candidate(&reqs[lid[i]], lkey[i])) ++s_left;
+        if (blink_lvf_candidate(&reqs[lid[i]], lkey[i])) ++s_cand;
     uint32_t n_chosen = 0;
     for (uint32_t i = 0; i < n; ++i) {
-        if (reqs[lid[i]].status == BLINK_REQ_RUNNING || lkey[i] > 0 || s_left <= 0) continue;
+        if (reqs[lid[i]].status == BLINK_REQ_RUNNING || lkey[i] > 0) continue;
         int64_t need = blink_first_blocks(cfg, &reqs[lid[i]]);
-        if (need <= b_left) {
-            w_out[n_chosen++] = lid[i];
-            b_left -= need;
-            --s_left;
+        if (need > b_left) continue;
+        if (s_free > 0) {
+            --s_free;
+        } else if (times[lid[i]].last_us < 0 && lkey[i] < 0 && s_cand > 0) {   /* fresh and lagging */
+            --s_cand;
+            ++s_swap;
+        } else {
+            continue;
         }
+        w_out[n_chosen++] = lid[i];
+        b_left -= need;
     }
     /* step 4 */
-    int64_t b_swap = (int64_t)ru->lvf_xfer_blocks - b_left, s_swap = (int64_t)n_chosen - seats0;
+    int64_t b_swap = (int64_t)ru->lvf_xfer_blocks - b_left;
     for (uint32_t i = n; i > 0; --i) {
         uint32_t id = lid[i - 1];
         if (blink_lvf_candidate(&reqs[id], lkey[i - 1]) && (b_swap > 0 || s_swap > 0)) {

@@ -87,11 +87,18 @@ running order (best first), and victims of rules 3 and 4 come off its end.
     check: if the free blocks (less the reserve) cover every waiting request's
     need (PRIORITY's measure) and the free seats their count, the step is
     plain FCFS. (2) L = waiting and running sorted by VLT descending (then
-    arrival_us, id). (3) B_left = free + lvf_xfer_blocks, seats_left = free
-    seats + candidates; waiting requests of L with VLT >= 0 whose need fits
-    B_left and a seat is left are prioritized (R). (4) B_swap =
-    lvf_xfer_blocks - B_left and seats_swap = |R| - free seats; candidates
-    from L's tail are preempted while either is > 0. Candidates are running
+    arrival_us, id). (3) B_left = free + lvf_xfer_blocks; waiting requests
+    of L with VLT >= 0 whose need fits B_left are prioritized (R) if a free
+    seat is left, or if they are fresh (no token yet), lag (VLT > 0) and a
+    candidate's seat is left (seats_swap counts those). (4) B_swap =
+    lvf_xfer_blocks - B_left; candidates from L's tail are preempted while
+    B_swap > 0 or seats_swap > 0. Seats are not in the paper (HBM blocks
+    are its only resource): only a request lagging its TTFT target takes a
+    running one's seat, and a rotary request gets a seat back as one frees.
+    Letting rotary requests take seats too (their VLT is positive the moment
+    they stop, with beta_B 0) rotated every running request out at every
+    PREFILL step: 0.32x FCFS's throughput on the 2-core box
+    (bench/slo_sched.py). Candidates are running
     requests with VLT < 0 that decode (remaining == 1): one still prefilling
     is never preempted for another, so every admission yields a token before
     its request can rotate out (without that, rotation can starve a chunked
@@ -302,17 +309,23 @@ def _order_lvf(inp: PolicyInput, cfg: PolicyConfig):
     entries.sort()
     b_left = free + cfg.lvf_xfer_blocks                       # step 3
     cand = [e[3] == 1 and e[0] > 0 and inp.running[e[4]].remaining == 1 for e in entries]
-    s_left = seats + sum(cand)
+    s_free, s_cand, s_swap = seats, sum(cand), 0
     chosen: list[int] = []                                     # indices into inp.waiting
     for e in entries:
-        if e[3] == 0 and e[0] <= 0 and s_left > 0:
+        if e[3] == 0 and e[0] <= 0:
             need = first_blocks(inp.waiting[e[4]], cfg)
-            if need <= b_left:
-                chosen.append(e[4])
-                b_left -= need
-                s_left -= 1
+            if need > b_left:
+                continue
+            if s_free > 0:
+                s_free -= 1
+            elif inp.waiting[e[4]].last_us < 0 and e[0] < 0 and s_cand > 0:
+                s_cand -= 1
+                s_swap += 1
+            else:
+                continue
+            chosen.append(e[4])
+            b_left -= need
     b_swap = cfg.lvf_xfer_blocks - b_left                      # step 4
-    s_swap = len(chosen) - seats
     victims: list[int] = []
     for k in range(len(entries) - 1, -1, -1):
         e = entries[k]
