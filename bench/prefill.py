@@ -237,7 +237,7 @@ def main(argv=None) -> None:
         write_serve_results(result, pathlib.Path(args.out), ["python", "-m", "bench.prefill", *(argv or sys.argv[1:])])
         return
     if args.cmd == "profile":
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # as the daemon runs (gpu_backend/cli.py)
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")        # as the daemon runs (gpu_backend/cli.py)
         result = profile([int(x) for x in args.lengths.split(",")], args.chunk, args.repeats)
         if args.out:
             pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (prompt + output) to serve; default the model's, capped by the KV pool")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads for the cpu executor (default: all cores; OpenMP waits are passive unless "
-                        "OMP_WAIT_POLICY is set)")
+                   help="CPU threads for the cpu executor (default: all cores; OpenMP workers spin briefly "
+                        "(GOMP_SPINCOUNT=10000) then sleep at barriers, unless OMP_WAIT_POLICY or "
+                        "GOMP_SPINCOUNT is set)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights and KV cache of the cpu executor; auto: bfloat16 where the CPU computes it "
                         "natively (avx512_bf16 / amx), else float32")
@@ -89,14 +90,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rdma_server.add_arguments(p)
 
 
-# OpenMP workers sleep at barriers instead of spinning, so a worker preempted by the frontend or
-# a neighbour costs its share of a step, not every parallel region of it (executors/cpu.py,
-# default_threads, has the measurements). Read when torch loads libgomp: set before that import.
-OMP_WAIT_POLICY = "PASSIVE"
+# OpenMP workers spin a bounded while at barriers, then sleep: libgomp's default spin
+# (300,000) lets a worker preempted by the frontend or a neighbour stall every parallel region
+# of a step, fully passive waits pay a futex wake-up at each of the ~120 regions of a decode
+# step (executors/cpu.py, default_threads, has the measurements). Read when torch loads
+# libgomp: set before that import. An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+GOMP_SPINCOUNT = "10000"
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     from . import rdma_server
     from .daemon import DaemonConfig, run_daemon
     logging.basicConfig(level=args.log_level.upper(), format="blink gpu-daemon: %(message)s")

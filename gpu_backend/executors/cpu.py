@@ -166,8 +166,14 @@ def default_threads() -> int:
     of the step (~300) until it runs again. On the shared 2-core AVX2 dev machine under load
     (load average ~7, Q4_1 SmolLM2, bench in-process): 1 thread 18.4 / 57.2 tok/s at batch
     1 / 8; 2 threads with libgomp's default waits 1.0 / 2.9; 2 threads with passive waits
-    18.6 / 37.7. So the daemon makes OpenMP's waits passive (gpu_backend/cli.py sets
-    OMP_WAIT_POLICY=PASSIVE unless the operator set it) and uses every core.
+    18.6 / 37.7. Fully passive waits cost on an idle box, though: every parallel region of a
+    decode step (~120 at batch 1) then pays a futex wake-up. Same machine, Q4_1 SmolLM2,
+    batch-1 decode in-process, 2 threads, idle / beside two busy-looping processes:
+    PASSIVE 29.8 / 16.1 tok/s, GOMP_SPINCOUNT 3000 40.8 / 12.5, 10000 46.8 / 10.8,
+    libgomp's default 46 / 1.3. So the daemon spins a bounded while (gpu_backend/cli.py sets
+    GOMP_SPINCOUNT=10000 unless the operator set it or OMP_WAIT_POLICY) and uses every core:
+    idle-box speed, and a slowdown under CPU hogs rather than a collapse
+    (OMP_WAIT_POLICY=PASSIVE keeps the most under heavy interference).
     """
     return max(1, len(os.sched_getaffinity(0)))
 

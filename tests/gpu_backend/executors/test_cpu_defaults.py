@@ -27,6 +27,11 @@ def test_threads_default_to_every_core_with_passive_openmp_waits(monkeypatch):
     cli.add_arguments(parser)
     args = parser.parse_args(["--step-ms", "1"])          # refused before anything starts (exit 2)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert cli.run(args) == 2 and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")          # an operator's setting wins
-    assert cli.run(args) == 2 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert cli.run(args) == 2 and os.environ["GOMP_SPINCOUNT"] == "10000"   # bounded spin, then sleep
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")              # an operator's setting wins
+    assert cli.run(args) == 2 and os.environ["GOMP_SPINCOUNT"] == "500"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")         # so does a wait policy
+    assert cli.run(args) == 2 and "GOMP_SPINCOUNT" not in os.environ
