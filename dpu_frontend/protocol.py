@@ -318,6 +318,8 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
         if not isinstance(m, dict):
             return m
         role = m.get("role")
+        if not isinstance(role, str):
+            return m        # the role field's own validation names the problem
         if role in _PLAIN_ROLES and m.get("content") is not None and m.keys() <= _PLAIN_KEYS:
             return m        # the common message: a role, its content, perhaps a name
         if role == "function":

@@ -246,7 +246,8 @@ def test_health_monitor_window_and_shared_clock():
     hm = HealthMonitor(window_s=2.0, shares_clock=False)
     hdr = {"backend_heartbeat": 5, "backend_heartbeat_ns": 1, "backend_epoch": 1,
            "backend_status": BackendStatus.READY, "backend_pid": 42, "model_max_len": 100, "model_vocab_size": 7,
-           "kv_blocks_total": 64, "kv_blocks_free": 60}
+           "kv_blocks_total": 64, "kv_blocks_free": 60, "prefix_caching": 1, "kv_blocks_cached": 3,
+           **{f"prefix_{k}": 0 for k in hm.prefix_counters}}
     assert not hm.health(0.0).healthy and hm.heartbeat_age_s() is None
     hm.observe(hdr, 10.0)
     assert hm.health(11.0).healthy and hm.model_max_len == 100 and hm.vocab_size == 7

@@ -143,8 +143,8 @@ def test_hostloop_seats_survive_preemption(tiny_model, twin_lib, reference):
     work, want = reference
     ring = Ring.create(bytearray(GEOM.total_size), GEOM)
     engine, runner = _hostloop(tiny_model, ring, num_blocks=blocks_needed(MAX_LEN, BS) + 2)
-    preempted, preempt = [], engine._preempt
-    engine._preempt = lambda victims: (preempted.extend(victims), preempt(victims))
+    preempted, pause = [], engine._pause
+    engine._pause = lambda victims: (preempted.extend(victims), pause(victims))
     got = _serve(ring, engine.step, work, logprobs=False)
     assert [g[2] for g in got] == [w[2] for w in want]
     assert preempted
