@@ -237,7 +237,8 @@ def main(argv=None) -> None:
         write_serve_results(result, pathlib.Path(args.out), ["python", "-m", "bench.prefill", *(argv or sys.argv[1:])])
         return
     if args.cmd == "profile":
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")        # as the daemon runs (gpu_backend/cli.py)
+        from gpu_backend.cli import GOMP_SPINCOUNT               # as the daemon runs; read before torch loads
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
         result = profile([int(x) for x in args.lengths.split(",")], args.chunk, args.repeats)
         if args.out:
             pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
