@@ -59,6 +59,7 @@ _QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
     "quantize_act": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int], None),
     "quant_matmul": ([_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "quant_dequantize": ([_int, _ptr, _ptr, _i64, _i64, _int], _int),
+    "quant_matmul_fx": ([_int, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "attention_isa_max": ([], _int),
 }
 _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
@@ -138,7 +139,7 @@ class CpuKernels:
             if dtype != torch.bfloat16 or not self.has_bf16_linear:
                 raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
             return self._linear
-        if name in ("quantize_act", "quant_matmul", "quant_dequantize"):
+        if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx"):
             return self._fns[name, "quant"]
         return self._fn(name, dtype)
 
@@ -322,6 +323,28 @@ class CpuKernels:
         self._fns["quant_matmul", "quant"](wtype, blocks.data_ptr(), qs.data_ptr(), d.data_ptr(), s.data_ptr(),
                                           None if bias is None else bias.data_ptr(), y.data_ptr(),
                                           int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
+        return y
+
+    def quant_linear_fx(self, x: torch.Tensor, wtype: int, blocks: torch.Tensor, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype = torch.float32, isa: int | None = None) -> torch.Tensor:
+        """x [M, K] (float32; bf16 is widened) @ W^T (+ bias float32 [N]) -> [M, N], W as blocks
+        uint8 [N, row bytes] of ggml type wtype dequantized in registers: the float32 matmul of
+        the dequantized matrix at the blocks' bytes (no activation codes); isa: 0 scalar, 1+ avx2."""
+        m, k = x.shape
+        n = blocks.shape[0]
+        rb = self.quant_row_bytes(wtype, k)
+        if (rb < 0 or blocks.dtype != torch.uint8 or blocks.shape != (n, rb) or not blocks.is_contiguous()
+                or out_dtype not in SUFFIX or x.dtype not in SUFFIX):
+            raise ValueError(f"quant_linear_fx: x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} "
+                             f"{blocks.dtype} of type {QUANT_TYPES.get(wtype, wtype)} (row bytes {rb}) -> {out_dtype}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"quant_linear_fx: bias must be a contiguous float32 [{n}]")
+        xf = x.float().contiguous()
+        y = torch.empty((m, n), dtype=out_dtype)
+        isa = self.quant_isa if isa is None else min(isa, self.quant_isa_max)
+        self._fns["quant_matmul_fx", "quant"](wtype, blocks.data_ptr(), xf.data_ptr(), k,
+                                             None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                             int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
         return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

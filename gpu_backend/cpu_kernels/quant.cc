@@ -355,7 +355,127 @@ void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int
         }
     }
 }
+// ---- float activations: y = x . dequant(W)^T, x float32, W's blocks dequantized in registers ----
+// The weights are exactly those of the dequantized float matrix (Q8_0: d * q is exact in float),
+// so this is the float32 matmul of that matrix in another summation order, at the blocks' bytes
+// (Q8_0: 34 per 32 weights, not 128). For matmuls whose outputs are compared near ties (the
+// logits head), where int8 activation codes move sums by more than float rounding does.
+template <int T>
+inline __m256 weights8(__m256i q, int j, __m256 d, __m256 m) {   // values 8j .. 8j+7 of a block
+    __m128i part = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    if (j & 1) part = _mm_srli_si128(part, 8);
+    const __m256i wide = T == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), d, m);
+}
+
+template <int T, int MR, int NR>
+void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx, int64_t m0,
+             int64_t nb, const Out& out, int64_t n0) {
+    __m256 acc[MR][NR];
+    #pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wq[NR];
+        __m256 d[NR], mn[NR];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+            wq[r] = load_codes<T>(codes_at<T>(rows[r], b));
+            d[r] = _mm256_broadcast_ss(wd + r * nb + b);
+            mn[r] = _mm256_broadcast_ss(wm + r * nb + b);
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            __m256 wf[NR];
+            #pragma GCC unroll 4
+            for (int r = 0; r < NR; ++r) wf[r] = weights8<T>(wq[r], j, d[r], mn[r]);
+            #pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+                const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * ldx + b * QK + 8 * j);
+                #pragma GCC unroll 4
+                for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(wf[r], xv, acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) out.put(m0 + m, n0 + r, hsum(acc[m][r]));
+}
+
+template <int T, int NR>
+void tile_rows_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx,
+                  int64_t M, int64_t nb, const Out& out, int64_t n0) {
+    constexpr int MR = NR >= 4 ? 1 : 4;          // 16 ymm: 4 x 2 accumulators, or 1 x 4
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) tile_fx<T, MR, NR>(rows, wd, wm, x, ldx, m, nb, out, n0);
+    switch (M - m) {
+        case 3: tile_fx<T, 3, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
+        case 2: tile_fx<T, 2, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
+        case 1: tile_fx<T, 1, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
+        default: break;
+    }
+}
+
+template <int T>
+void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
+                    int64_t K, int threads) {
+    const int64_t nb = K / QK;
+    const int nr = M == 1 ? 4 : 2;               // as matmul_simd: one row of x is memory-bound
+    const int64_t groups = (N + nr - 1) / nr;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        std::vector<float> wd(4 * nb), wm(4 * nb);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t n0 = g * nr;
+            const int rows_here = int(N - n0 < nr ? N - n0 : nr);
+            const uint8_t* rows[4];
+            for (int r = 0; r < rows_here; ++r) {
+                rows[r] = w + (n0 + r) * rb;
+                for (int64_t b = 0; b < nb; ++b) scales_at<T>(rows[r], b, &wd[r * nb + b], &wm[r * nb + b]);
+            }
+            if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
+            else if (rows_here == nr && nr == 2) tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
+            else
+                for (int r = 0; r < rows_here; ++r)
+                    tile_rows_fx<T, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, x, ldx, M, nb, out, n0 + r);
+        }
+    }
+}
 #endif
+
+template <int T>
+void matmul_fx_scalar(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
+                      int64_t K, int threads) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+                float wd, wm;
+                scales_at<T>(w + n * rb, b, &wd, &wm);
+                int32_t q[QK];
+                codes<T>(codes_at<T>(w + n * rb, b), q);
+                const float* xb = x + m * ldx + b * QK;
+                for (int i = 0; i < QK; ++i) acc += std::fma(float(q[i]), wd, wm) * xb[i];
+            }
+            out.put(m, n, acc);
+        }
+    }
+}
+
+template <int T>
+void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
+                    int64_t K, int threads) {
+    const int64_t rb = row_bytes(T, K);
+#if BLINK_Q_AVX2
+    if (isa >= 1) return matmul_fx_simd<T>(w, rb, x, ldx, out, M, N, K, threads);
+#endif
+    (void)isa;
+    matmul_fx_scalar<T>(w, rb, x, ldx, out, M, N, K, threads);
+}
+
 
 template <int T>
 void matmul_type(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
@@ -451,6 +571,24 @@ extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int6
         case Q4_1: dequantize<Q4_1>(wb, out, N, K, threads); return 0;
         case Q8_0: dequantize<Q8_0>(wb, out, N, K, threads); return 0;
         case Q4_K: dequantize<Q4_K>(wb, out, N, K, threads); return 0;
+    }
+    return -1;
+}
+
+// y [M, N] (row stride ldy; float32, or bf16 when y_bf16) = x [M, K] (float32, row stride ldx) . W^T
+// (+ bias), W dequantized in registers (w = d * q + m), the sums in float32. Returns 0, or -1 for an
+// unknown wtype. isa: 0 scalar, >= 1 avx2 (the AVX-512 build takes the AVX2 path: memory-bound at
+// the row counts it serves).
+extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, int64_t ldx, const float* bias,
+                                     void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa,
+                                     int threads) {
+    const Out out{y, y_bf16, ldy, bias};
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    switch (wtype) {
+        case Q4_0: matmul_fx_type<Q4_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case Q4_1: matmul_fx_type<Q4_1>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case Q8_0: matmul_fx_type<Q8_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case Q4_K: matmul_fx_type<Q4_K>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
     }
     return -1;
 }

@@ -31,6 +31,7 @@ import logging
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from .. import cpu_kernels
 from ..model.quantized import QuantLinear, dequantize_all, fuse_quantized
@@ -158,6 +159,44 @@ class QuantKernelLinear(nn.Module):
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
+# Sampled rows up to which the tied logits head multiplies its Q8_0 blocks with float activations;
+# above, the float token-embedding table through the float GEMM. SmolLM2's 49152 x 576 head on
+# the 2-core AVX2 EPYC, 2 threads (the blocks / the float32 table): 2.7 / 8.3 ms at 1 row, 6.9 /
+# 17.6 at 8, 15.0 / 22.6 at 16, 24.6 / 26.8 at 32 (a loaded machine; the float table reads 3.8x
+# the bytes and is bandwidth-bound to ~16 rows).
+FX_HEAD_MAX_ROWS = 32
+
+
+class FloatActHead(nn.Module):
+    """A tied logits head over its GGUF blocks: x [M, K] -> float32 logits [M, V] = x @ dequant(W)^T,
+    the float32 matmul of the dequantized table in another summation order (no activation codes)."""
+
+    def __init__(self, quant: QuantLinear, kernels: cpu_kernels.CpuKernels, table: torch.Tensor):
+        super().__init__()
+        if len(quant.segments) != 1 or quant.bias is not None:
+            raise ValueError("a tied logits head is one unbiased matrix")
+        self.in_features, self.out_features = quant.in_features, quant.out_features
+        self.seg = quant.segments[0]
+        self.table = table.detach()                 # [V, K]: the embedding weight (shared, not a copy)
+        self._fn, self.isa = kernels.raw("quant_matmul_fx"), kernels.quant_isa
+        self._ptr = self.seg.blocks.data_ptr()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.seg.type_name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        if m > FX_HEAD_MAX_ROWS:
+            return F.linear(x2.to(self.table.dtype), self.table).float().view(*lead, self.out_features)
+        xf = x2.float().contiguous()
+        y = torch.empty((m, self.out_features))
+        self._fn(self.seg.wtype, self._ptr, xf.data_ptr(), self.in_features, None, y.data_ptr(), 0,
+                 self.out_features, m, self.out_features, self.in_features, self.isa, torch.get_num_threads())
+        return y.view(*lead, self.out_features)
+
+
 def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) -> int:
     """Quantized matrices of `model` (in place): fused and computed on their blocks given the
     kernels, else dequantized to float (one log line). Returns how many stay quantized."""
@@ -171,12 +210,13 @@ def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) ->
     count = 0
     head = getattr(model, "logits_head", None)
     if isinstance(head, QuantLinear) and getattr(model, "lm_head", True) is None:
-        # A tied head: its float copy is the token-embedding table already in memory, and float
-        # activations keep near-ties apart that the int8 activation codes flip (SmolLM2's "The"
-        # vs "L", 0.08 apart in float32, answering the README's question: the int8 codes put
-        # "L" 0.05 ahead). compute_logits then multiplies the embedding table in float32: about
-        # 4 ms a token more bandwidth at batch 1 than the Q8_0 blocks, no extra memory.
-        model.logits_head = None
+        # A tied head: float activations keep near-ties apart that int8 activation codes flip
+        # (SmolLM2's "The" vs "L", 0.08 apart in float32, answering the README's question: the
+        # int8 codes put "L" 0.05 ahead), so its blocks meet float activations (quant.cc's _fx
+        # matmul: the float32 matmul of the dequantized table, at the blocks' bytes), and large
+        # batches multiply the float token-embedding table already in memory.
+        model.logits_head = FloatActHead(head, kernels, model.embed_tokens.weight)
+        count += 1
     elif isinstance(head, QuantLinear):    # float32 sums for sampling (an untied lm_head is the same module)
         model.logits_head = QuantKernelLinear(head, kernels, float32_out=True)
         count += 1
@@ -217,7 +257,7 @@ def pack_linears(model: nn.Module, kernels: cpu_kernels.CpuKernels | None = None
             if type(child) is nn.Linear and _packable(child.weight) and child.weight is not head:
                 setattr(parent, name, PackedLinear(child.weight, child.bias, kernels))
                 count += 1
-    quantized_head = isinstance(getattr(model, "logits_head", None), QuantKernelLinear)
+    quantized_head = isinstance(getattr(model, "logits_head", None), (QuantKernelLinear, FloatActHead))
     if head is not None and _packable(head) and not quantized_head:   # an untied lm_head stays as is for state_dict()
         model.logits_head = PackedLinear(head, None, kernels, float32_out=True)
         count += 1

@@ -88,6 +88,36 @@ def test_the_paths_agree_and_bf16_in_and_out_round_once(wtype):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5, 9])
+def test_float_activation_matmul_is_the_float_matmul_of_the_dequantized_matrix(wtype, m, isa):
+    """quant_linear_fx: no activation codes, so it equals x @ dequant(W)^T up to float32 summation
+    order (the logits head's path: near-ties stay where the float model puts them)."""
+    n, k = 70, 512
+    blocks = random_blocks(wtype, n, k, seed=20 + m)
+    w = dequantized(wtype, blocks, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(200 + m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    got = KERNELS.quant_linear_fx(x, int(wtype), blocks, bias=bias, isa=isa)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    want = x.double() @ w.T + bias.double()
+    err = (got.double() - want).abs()
+    scale = (x.double().abs() @ w.abs().T) + bias.double().abs()          # the sum's own magnitude
+    assert bool((err <= 4 * k * 2.0 ** -24 * scale + 1e-6).all())
+    got_bf16 = KERNELS.quant_linear_fx(x.bfloat16(), int(wtype), blocks, out_dtype=torch.bfloat16, isa=isa)
+    torch.testing.assert_close(got_bf16, KERNELS.quant_linear_fx(x.bfloat16().float(), int(wtype), blocks,
+                                                                 isa=isa).bfloat16(), rtol=0, atol=0)
+
+
+def test_float_activation_matmul_refuses_what_it_cannot_take():
+    blocks = random_blocks(Q.Q8_0, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="row bytes"):
+        KERNELS.quant_linear_fx(torch.randn(1, 96), int(Q.Q8_0), blocks)
+    with pytest.raises(ValueError, match="bias"):
+        KERNELS.quant_linear_fx(torch.randn(1, 64), int(Q.Q8_0), blocks, bias=torch.randn(3))
+
+
 @pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_gguf(wtype):
     blocks = random_blocks(wtype, 9, 512, seed=5)

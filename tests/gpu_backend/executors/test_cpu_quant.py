@@ -64,12 +64,30 @@ def test_kernel_layer_equals_the_pytorch_layer_on_quantized_weights(variant, dty
     assert isinstance(attn.qkv_proj, QuantKernelLinear) and isinstance(model.layers[0].mlp.down_proj,
                                                                        QuantKernelLinear)
     assert KernelForward.applicable(model, KERNELS)
-    if model.lm_head is None:     # a tied head multiplies the float embedding table, float activations
-        assert not isinstance(model.logits_head, (QuantLinear, QuantKernelLinear))
+    if model.lm_head is None:     # a tied head: float activations against its blocks or the float table
+        assert isinstance(model.logits_head, cpu_linear.FloatActHead)
     tol = 1e-4 if dtype == torch.float32 else 0.05     # bf16: PyTorch rounds attention to bf16, the kernel not
     for want, got in run_both(model):         # both layers multiply by the same blocks and codes
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, cpu_linear.FX_HEAD_MAX_ROWS, cpu_linear.FX_HEAD_MAX_ROWS + 1])
+def test_a_tied_head_gives_the_float_logits_of_its_embedding_table(rows):
+    """FloatActHead: up to FX_HEAD_MAX_ROWS rows on the blocks, above on the float table; both are
+    the float32 product with the dequantized table (no int8 activation codes), so the logits match
+    F.linear over the embedding weight to float32 rounding."""
+    model = quantize_model(tiny(dict(tie_word_embeddings=True)), {}, Q.Q8_0)
+    with torch.no_grad():                  # as the loader has it: the table is the blocks, dequantized
+        model.embed_tokens.weight.copy_(model.logits_head.dequantize())
+    model = prepare_model(model, KERNELS)
+    head = model.logits_head
+    assert isinstance(head, cpu_linear.FloatActHead)
+    x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
+    want = torch.nn.functional.linear(x.double(), model.embed_tokens.weight.double())
+    got = model.compute_logits(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_mixed_types_in_one_fused_projection_each_fill_their_columns():
@@ -137,7 +155,8 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     served = prepare_model(load_model("default", quantized=True).model, KERNELS)
     assert isinstance(served.layers[0].self_attn.qkv_proj, QuantKernelLinear)
     assert served.layers[0].self_attn.qkv_proj.segments[0].type_name == "Q4_1"
-    assert served.logits_head is None       # tied: compute_logits multiplies the float embedding table
+    # tied: the Q8_0 blocks against float activations (the float32 matmul of the embedding table)
+    assert isinstance(served.logits_head, cpu_linear.FloatActHead)
     reference = prepare_model(load_model("default", dtype=torch.float32).model, KERNELS)   # the same values, float
     cfg = served.config
 
