@@ -123,6 +123,7 @@ CUDA_T = "tests/gpu_backend/cuda/test_cuda_gpu.py"
 GRAPH_T = "tests/gpu_backend/graphs/test_graphs_gpu.py"
 REAL_T = "tests/gpu_backend/graphs/test_real_weights_gpu.py"
 SAMPLER_T = "tests/gpu_backend/graphs/test_sampler_gpu.py"
+AUTOMATON_T = "tests/gpu_backend/cuda/test_automaton_twin.py"
 SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
 GGUF_COLLECT = Stage("gguf", 5, 60, (PY, "scripts/gguf_parts.py", "collect"))
 REAL_WEIGHTS = Stage("real_weights", 150, 220, _pytest(REAL_T), pytest=True, may_skip=True)
@@ -149,12 +150,14 @@ CALLS: tuple[Call, ...] = (
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "
          "rule) through preemption and split rows, seeded sampling reproduces; the in-graph sampling surface "
          "(penalties, logit_bias, allowed ids, bad words, min_tokens, logprobs) matches its CPU twin on the "
-         "GPU, captures with in-graph seat updates, and the executors serve it as the CPU executor does; the "
+         "GPU, captures with in-graph seat updates, and the executors serve it as the CPU executor does; "
+         "structured outputs (token automata) are masked and stepped on the device; the "
          "real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy tokens on the "
          "cuda daemon",
          (GGUF_COLLECT,
-          Stage("graphs_inproc", 200, 270, _pytest(GRAPH_T, SAMPLER_T,
-                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu"),
+          Stage("graphs_inproc", 215, 270, _pytest(GRAPH_T, SAMPLER_T, AUTOMATON_T,
+                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu "
+                                                     "or structured_outputs_on_the_device"),
                 pytest=True),
           REAL_WEIGHTS),
          gguf_part=3),

@@ -13,6 +13,8 @@
  *       read-modify-write on ring words at all (as on the device), and counts
  *       any shared-counter atomic that lands inside the ring or the host
  *       control block (blink_twin_ring_rmw: must stay 0).
+ *   blink_automaton_*_c   automaton.h (structured outputs: intake checks, a state's mask, a
+ *       step), for the diff test against shared_layout.automaton and logits_processors
  *   blink_kv_*_c      kv_alloc.h, for the diff test against kv_cache.BlockAllocator
  *   blink_pkv_*_c, blink_block_hash_c   kv_alloc.h's prefix-caching allocator and key
  *       chain, for the diff test against kv_cache.BlockAllocator and block_hash
@@ -185,6 +187,28 @@ int blink_extra_check(const int32_t *w, uint32_t vocab, uint32_t n_logit_bias, u
                           bad_words_words);
 }
 
+/* automaton.h over words in host memory (the diff test against shared_layout.automaton and
+ * logits_processors): the intake's checks (1: acceptable), one state's mask, one step. */
+int blink_automaton_check_c(const int32_t *w, uint32_t n_words, uint32_t vocab) {
+    auto ld = [w](uint32_t i) { return (uint32_t)w[i]; };
+    if (!blink_automaton_header_ok(ld, n_words)) return 0;
+    const blink_automaton_view_t a = blink_automaton_view(ld);
+    for (uint32_t s = 0; s < a.n_states; ++s)
+        if (!blink_automaton_state_ok(ld, &a, s, vocab)) return 0;
+    return 1;
+}
+void blink_automaton_mask_c(const int32_t *w, int32_t state, const int32_t *stops, uint32_t n_stops, uint32_t vocab,
+                            uint8_t *allowed) {
+    auto ld = [w](uint32_t i) { return (uint32_t)w[i]; };
+    const blink_automaton_view_t a = blink_automaton_view(ld);
+    blink_automaton_mask(ld, &a, blink_automaton_current(&a, state), stops, n_stops, vocab, allowed);
+}
+int32_t blink_automaton_advance_c(const int32_t *w, int32_t state, int32_t token) {
+    auto ld = [w](uint32_t i) { return (uint32_t)w[i]; };
+    const blink_automaton_view_t a = blink_automaton_view(ld);
+    return blink_automaton_advance(ld, &a, state, token);
+}
+
 /* kv_alloc.h's prefix-caching allocator, one call each (the diff test against kv_cache.BlockAllocator). */
 void blink_pkv_init_c(blink_pkv_t *p) { blink_pkv_init(p); }
 int blink_pkv_alloc_c(blink_pkv_t *p, uint32_t n, uint32_t *out) { return blink_pkv_alloc(p, n, out); }
@@ -260,7 +284,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_req_t, n_mask_stops) X(blink_req_t, mask_stops) X(blink_req_t, logprobs)                        \
     X(blink_req_t, logprobs_offset) X(blink_req_t, seat) X(blink_req_t, seat_fresh)                         \
     X(blink_req_t, extra_offset) X(blink_req_t, n_logit_bias) X(blink_req_t, n_allowed_ids)                 \
-    X(blink_req_t, bad_words_words)                                                                         \
+    X(blink_req_t, bad_words_words) X(blink_req_t, automaton_words) X(blink_req_t, automaton_offset)        \
+    X(blink_req_t, automaton_state) X(blink_req_t, reserved2)                                               \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
@@ -313,7 +338,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_step_io_t, lp_token) X(blink_step_io_t, lp_rank) X(blink_step_io_t, lp_top_ids)                 \
     X(blink_step_io_t, lp_top_vals) X(blink_step_io_t, seat_bias) X(blink_step_io_t, seat_counts)           \
     X(blink_step_io_t, seat_prompt_mask) X(blink_step_io_t, seat_recent) X(blink_step_io_t, seat_bad_prefix) \
-    X(blink_step_io_t, seat_bad_len) X(blink_step_io_t, seat_bad_last) X(blink_step_io_t, block_size)       \
+    X(blink_step_io_t, seat_bad_len) X(blink_step_io_t, seat_bad_last) X(blink_step_io_t, automaton_on)     \
+    X(blink_step_io_t, automaton_allowed) X(blink_step_io_t, block_size)                                    \
     X(blink_step_io_t, sink_block) X(blink_step_io_t, sink_seat) X(blink_step_io_t, vocab)
 
 long blink_struct_offset(const char *strct, const char *field) {

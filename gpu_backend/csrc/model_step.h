@@ -45,6 +45,7 @@
 
 #include <string.h>
 
+#include "automaton.h"
 #include "sched_types.h"
 
 typedef struct BLINK_ALIGN8 blink_step_io {
@@ -77,6 +78,8 @@ typedef struct BLINK_ALIGN8 blink_step_io {
     int64_t *seat_bad_prefix;     /* [seats + 1, BLINK_BAD_WORDS, BLINK_BAD_WORD_LEN - 1] right-aligned, -1 pad */
     int64_t *seat_bad_len;        /* [seats + 1, BLINK_BAD_WORDS] prefix tokens; -1 = unused */
     int64_t *seat_bad_last;       /* [seats + 1, BLINK_BAD_WORDS] the banned token; vocab = unused */
+    uint8_t *automaton_on;        /* [rows] torch.bool: the row samples under a token automaton */
+    uint8_t *automaton_allowed;   /* [rows, vocab] torch.bool: its allowed tokens now (-inf elsewhere) */
     uint32_t block_size;
     uint32_t sink_block;          /* == the pool's block count: padding's K/V lands there */
     uint32_t sink_seat;           /* == the seats the graph holds: the neutral seat */
@@ -178,6 +181,24 @@ BLINK_DEV void blink_fill_seat(P &plat, const blink_sched_params_t *p, const bli
     }
 }
 
+/* Row r's allowed tokens under q's automaton at its current state (logits_processors.automaton_mask:
+ * the state's runs, and the stop ids, EOS among them, at an accepting or dead state); the sampler
+ * sets every other logit to -inf. Intake checked the words; every thread of the row calls it. */
+template <class P>
+BLINK_DEV void blink_stage_automaton(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io,
+                                     const blink_req_t *q, uint32_t r, unsigned tid, unsigned nt) {
+    const uint32_t V = io->vocab;
+    uint8_t *allowed = io->automaton_allowed + (uint64_t)r * V;
+    const int32_t *w = blink_prompt_arena(p) + q->automaton_offset;
+    auto ld = [&](uint32_t i) { return plat.ld32(&w[i]); };
+    const blink_automaton_view_t av = blink_automaton_view(ld);
+    const uint32_t state = blink_automaton_current(&av, q->automaton_state);
+    for (uint32_t i = tid; i < V; i += nt) allowed[i] = 0;
+    blink_row_sync(plat, nt);
+    blink_automaton_allow_runs(ld, &av, state, V, allowed, tid, nt);
+    if (tid == 0) blink_automaton_allow_stops(ld, state, q->mask_stops, q->n_mask_stops, V, allowed);
+}
+
 /* Row r of a graph of shape (R, S, C); threads tid of nt share the row. */
 template <class P>
 BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const blink_step_io_t *io, uint32_t S,
@@ -195,6 +216,7 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
         }
         for (uint32_t j = tid; j < mb; j += nt) table_out[j] = sink;
         if (tid == 0) {
+            io->automaton_on[r] = 0;
             io->q_lens[r] = 0;
             io->temperature[r] = 0.0f;
             io->top_p[r] = 1.0f;
@@ -229,9 +251,12 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
     const int samples = (p->row_flags[r] & BLINK_ROW_SAMPLE) != 0;
     if (samples && q->seat_fresh && q->seat < io->sink_seat)   /* uniform over the row's threads */
         blink_fill_seat(plat, p, io, q, q->seat, tid, nt);
+    const int constrained = samples && q->automaton_words;   /* uniform over the row's threads */
+    if (constrained) blink_stage_automaton(plat, p, io, q, r, tid, nt);
     const uint32_t held = q->num_blocks < mb ? q->num_blocks : mb;
     for (uint32_t j = tid; j < mb; j += nt) table_out[j] = j < held ? (int64_t)table[j] : (int64_t)sink;
     if (tid == 0) {
+        io->automaton_on[r] = (uint8_t)constrained;
         io->q_lens[r] = n;
         io->temperature[r] = q->temperature;
         io->top_p[r] = q->top_p;

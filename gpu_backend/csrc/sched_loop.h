@@ -10,9 +10,11 @@
  *                        frontend never writes a PENDING slot's state), mark
  *                        cancelled or stale requests for the reap
  *   intake   (all)       copy + validate the claimed requests (the sampling surface and its
- *                        data too; prompt logprobs refused), queue them FCFS by seq
+ *                        data too, a structured output's token automaton: automaton.h;
+ *                        prompt logprobs refused), queue them FCFS by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
- *   publish  (all)       token, fence, count; finish (STOP / LENGTH) -> DECODE_COMPLETED
+ *   publish  (all)       token, fence, count; a structured output's automaton steps over the
+ *                        token; finish (STOP / LENGTH) -> DECODE_COMPLETED
  *   schedule (thread 0)  drop finished, reap aborted (their KV blocks back to the
  *                        allocator), blink_plan_step, preempt, admit, allocate KV
  *                        blocks (kv_alloc.h) and sampler seats, write the step descriptor, pick the
@@ -31,6 +33,7 @@
 
 #include <string.h>
 
+#include "automaton.h"
 #include "echo_step.h"
 #include "sched_policy.h"
 
@@ -291,7 +294,7 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->min_tokens = v.min_tokens;
         r->n_mask_stops = 0;   /* the sampler's min_tokens mask: the stop ids, then EOS unless ignore_eos */
         for (uint32_t k = 0; k < r->n_stop; ++k) r->mask_stops[r->n_mask_stops++] = r->stop_ids[k];
-        if (!(v.flags & BLINK_FLAG_IGNORE_EOS))
+        if (!(v.flags & BLINK_FLAG_IGNORE_EOS) || v.automaton_words)   /* a finished structure ends with EOS */
             for (uint32_t k = 0; k < cfg->n_eos && k < BLINK_MAX_EOS_IDS; ++k)
                 r->mask_stops[r->n_mask_stops++] = cfg->eos_ids[k];
         r->logprobs = v.logprobs;
@@ -302,6 +305,9 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->n_logit_bias = v.n_logit_bias;
         r->n_allowed_ids = v.n_allowed_ids;
         r->bad_words_words = v.bad_words_words;
+        r->automaton_words = v.automaton_words;
+        r->automaton_offset = v.extra_offset + 2 * v.n_logit_bias + v.n_allowed_ids + v.bad_words_words;
+        r->automaton_state = -1;
         r->generated = r->num_computed = r->num_blocks = 0;
         r->status = BLINK_REQ_FREE;
         r->ring_state = BLINK_PREFILL_PROCESSING;
@@ -344,6 +350,25 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         if (!blink_extra_ok([&](uint32_t i) { return plat.ld32(&w[i]); }, cfg->vocab_size, r->n_logit_bias,
                             r->n_allowed_ids, r->bad_words_words))
             r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
+    }
+    plat.sync();
+    /* Structured outputs: automaton.decode's checks on the words the device will read (header,
+     * then every state and the runs and transitions it points at), the block striding over the
+     * states of one request at a time (rare, up to ~1M words: one thread alone would take long
+     * over PCIe). The loop is uniform: every thread reads the same request copy. */
+    for (uint32_t a = 0; a < n; ++a) {
+        blink_req_t *r = &p->reqs[p->arrivals[a]];
+        if (r->intake_error || !r->automaton_words) continue;
+        const int32_t *w = arena + r->automaton_offset;
+        auto ld = [&](uint32_t i) { return plat.ld32(&w[i]); };
+        int bad = !blink_automaton_header_ok(ld, r->automaton_words);
+        if (!bad) {
+            const blink_automaton_view_t av = blink_automaton_view(ld);
+            for (uint32_t k = tid; k < av.n_states && !bad; k += nt)
+                bad = !blink_automaton_state_ok(ld, &av, k, cfg->vocab_size);
+        }
+        bad = plat.sync_or(bad);
+        if (bad && tid == 0) r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     }
     plat.sync();
     /* Reject, or queue at the rank of (seq, slot) among this scan's accepted arrivals. */
@@ -424,6 +449,12 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         r->generated += 1;
         plat.st32(&s->generated, r->generated);
         plat.add_shared(&sh->n_tokens, 1);
+        if (r->automaton_words) {   /* structured output: the state after the token (logits_processors.advance) */
+            const int32_t *w = blink_prompt_arena(p) + r->automaton_offset;
+            auto ld = [&](uint32_t i) { return plat.ld32(&w[i]); };
+            const blink_automaton_view_t av = blink_automaton_view(ld);
+            r->automaton_state = blink_automaton_advance(ld, &av, r->automaton_state, token);
+        }
         const uint32_t finish = blink_finish_reason(&p->policy, r, token);
         if (finish != BLINK_FINISH_NONE) {
             r->status = BLINK_REQ_FINISHED;

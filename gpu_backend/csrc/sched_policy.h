@@ -380,12 +380,14 @@ static inline BLINK_HD void blink_plan_step_policy(const blink_policy_config_t *
 }
 
 /* Finish rule of engine._emit, after `token` was appended (r->generated counts it):
- * a stop id (or EOS unless ignore_eos) -> STOP; max_tokens or a full context -> LENGTH. */
+ * a stop id (or EOS unless ignore_eos; always for a structured output, whose finished
+ * structure ends with EOS: intake.py adds it to the stop ids) -> STOP; max_tokens or a
+ * full context -> LENGTH (mid-structure too). */
 static inline BLINK_HD uint32_t blink_finish_reason(const blink_policy_config_t *cfg, const blink_req_t *r,
                                                     int32_t token) {
     for (uint32_t i = 0; i < r->n_stop && i < BLINK_MAX_STOP_IDS; ++i)
         if (r->stop_ids[i] == token) return BLINK_FINISH_STOP;
-    if (!(r->flags & BLINK_FLAG_IGNORE_EOS))
+    if (!(r->flags & BLINK_FLAG_IGNORE_EOS) || r->automaton_words)
         for (uint32_t i = 0; i < cfg->n_eos && i < BLINK_MAX_EOS_IDS; ++i)
             if (cfg->eos_ids[i] == token) return BLINK_FINISH_STOP;
     if (r->generated >= r->max_tokens || blink_req_tokens(r) >= cfg->max_model_len) return BLINK_FINISH_LENGTH;
@@ -446,13 +448,13 @@ static inline BLINK_HD int blink_needs_seat(float presence, float frequency, flo
 
 /* What the persistent scheduler's graphs cannot serve, refused rather than ignored (docs/cuda.md,
  * "Sampling in the graph"): prompt logprobs (the graphs compute each row's last logits only),
- * structured outputs (the graphs do not step a token automaton), and a request that needs a
- * sampler seat when the step graphs hold none (the echo stand-in).
+ * and a request that needs a sampler seat when the step graphs hold none (the echo stand-in).
+ * Structured outputs are served (automaton.h: the staging masks, the publish steps the state).
  * Returns FinishReason << 16 | ErrorCode, 0 when the device serves it. */
 static inline BLINK_HD uint32_t blink_device_unsupported(const blink_slot_t *s, uint32_t n_seats) {
     const int seat = blink_needs_seat(s->presence_penalty, s->frequency_penalty, s->repetition_penalty,
                                       s->n_logit_bias, s->n_allowed_ids, s->bad_words_words);
-    if ((seat && n_seats == 0) || (s->flags & BLINK_FLAG_PROMPT_LOGPROBS) || s->automaton_words)
+    if ((seat && n_seats == 0) || (s->flags & BLINK_FLAG_PROMPT_LOGPROBS))
         return BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_REQUEST;
     return 0;
 }

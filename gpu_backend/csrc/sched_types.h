@@ -115,6 +115,10 @@ typedef struct BLINK_ALIGN8 blink_req {
     uint32_t seat_fresh;          /* 1: the seat was taken at admission; the staging fills it at the next sample */
     uint32_t extra_offset;        /* the slot's sampling data in the prompt arena (checked at intake) */
     uint32_t n_logit_bias, n_allowed_ids, bad_words_words;
+    uint32_t automaton_words;     /* structured output: words of its token automaton (0: free text; automaton.h) */
+    uint32_t automaton_offset;    /* its first word in the prompt arena (after the other sampling data) */
+    int32_t automaton_state;      /* current state; -1: not stepped yet (the initial state) */
+    uint32_t reserved2;
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {

@@ -54,7 +54,8 @@ class Req(_Struct):
                 ("frequency_penalty", ctypes.c_float), ("repetition_penalty", ctypes.c_float),
                 ("min_tokens", u32), ("n_mask_stops", u32), ("mask_stops", i32 * ROW_STOPS),
                 ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("seat_fresh", u32),
-                ("extra_offset", u32), ("n_logit_bias", u32), ("n_allowed_ids", u32), ("bad_words_words", u32)]
+                ("extra_offset", u32), ("n_logit_bias", u32), ("n_allowed_ids", u32), ("bad_words_words", u32),
+                ("automaton_words", u32), ("automaton_offset", u32), ("automaton_state", i32), ("reserved2", u32)]
 
 
 class SchedState(_Struct):
@@ -102,7 +103,7 @@ class StepIO(_Struct):
                 ("repetition", ptr), ("min_tokens", ptr), ("stop_ids", ptr), ("seat", ptr), ("lp_token", ptr),
                 ("lp_rank", ptr), ("lp_top_ids", ptr), ("lp_top_vals", ptr), ("seat_bias", ptr), ("seat_counts", ptr),
                 ("seat_prompt_mask", ptr), ("seat_recent", ptr), ("seat_bad_prefix", ptr), ("seat_bad_len", ptr),
-                ("seat_bad_last", ptr), ("block_size", u32), ("sink_block", u32), ("sink_seat", u32), ("vocab", u32)]
+                ("seat_bad_last", ptr), ("automaton_on", ptr), ("automaton_allowed", ptr), ("block_size", u32), ("sink_block", u32), ("sink_seat", u32), ("vocab", u32)]
 
 
 class SchedParams(_Struct):

@@ -3,6 +3,8 @@ called through ctypes. Two uses:
 
     plan_step(PolicyInput, PolicyConfig) -> StepPlan   the device's planner, for the
         diff test against gpu_backend/scheduler/policy.py (same signature as policy.plan_step)
+    Automaton(words, vocab): ok / allowed / advance   csrc/automaton.h (structured outputs),
+        for the diff test against shared_layout.automaton and logits_processors
     TwinScheduler(ring, SchedulerConfig).start()         the whole persistent loop
         (scan, claim, intake, publish, plan, window relaunch, shutdown) on host
         threads over a real ring, with the echo step run inline; the kernel
@@ -45,6 +47,13 @@ def lib() -> ctypes.CDLL:
     so.blink_unsupported.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     so.blink_extra_check.restype = ctypes.c_int
     so.blink_extra_check.argtypes = [ctypes.c_void_p] + [ctypes.c_uint32] * 4
+    so.blink_automaton_check_c.restype = ctypes.c_int
+    so.blink_automaton_check_c.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+    so.blink_automaton_mask_c.restype = None
+    so.blink_automaton_mask_c.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
+                                          ctypes.c_uint32, ctypes.c_void_p]
+    so.blink_automaton_advance_c.restype = ctypes.c_int32
+    so.blink_automaton_advance_c.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
     vp, u32 = ctypes.c_void_p, ctypes.c_uint32
     for name, args in (("blink_kv_init_c", [vp, vp]), ("blink_kv_alloc_c", [vp, vp, u32, u32, u32]),
                        ("blink_kv_free_c", [vp, vp, u32, u32]), ("blink_kv_check_c", [vp, u32]),
@@ -157,6 +166,31 @@ def extra_ok(words: np.ndarray, vocab: int, n_logit_bias: int, n_allowed_ids: in
     w = np.ascontiguousarray(words, "<i4")
     return bool(lib().blink_extra_check(w.ctypes.data if w.size else None, vocab, n_logit_bias, n_allowed_ids,
                                         bad_words_words))
+
+
+class Automaton:
+    """csrc/automaton.h over ring words in host memory: what the device's intake, staging and
+    publish do with a structured output's token automaton (the diff test's side of the device)."""
+
+    def __init__(self, words, vocab: int):
+        self.words = np.ascontiguousarray(np.asarray(words), "<i4")
+        self.vocab = vocab
+
+    def ok(self) -> bool:
+        """The intake's checks (header, every state): False ends the request INVALID_REQUEST."""
+        return bool(lib().blink_automaton_check_c(self.words.ctypes.data, self.words.size, self.vocab))
+
+    def allowed(self, state: int, stops=()) -> np.ndarray:
+        """[vocab] bool: the staged mask at `state` (-1: the initial state) with these stop ids."""
+        out = np.zeros(self.vocab, np.uint8)
+        st = np.ascontiguousarray(np.asarray(stops, np.int32))
+        lib().blink_automaton_mask_c(self.words.ctypes.data, state, st.ctypes.data if st.size else None, st.size,
+                                     self.vocab, out.ctypes.data)
+        return out.astype(bool)
+
+    def advance(self, state: int, token: int) -> int:
+        """The state the publish phase moves to after `token` (-1: from the initial state)."""
+        return int(lib().blink_automaton_advance_c(self.words.ctypes.data, state, token))
 
 
 class TwinScheduler:

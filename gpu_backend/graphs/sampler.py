@@ -5,13 +5,15 @@ with no host sync and no data-dependent shape, so it is captured inside each ste
       RowParams [R] (staged by the graph's first kernel from each row's request copy):
         temperature, top_p, top_k, min_p, seed, token index (= tokens generated before
         this draw), presence / frequency / repetition penalties, min_tokens, stop ids
-        [R, ROW_STOPS] (the slot's stop ids + EOS unless ignore_eos), seat
+        [R, ROW_STOPS] (the slot's stop ids + EOS unless ignore_eos), seat, and for a
+        structured output its automaton's allowed tokens at the current state [R, V]
       SeatState [seats + 1, ...] (per active request, on the device; the last seat is the
         sink, always neutral): bias row [V] (logit_bias added, -inf on tokens not allowed
         and on one-token bad words), prompt mask [V], output counts [V], the last
         BAD_WORD_LEN - 1 generated tokens, the multi-token bad words
       -> process (logits_processors.apply's order and formulas): + bias row -> bad words
-         whose prefix ends the output and stop ids before min_tokens -> -inf ->
+         whose prefix ends the output, stop ids before min_tokens and the tokens a row's
+         automaton does not allow -> -inf ->
          repetition (logit > 0: / p, else * p on prompt or output tokens), frequency
          (- f * count), presence (- p * [count > 0])
       -> greedy rows (temperature < MIN_TEMPERATURE): argmax of the processed logits
@@ -110,6 +112,8 @@ class RowParams:
     min_tokens: torch.Tensor      # [R] i64: stop ids masked while index < min_tokens
     stop_ids: torch.Tensor        # [R, ROW_STOPS] i64, -1 = unused
     seat: torch.Tensor            # [R] i64 into SeatState; the sink seat for rows without one
+    automaton_on: torch.Tensor | None = None       # [R] bool: the row samples under a token automaton
+    automaton_allowed: torch.Tensor | None = None  # [R, V] bool: its allowed tokens (staged: csrc/automaton.h)
 
     @classmethod
     def neutral(cls, rows: int, sink_seat: int, device="cpu") -> "RowParams":
@@ -122,7 +126,8 @@ class RowParams:
 
     def view(self, r: int) -> "RowParams":
         """The first r rows (a graph of r rows reads these views of the static buffers)."""
-        return RowParams(*(getattr(self, f.name)[:r] for f in dataclasses.fields(self)))
+        return RowParams(*(None if getattr(self, f.name) is None else getattr(self, f.name)[:r]
+                           for f in dataclasses.fields(self)))
 
 
 class SeatState:
@@ -223,6 +228,10 @@ def process(logits: torch.Tensor, p: RowParams, s: SeatState) -> torch.Tensor:
     # stop ids (EOS included unless ignore_eos) while the output is shorter than min_tokens
     stop = (p.stop_ids >= 0) & (p.index < p.min_tokens)[:, None]                    # [R, STOPS]
     banned |= _hits(r, v, torch.where(p.stop_ids >= 0, p.stop_ids, torch.full_like(p.stop_ids, v)), stop)
+    # structured output: every token the automaton does not allow now (a static condition: the
+    # buffers exist or not, never a data-dependent branch)
+    if p.automaton_allowed is not None and p.automaton_allowed.shape[-1] == v:
+        banned |= p.automaton_on[:, None] & ~p.automaton_allowed
     x = x.masked_fill(banned, float("-inf"))
     # penalties, vLLM's formulas (neutral values leave x unchanged bit for bit)
     counts = s.counts.index_select(0, p.seat)                                        # [R, V]

@@ -4,7 +4,8 @@
     StaticBuffers (one set, sized for the largest shape; csrc/model_step.h stages them)
       input_ids, positions, slot_mapping [rows * len]   block_tables [rows * ctx / bs]
       q_lens [rows]; the sampling parameters of each row (sampler.RowParams: temperature,
-      top_p, top_k, seeds, token_index, min_p, penalties, min_tokens, stop ids, seat)
+      top_p, top_k, seeds, token_index, min_p, penalties, min_tokens, stop ids, seat;
+      automaton_on [rows], automaton_allowed [rows, V]: a structured output's allowed tokens)
       -> tokens [rows] and each row's logprob record (lp_token, lp_rank, lp_top_ids,
          lp_top_vals: [rows] / [rows, TOP_LOGPROBS])
       seats (sampler.SeatState [seats + 1, V]: what a request keeps between steps; filled
@@ -98,9 +99,11 @@ class StaticBuffers:
         self.lp_rank = torch.zeros(sizes.rows, **i64)           # [rows]
         self.lp_top_ids = torch.zeros(sizes.rows, TOP_LOGPROBS, **i64)   # [rows, TOP_LOGPROBS]
         self.lp_top_vals = torch.zeros(sizes.rows, TOP_LOGPROBS, **f32)  # [rows, TOP_LOGPROBS]
+        self.automaton_on = torch.zeros(sizes.rows, dtype=torch.bool, device=device)                 # [rows]
+        self.automaton_allowed = torch.zeros(sizes.rows, sizes.vocab, dtype=torch.bool, device=device)  # [rows, V]
         self.row_params = RowParams(self.temperature, self.top_p, self.top_k, self.seeds, self.token_index,
                                     self.min_p, self.presence, self.frequency, self.repetition, self.min_tokens,
-                                    self.stop_ids, self.seat)
+                                    self.stop_ids, self.seat, self.automaton_on, self.automaton_allowed)
 
     def io(self, block_size: int, sink_block: int):
         """structs.StepIO: where the staging kernels write and the finish kernel reads."""
@@ -108,7 +111,8 @@ class StaticBuffers:
         ptrs = {name: getattr(self, name).data_ptr() for name in (
             "input_ids", "positions", "slot_mapping", "block_tables", "q_lens", "temperature", "top_p", "top_k",
             "seeds", "token_index", "tokens", "min_p", "presence", "frequency", "repetition", "min_tokens",
-            "stop_ids", "seat", "lp_token", "lp_rank", "lp_top_ids", "lp_top_vals")}
+            "stop_ids", "seat", "lp_token", "lp_rank", "lp_top_ids", "lp_top_vals", "automaton_on",
+            "automaton_allowed")}
         st = self.seats
         ptrs.update(seat_bias=st.bias.data_ptr(), seat_counts=st.counts.data_ptr(),
                     seat_prompt_mask=st.prompt_mask.data_ptr(), seat_recent=st.recent.data_ptr(),

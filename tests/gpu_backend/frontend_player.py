@@ -40,7 +40,7 @@ class FrontendPlayer:
         slot = next(i for i in range(self.ring.geom.slot_count)
                     if i not in self.inflight and self.ring.state[i] == SlotState.EMPTY)
         extra = params.get("extra", SamplingExtra())
-        poff, ooff = self.prompts.alloc(len(prompt) + extra_words(*extra.counts)), self.outputs.alloc(max_tokens)
+        poff, ooff = self.prompts.alloc(len(prompt) + extra.words), self.outputs.alloc(max_tokens)
         req = SlotRequest(seq=self.next_seq, prompt_offset=poff, prompt_len=len(prompt), output_offset=ooff,
                           max_tokens=max_tokens, epoch=self.ring.get("frontend_epoch"),
                           t_submit_ns=time.monotonic_ns(), extra_offset=poff + len(prompt), **params)

@@ -153,7 +153,7 @@ def test_intake_checks_match_python(twin_lib):
 
 
 def test_device_refuses_only_what_its_graphs_cannot_serve(twin_lib):
-    """blink_device_unsupported: prompt logprobs and structured outputs always, and without
+    """blink_device_unsupported: prompt logprobs always, and without
     sampler seats (the echo stand-in) what needs one (penalties, logit_bias, allowed ids, bad words), with
     ERROR/INVALID_REQUEST; the rest passes."""
     from gpu_backend.cuda import twin
@@ -170,8 +170,8 @@ def test_device_refuses_only_what_its_graphs_cannot_serve(twin_lib):
         rec = SlotRequest(seq=1, prompt_offset=0, prompt_len=4, output_offset=0, max_tokens=8, **kw).record()
         assert twin.device_unsupported(rec, n_seats) == want, (kw, n_seats)
     rec = SlotRequest(seq=1, prompt_offset=0, prompt_len=4, output_offset=0, max_tokens=8).record()
-    rec["automaton_words"] = 12                     # structured outputs: the graphs step no automaton
-    assert twin.device_unsupported(rec, 4) == invalid
+    rec["automaton_words"] = 12                     # structured outputs: served (csrc/automaton.h)
+    assert twin.device_unsupported(rec, 0) == (0, 0) and twin.device_unsupported(rec, 4) == (0, 0)
 
 
 def test_device_checks_sampling_data_as_decode_extra(twin_lib):
