@@ -47,10 +47,12 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     seen: set[int] = set()
     head = getattr(model, "logits_head", None)
     for mod in list(model.modules()) + ([head] if head is not None else []):
-        for seg in getattr(mod, "segments", []) or []:            # QuantLinear / QuantKernelLinear
-            if id(seg.blocks) not in seen:
-                seen.add(id(seg.blocks))
-                total += seg.blocks.numel()
+        blocks = (mod.block_tensors() if hasattr(mod, "block_tensors")       # QuantKernelLinear, FloatActHead
+                  else [seg.blocks for seg in getattr(mod, "segments", []) or []])       # QuantLinear
+        for b in blocks:
+            if id(b) not in seen:
+                seen.add(id(b))
+                total += b.numel()
         if isinstance(mod, nn.Embedding):
             continue
         weight = getattr(mod, "weight", None)          # a PackedLinear without the kernels: its packed copy

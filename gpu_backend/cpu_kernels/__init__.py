@@ -59,12 +59,15 @@ _QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
     "quantize_act": ([_ptr, _int, _i64, _i64, _ptr, _ptr, _ptr, _int], None),
     "quant_matmul": ([_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "quant_dequantize": ([_int, _ptr, _ptr, _i64, _i64, _int], _int),
+    "quant_repack": ([_int, _ptr, _ptr, _i64, _i64], _int),
     "quant_matmul_fx": ([_int, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "attention_isa_max": ([], _int),
 }
 _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                            _int, _int]
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}     # ggml type id -> name: what quant.cc reads
+SPLIT = 0x100           # | a type id: its rows repacked by CpuKernels.repack (f16 scales first, then codes)
+QUANT_TYPES.update({SPLIT | t: f"{QUANT_TYPES[t]}(split)" for t in (2, 3, 8)})
 ISA_NAMES = ("scalar", "avx2", "avx512")                         # quant.cc's paths, narrowest first
 ISA_ENV = "BLINK_CPU_ISA"
 
@@ -139,7 +142,7 @@ class CpuKernels:
             if dtype != torch.bfloat16 or not self.has_bf16_linear:
                 raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
             return self._linear
-        if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx"):
+        if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx", "quant_repack"):
             return self._fns[name, "quant"]
         return self._fn(name, dtype)
 
@@ -274,10 +277,25 @@ class CpuKernels:
         return y
 
     def quant_row_bytes(self, wtype: int, k: int) -> int:
-        """Bytes of one K-value weight row in ggml type `wtype`; -1 where quant.cc cannot read it."""
+        """Bytes of one K-value weight row in ggml type `wtype` (or SPLIT | it); -1 where quant.cc
+        cannot read it."""
         if wtype not in QUANT_TYPES or k % (256 if wtype == 12 else 32):
             return -1
         return int(self._fns["quant_row_bytes", "quant"](wtype, k))
+
+    def repack(self, wtype: int, blocks: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
+        """blocks uint8 [N, row bytes] of ggml type wtype -> (SPLIT | wtype, the rows repacked with
+        their f16 scales first: the same bytes, read faster by a 1-row matmul); Q4_K -> as given."""
+        rb = self.quant_row_bytes(wtype, k)
+        if rb < 0 or wtype & SPLIT or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != rb:
+            raise ValueError(f"repack: blocks {tuple(blocks.shape)} of type {QUANT_TYPES.get(wtype, wtype)}, K {k}")
+        if wtype == 12:
+            return wtype, blocks
+        src = blocks.contiguous()
+        out = torch.empty_like(src)
+        split = int(self._fns["quant_repack", "quant"](wtype, src.data_ptr(), out.data_ptr(), src.shape[0], k))
+        assert split == SPLIT | wtype
+        return split, out
 
     def dequantize(self, wtype: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
         """blocks uint8 [N, row bytes] of ggml type wtype -> float32 [N, K]."""

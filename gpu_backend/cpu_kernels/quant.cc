@@ -44,6 +44,14 @@ namespace {
 
 constexpr int QK = 32;                       // values per activation block and per (sub-)block of W
 enum WType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };      // ggml_type ids, as GGUF stores them
+// SPLIT | type: the same rows repacked (blink_quant_repack) with every block's f16 scales first, then
+// every block's codes: [d x nb][m x nb, Q4_1 only][codes x nb]. Same bytes; the scales of 8 blocks
+// convert in one instruction instead of one at a time (most of a 1-row matmul's work at K = 576).
+constexpr int SPLIT = 0x100;
+constexpr int base_type(int t) { return t & 0xff; }
+constexpr bool is_split(int t) { return (t & SPLIT) != 0; }
+constexpr int code_bytes(int t) { return base_type(t) == Q8_0 ? 32 : 16; }       // codes of a split block
+constexpr int scale_bytes(int t) { return base_type(t) == Q4_1 ? 4 : 2; }        // f16 d (and m) of one
 
 float f16(const uint8_t* p) {                // IEEE half at p (little endian) -> float, exactly
     uint16_t h;
@@ -80,7 +88,8 @@ struct Codes {
 };
 
 int64_t row_bytes(int t, int64_t k) {
-    switch (t) {
+    if (is_split(t) && base_type(t) == Q4_K) return -1;
+    switch (base_type(t)) {
         case Q4_0: return k / 32 * 18;
         case Q4_1: return k / 32 * 20;
         case Q8_0: return k / 32 * 34;
@@ -100,16 +109,20 @@ inline void q4k_scale_min(int j, const uint8_t* q, int* sc, int* m) {   // ggml'
 }
 
 template <int T>
-inline Codes codes_at(const uint8_t* row, int64_t b) {
-    if constexpr (T == Q4_0) return {row + b * 18 + 2, false};
+inline Codes codes_at(const uint8_t* row, int64_t b, int64_t nb) {
+    if constexpr (is_split(T)) return {row + nb * scale_bytes(T) + b * code_bytes(T), false};
+    else if constexpr (T == Q4_0) return {row + b * 18 + 2, false};
     else if constexpr (T == Q4_1) return {row + b * 20 + 4, false};
     else if constexpr (T == Q8_0) return {row + b * 34 + 2, false};
     else return {row + (b / 8) * 144 + 16 + 32 * ((b % 8) / 2), (b & 1) != 0};
 }
 
 template <int T>
-inline void scales_at(const uint8_t* row, int64_t b, float* d, float* m) {
-    if constexpr (T == Q4_0) {
+inline void scales_at(const uint8_t* row, int64_t b, int64_t nb, float* d, float* m) {
+    if constexpr (is_split(T)) {
+        *d = f16(row + 2 * b);
+        *m = base_type(T) == Q4_1 ? f16(row + 2 * (nb + b)) : (base_type(T) == Q4_0 ? -8.f * *d : 0.f);
+    } else if constexpr (T == Q4_0) {
         *d = f16(row + b * 18);
         *m = -8.f * *d;
     } else if constexpr (T == Q4_1) {
@@ -127,10 +140,46 @@ inline void scales_at(const uint8_t* row, int64_t b, float* d, float* m) {
     }
 }
 
+// The scales d and offsets m of a row's nb blocks, decoded into d[nb], m[nb] (a tile's prologue).
+template <int T>
+inline void scales_row(const uint8_t* row, int64_t nb, float* d, float* m) {
+    int64_t b = 0;
+#if BLINK_Q_AVX2
+    if constexpr (is_split(T)) {                 // 8 f16 scales a load and a conversion
+        for (; b + 8 <= nb; b += 8) {
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * b)));
+            _mm256_storeu_ps(d + b, dv);
+            if constexpr (base_type(T) == Q4_1)
+                _mm256_storeu_ps(m + b, _mm256_cvtph_ps(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * (nb + b)))));
+            else
+                _mm256_storeu_ps(m + b, _mm256_mul_ps(dv, _mm256_set1_ps(base_type(T) == Q4_0 ? -8.f : 0.f)));
+        }
+    }
+#endif
+    for (; b < nb; ++b) scales_at<T>(row, b, nb, d + b, m + b);
+}
+
+// GGUF rows of type T -> the SPLIT | T layout (same row bytes): the f16 scales, then the codes.
+template <int T>
+void repack(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rb = row_bytes(T, K), gb = rb / nb;   // gb: bytes of a GGUF block
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* src = w + n * rb;
+        uint8_t* dst = out + n * rb;
+        for (int64_t b = 0; b < nb; ++b) {
+            std::memcpy(dst + 2 * b, src + b * gb, 2);                                     // d
+            if constexpr (T == Q4_1) std::memcpy(dst + 2 * (nb + b), src + b * gb + 2, 2);  // m
+            constexpr int sb = scale_bytes(T);
+            std::memcpy(dst + nb * sb + b * code_bytes(T), src + b * gb + sb, code_bytes(T));
+        }
+    }
+}
+
 template <int T>
 inline void codes(const Codes& c, int32_t* q) {     // the block's 32 integer codes
     for (int i = 0; i < QK; ++i) {
-        if constexpr (T == Q8_0) q[i] = int8_t(c.qs[i]);
+        if constexpr (base_type(T) == Q8_0) q[i] = int8_t(c.qs[i]);
         else if constexpr (T == Q4_K) q[i] = c.high ? c.qs[i] >> 4 : c.qs[i] & 15;
         else q[i] = i < 16 ? c.qs[i] & 15 : c.qs[i - 16] >> 4;
     }
@@ -201,9 +250,9 @@ void matmul_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, i
             float acc = 0.f;
             for (int64_t b = 0; b < nb; ++b) {
                 float wd, wm;
-                scales_at<T>(w + n * rb, b, &wd, &wm);
+                scales_at<T>(w + n * rb, b, nb, &wd, &wm);
                 int32_t q[QK];
-                codes<T>(codes_at<T>(w + n * rb, b), q);
+                codes<T>(codes_at<T>(w + n * rb, b, nb), q);
                 const int8_t* xq = a.qs + m * K + b * QK;
                 int32_t dot = 0;
                 for (int i = 0; i < QK; ++i) dot += q[i] * xq[i];
@@ -219,7 +268,7 @@ void matmul_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, i
 template <int T>
 inline __m256i load_codes(const Codes& blk) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if constexpr (T == Q8_0) {
+    if constexpr (base_type(T) == Q8_0) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs));
     } else if constexpr (T == Q4_K) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs));
@@ -261,8 +310,8 @@ void tile(const uint8_t* const* rows, const float* wd, const float* wm, const Ac
         __m256i wq[NR];
         #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
-            wq[r] = load_codes<T>(codes_at<T>(rows[r], b));
-            if constexpr (T == Q8_0) wq[r] = _mm256_sign_epi8(wq[r], wq[r]);
+            wq[r] = load_codes<T>(codes_at<T>(rows[r], b, nb));
+            if constexpr (base_type(T) == Q8_0) wq[r] = _mm256_sign_epi8(wq[r], wq[r]);
         }
         #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
@@ -271,8 +320,8 @@ void tile(const uint8_t* const* rows, const float* wd, const float* wm, const Ac
             #pragma GCC unroll 4
             for (int r = 0; r < NR; ++r) {
                 __m256i p;
-                if constexpr (T == Q8_0) {
-                    const __m256i raw = load_codes<T>(codes_at<T>(rows[r], b));
+                if constexpr (base_type(T) == Q8_0) {
+                    const __m256i raw = load_codes<T>(codes_at<T>(rows[r], b, nb));
                     p = dot_u8s8<VNNI>(wq[r], _mm256_sign_epi8(xq, raw));
                 } else {
                     p = dot_u8s8<VNNI>(wq[r], xq);
@@ -286,7 +335,7 @@ void tile(const uint8_t* const* rows, const float* wd, const float* wm, const Ac
         const float* sx = a.s + (m0 + m) * nb;
         for (int r = 0; r < NR; ++r) {
             float off = 0.f;
-            if constexpr (T != Q8_0) {
+            if constexpr (base_type(T) != Q8_0) {
                 const float* wmr = wm + r * nb;
                 #pragma omp simd reduction(+ : off)
                 for (int64_t b = 0; b < nb; ++b) off += wmr[b] * sx[b];
@@ -342,7 +391,7 @@ void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int
                 // with it than with the scales converted inside the loop, Q8_0 49152 x 576).
                 for (int r = 0; r < rows_here; ++r) {
                     rows[r] = w + (n0 + r) * rb;
-                    for (int64_t b = 0; b < nb; ++b) scales_at<T>(rows[r], b, &wd[r * nb + b], &wm[r * nb + b]);
+                    scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
                 }
                 if (rows_here == 4) tile_rows<T, VNNI, 4>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
                 else if (rows_here == nr && nr == 2)
@@ -364,7 +413,7 @@ template <int T>
 inline __m256 weights8(__m256i q, int j, __m256 d, __m256 m) {   // values 8j .. 8j+7 of a block
     __m128i part = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
     if (j & 1) part = _mm_srli_si128(part, 8);
-    const __m256i wide = T == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    const __m256i wide = base_type(T) == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), d, m);
 }
 
@@ -381,7 +430,7 @@ void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const
         __m256 d[NR], mn[NR];
         #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
-            wq[r] = load_codes<T>(codes_at<T>(rows[r], b));
+            wq[r] = load_codes<T>(codes_at<T>(rows[r], b, nb));
             d[r] = _mm256_broadcast_ss(wd + r * nb + b);
             mn[r] = _mm256_broadcast_ss(wm + r * nb + b);
         }
@@ -432,7 +481,7 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
             const uint8_t* rows[4];
             for (int r = 0; r < rows_here; ++r) {
                 rows[r] = w + (n0 + r) * rb;
-                for (int64_t b = 0; b < nb; ++b) scales_at<T>(rows[r], b, &wd[r * nb + b], &wm[r * nb + b]);
+                scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
             }
             if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
             else if (rows_here == nr && nr == 2) tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
@@ -454,9 +503,9 @@ void matmul_fx_scalar(const uint8_t* w, int64_t rb, const float* x, int64_t ldx,
             float acc = 0.f;
             for (int64_t b = 0; b < nb; ++b) {
                 float wd, wm;
-                scales_at<T>(w + n * rb, b, &wd, &wm);
+                scales_at<T>(w + n * rb, b, nb, &wd, &wm);
                 int32_t q[QK];
-                codes<T>(codes_at<T>(w + n * rb, b), q);
+                codes<T>(codes_at<T>(w + n * rb, b, nb), q);
                 const float* xb = x + m * ldx + b * QK;
                 for (int i = 0; i < QK; ++i) acc += std::fma(float(q[i]), wd, wm) * xb[i];
             }
@@ -500,8 +549,8 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
     for (int64_t n = 0; n < N; ++n) {
         for (int64_t b = 0; b < nb; ++b) {
             float d, m;
-            scales_at<T>(w + n * rb, b, &d, &m);
-            const Codes c = codes_at<T>(w + n * rb, b);
+            scales_at<T>(w + n * rb, b, nb, &d, &m);
+            const Codes c = codes_at<T>(w + n * rb, b, nb);
             float* __restrict o = out + n * K + b * QK;
 #if BLINK_Q_AVX2
             const __m256i q = load_codes<T>(c);              // 32 codes, unpacked as the matmul does
@@ -510,13 +559,13 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
             for (int h = 0; h < 2; ++h) {
                 for (int j = 0; j < 2; ++j) {
                     const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
-                    const __m256i wide = T == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+                    const __m256i wide = base_type(T) == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
                     _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
                 }
             }
             continue;
 #endif
-            if constexpr (T == Q8_0) {
+            if constexpr (base_type(T) == Q8_0) {
                 for (int i = 0; i < QK; ++i) o[i] = d * float(int8_t(c.qs[i]));
             } else if constexpr (T == Q4_K) {
                 const int shift = c.high ? 4 : 0;
@@ -559,6 +608,9 @@ extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, co
         case Q4_1: matmul_type<Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
         case Q8_0: matmul_type<Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
         case Q4_K: matmul_type<Q4_K>(isa, wb, a, out, M, N, K, threads); return 0;
+        case SPLIT | Q4_0: matmul_type<SPLIT | Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
+        case SPLIT | Q4_1: matmul_type<SPLIT | Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
+        case SPLIT | Q8_0: matmul_type<SPLIT | Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
     }
     return -1;
 }
@@ -571,6 +623,9 @@ extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int6
         case Q4_1: dequantize<Q4_1>(wb, out, N, K, threads); return 0;
         case Q8_0: dequantize<Q8_0>(wb, out, N, K, threads); return 0;
         case Q4_K: dequantize<Q4_K>(wb, out, N, K, threads); return 0;
+        case SPLIT | Q4_0: dequantize<SPLIT | Q4_0>(wb, out, N, K, threads); return 0;
+        case SPLIT | Q4_1: dequantize<SPLIT | Q4_1>(wb, out, N, K, threads); return 0;
+        case SPLIT | Q8_0: dequantize<SPLIT | Q8_0>(wb, out, N, K, threads); return 0;
     }
     return -1;
 }
@@ -589,6 +644,22 @@ extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, i
         case Q4_1: matmul_fx_type<Q4_1>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
         case Q8_0: matmul_fx_type<Q8_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
         case Q4_K: matmul_fx_type<Q4_K>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case SPLIT | Q4_0: matmul_fx_type<SPLIT | Q4_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case SPLIT | Q4_1: matmul_fx_type<SPLIT | Q4_1>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case SPLIT | Q8_0: matmul_fx_type<SPLIT | Q8_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+    }
+    return -1;
+}
+
+// out = W (N GGUF rows of type wtype, K values each) repacked as SPLIT | wtype: the same bytes, each
+// row's f16 scales first. Returns the split type id, or -1 where wtype has no split layout (Q4_K).
+extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N, int64_t K) {
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    uint8_t* ob = static_cast<uint8_t*>(out);
+    switch (wtype) {
+        case Q4_0: repack<Q4_0>(wb, ob, N, K); return SPLIT | Q4_0;
+        case Q4_1: repack<Q4_1>(wb, ob, N, K); return SPLIT | Q4_1;
+        case Q8_0: repack<Q8_0>(wb, ob, N, K); return SPLIT | Q8_0;
     }
     return -1;
 }

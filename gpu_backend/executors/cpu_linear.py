@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -100,6 +101,14 @@ QUANT_MAX_ROWS = 32
 DEQUANT_ROWS = 256          # 256 x 576 floats: 576 KiB
 
 
+class SegmentInfo(NamedTuple):
+    """One row segment of a fused quantized matrix: its ggml type, rows, values per row, type name."""
+    wtype: int
+    n: int
+    k: int
+    type_name: str
+
+
 class QuantKernelLinear(nn.Module):
     """A QuantLinear computed by the CPU kernels: x [M, K] -> int8 codes per 32 values -> each
     segment's blocks x codes into its columns of y [M, N] (x's dtype; float32 for the logits)."""
@@ -108,7 +117,8 @@ class QuantKernelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = quant.in_features, quant.out_features
         self.float32_out = float32_out
-        self.segments = quant.segments
+        # What each segment is (type, rows, K), without its GGUF blocks: the repacked copy replaces them.
+        self.segments = [SegmentInfo(seg.wtype, seg.n, seg.k, seg.type_name) for seg in quant.segments]
         self.register_buffer("bias", None if quant.bias is None else quant.bias.detach().float().contiguous(),
                              persistent=False)
         self.kernels, self.isa = kernels, kernels.quant_isa
@@ -116,8 +126,16 @@ class QuantKernelLinear(nn.Module):
         starts = [0]
         for seg in self.segments:
             starts.append(starts[-1] + seg.n)
-        # (ggml type, blocks pointer, first output column, columns) per segment
-        self._plan = [(seg.wtype, seg.blocks.data_ptr(), s0, seg.n) for seg, s0 in zip(self.segments, starts)]
+        # Each segment's rows with their scales first (kernels.repack: the same bytes, the scales
+        # of 8 blocks converted at once), in place of the GGUF copy. Q4_1 SmolLM2, batch-1 decode
+        # matmuls, 1 thread, AVX2 EPYC: see bench/results/2026-11-25-cpu2-epyc-avx2-quant-split.md.
+        self._blocks = [kernels.repack(seg.wtype, seg.blocks, seg.k) for seg in quant.segments]
+        # (type, blocks pointer, first output column, columns) per segment
+        self._plan = [(t, b.data_ptr(), s0, seg.n) for (t, b), seg, s0 in zip(self._blocks, self.segments, starts)]
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The weight bytes a 1-row matmul streams (bench.bandwidth counts them)."""
+        return [b for _, b in self._blocks]
 
     def extra_repr(self) -> str:
         kinds = "+".join(f"{s.type_name}[{s.n}]" for s in self.segments)
@@ -150,9 +168,9 @@ class QuantKernelLinear(nn.Module):
         """y = x @ W^T (+ bias) in float32, W dequantized DEQUANT_ROWS rows at a time."""
         xf = x.float()
         y = torch.empty((x.shape[0], self.out_features))
-        for seg, (_, _, col, _) in zip(self.segments, self._plan):
+        for (wtype, blocks), seg, (_, _, col, _) in zip(self._blocks, self.segments, self._plan):
             for r0 in range(0, seg.n, DEQUANT_ROWS):
-                w = self.kernels.dequantize(seg.wtype, seg.blocks[r0:r0 + DEQUANT_ROWS], self.in_features)
+                w = self.kernels.dequantize(wtype, blocks[r0:r0 + DEQUANT_ROWS], self.in_features)
                 y[:, col + r0:col + r0 + w.shape[0]] = torch.mm(xf, w.t())
         if self.bias is not None:
             y += self.bias
@@ -176,13 +194,19 @@ class FloatActHead(nn.Module):
         if len(quant.segments) != 1 or quant.bias is not None:
             raise ValueError("a tied logits head is one unbiased matrix")
         self.in_features, self.out_features = quant.in_features, quant.out_features
-        self.seg = quant.segments[0]
+        seg = quant.segments[0]
+        self.type_name = seg.type_name
         self.table = table.detach()                 # [V, K]: the embedding weight (shared, not a copy)
         self._fn, self.isa = kernels.raw("quant_matmul_fx"), kernels.quant_isa
-        self._ptr = self.seg.blocks.data_ptr()
+        self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k)     # scales first, as above
+        self._ptr = self.blocks.data_ptr()
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The bytes a decode-sized batch streams: the blocks, not the float table."""
+        return [self.blocks]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.seg.type_name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.type_name}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -192,7 +216,7 @@ class FloatActHead(nn.Module):
             return F.linear(x2.to(self.table.dtype), self.table).float().view(*lead, self.out_features)
         xf = x2.float().contiguous()
         y = torch.empty((m, self.out_features))
-        self._fn(self.seg.wtype, self._ptr, xf.data_ptr(), self.in_features, None, y.data_ptr(), 0,
+        self._fn(self.wtype, self._ptr, xf.data_ptr(), self.in_features, None, y.data_ptr(), 0,
                  self.out_features, m, self.out_features, self.in_features, self.isa, torch.get_num_threads())
         return y.view(*lead, self.out_features)
 

@@ -110,6 +110,34 @@ def test_float_activation_matmul_is_the_float_matmul_of_the_dequantized_matrix(w
                                                                  isa=isa).bfloat16(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [256, 576])               # 576: 18 blocks, a tail after 16 on the 8-wide scales
+def test_split_rows_compute_exactly_what_the_gguf_rows_do(wtype, k, isa):
+    """repack (f16 scales first, then codes): the same bytes, and every kernel gives bit-identical
+    results on them: the same values in the same order, only read from other offsets."""
+    n = 37
+    blocks = random_blocks(wtype, n, k, seed=k)
+    split, packed = KERNELS.repack(int(wtype), blocks, k)
+    assert split == cpu_kernels.SPLIT | int(wtype) and packed.shape == blocks.shape
+    assert sorted(packed.flatten().tolist()) == sorted(blocks.flatten().tolist())
+    assert torch.equal(KERNELS.dequantize(split, packed, k), KERNELS.dequantize(int(wtype), blocks, k))
+    for m in (1, 3, 6):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(KERNELS.quant_linear(x, split, packed, isa=isa),
+                           KERNELS.quant_linear(x, int(wtype), blocks, isa=isa))
+        assert torch.equal(KERNELS.quant_linear_fx(x, split, packed, isa=isa),
+                           KERNELS.quant_linear_fx(x, int(wtype), blocks, isa=isa))
+
+
+def test_q4_k_has_no_split_layout_and_stays_as_it_is():
+    blocks = random_blocks(Q.Q4_K, 3, 256, seed=1)
+    wtype, same = KERNELS.repack(int(Q.Q4_K), blocks, 256)
+    assert wtype == int(Q.Q4_K) and same is blocks
+    with pytest.raises(ValueError, match="repack"):
+        KERNELS.repack(cpu_kernels.SPLIT | int(Q.Q4_1), random_blocks(Q.Q4_1, 2, 64, seed=0), 64)
+
+
 def test_float_activation_matmul_refuses_what_it_cannot_take():
     blocks = random_blocks(Q.Q8_0, 4, 64, seed=0)
     with pytest.raises(ValueError, match="row bytes"):
