@@ -404,71 +404,97 @@ void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int
         }
     }
 }
-// ---- float activations: y = x . dequant(W)^T, x float32, W's blocks dequantized in registers ----
-// The weights are exactly those of the dequantized float matrix (Q8_0: d * q is exact in float),
-// so this is the float32 matmul of that matrix in another summation order, at the blocks' bytes
-// (Q8_0: 34 per 32 weights, not 128). For matmuls whose outputs are compared near ties (the
-// logits head), where int8 activation codes move sums by more than float rounding does.
+// ---- float activations: y = x . dequant(W)^T, x float32, W's codes converted in registers ----
+// y = sum over blocks of d * (codes . x) + m * sum(x): the weights are exactly those of the
+// dequantized float matrix (Q8_0: d * q is exact in float), so this is the float32 matmul of that
+// matrix up to summation order, at the blocks' bytes (Q8_0: 34 per 32 weights, not 128). For
+// matmuls whose outputs are compared near ties (the logits head), where int8 activation codes
+// move sums by more than float rounding does.
 template <int T>
-inline __m256 weights8(__m256i q, int j, __m256 d, __m256 m) {   // values 8j .. 8j+7 of a block
-    __m128i part = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
-    if (j & 1) part = _mm_srli_si128(part, 8);
-    const __m256i wide = base_type(T) == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), d, m);
+inline __m256 codes8(const uint8_t* qs, __m256i q, int j) {   // codes 8j .. 8j+7 of a block, as floats
+    if constexpr (base_type(T) == Q8_0) {          // straight from memory: one sign-extending load
+        (void)q;
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j))));
+    } else {
+        (void)qs;
+        __m128i part = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+        if (j & 1) part = _mm_srli_si128(part, 8);
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
+    }
 }
 
+// NR weight rows against MR rows of x: per block, MR x NR sums of codes x values (8 lanes each),
+// then acc += d * sum; the offsets m * sum(x) after the last block, from xs (x's block sums).
 template <int T, int MR, int NR>
-void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx, int64_t m0,
-             int64_t nb, const Out& out, int64_t n0) {
+void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx,
+             const float* xs, int64_t m0, int64_t nb, const Out& out, int64_t n0) {
     __m256 acc[MR][NR];
     #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
         #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qs[NR];
         __m256i wq[NR];
-        __m256 d[NR], mn[NR];
         #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
-            wq[r] = load_codes<T>(codes_at<T>(rows[r], b, nb));
-            d[r] = _mm256_broadcast_ss(wd + r * nb + b);
-            mn[r] = _mm256_broadcast_ss(wm + r * nb + b);
+            const Codes c = codes_at<T>(rows[r], b, nb);
+            qs[r] = c.qs;
+            if constexpr (base_type(T) != Q8_0) wq[r] = load_codes<T>(c);
+            else wq[r] = _mm256_setzero_si256();
         }
+        __m256 sum[MR][NR];
         #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
-            __m256 wf[NR];
             #pragma GCC unroll 4
-            for (int r = 0; r < NR; ++r) wf[r] = weights8<T>(wq[r], j, d[r], mn[r]);
-            #pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-                const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * ldx + b * QK + 8 * j);
+            for (int r = 0; r < NR; ++r) {
+                const __m256 wf = codes8<T>(qs[r], wq[r], j);
                 #pragma GCC unroll 4
-                for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(wf[r], xv, acc[m][r]);
+                for (int m = 0; m < MR; ++m) {
+                    const __m256 xv = _mm256_loadu_ps(x + (m0 + m) * ldx + b * QK + 8 * j);
+                    sum[m][r] = j == 0 ? _mm256_mul_ps(wf, xv) : _mm256_fmadd_ps(wf, xv, sum[m][r]);
+                }
             }
         }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+            const __m256 d = _mm256_broadcast_ss(wd + r * nb + b);
+            #pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) acc[m][r] = _mm256_fmadd_ps(sum[m][r], d, acc[m][r]);
+        }
     }
-    for (int m = 0; m < MR; ++m)
-        for (int r = 0; r < NR; ++r) out.put(m0 + m, n0 + r, hsum(acc[m][r]));
+    for (int m = 0; m < MR; ++m) {
+        for (int r = 0; r < NR; ++r) {
+            float off = 0.f;
+            if constexpr (base_type(T) != Q8_0) {
+                const float* wmr = wm + r * nb;
+                const float* sx = xs + (m0 + m) * nb;
+                for (int64_t b = 0; b < nb; ++b) off += wmr[b] * sx[b];
+            }
+            out.put(m0 + m, n0 + r, hsum(acc[m][r]) + off);
+        }
+    }
 }
 
 template <int T, int NR>
 void tile_rows_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx,
-                  int64_t M, int64_t nb, const Out& out, int64_t n0) {
-    constexpr int MR = NR >= 4 ? 1 : 4;          // 16 ymm: 4 x 2 accumulators, or 1 x 4
+                  const float* xs, int64_t M, int64_t nb, const Out& out, int64_t n0) {
+    constexpr int MR = NR >= 4 ? 1 : 2;          // 16 ymm: accumulators and block sums, 2 x NR each
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) tile_fx<T, MR, NR>(rows, wd, wm, x, ldx, m, nb, out, n0);
-    switch (M - m) {
-        case 3: tile_fx<T, 3, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
-        case 2: tile_fx<T, 2, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
-        case 1: tile_fx<T, 1, NR>(rows, wd, wm, x, ldx, m, nb, out, n0); break;
-        default: break;
-    }
+    for (; m + MR <= M; m += MR) tile_fx<T, MR, NR>(rows, wd, wm, x, ldx, xs, m, nb, out, n0);
+    if (m < M) tile_fx<T, 1, NR>(rows, wd, wm, x, ldx, xs, m, nb, out, n0);
 }
 
 template <int T>
 void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
                     int64_t K, int threads) {
     const int64_t nb = K / QK;
+    std::vector<float> xs(base_type(T) == Q8_0 ? 0 : M * nb);        // x's block sums, for the offsets
+    for (int64_t i = 0; i < int64_t(xs.size()); ++i) {
+        float t = 0.f;
+        for (int k = 0; k < QK; ++k) t += x[(i / nb) * ldx + (i % nb) * QK + k];
+        xs[i] = t;
+    }
     const int nr = M == 1 ? 4 : 2;               // as matmul_simd: one row of x is memory-bound
     const int64_t groups = (N + nr - 1) / nr;
     #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
@@ -483,11 +509,13 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
                 rows[r] = w + (n0 + r) * rb;
                 scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
             }
-            if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
-            else if (rows_here == nr && nr == 2) tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, M, nb, out, n0);
+            if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
+            else if (rows_here == nr && nr == 2)
+                tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
             else
                 for (int r = 0; r < rows_here; ++r)
-                    tile_rows_fx<T, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, x, ldx, M, nb, out, n0 + r);
+                    tile_rows_fx<T, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, x, ldx, xs.data(), M, nb,
+                                       out, n0 + r);
         }
     }
 }
