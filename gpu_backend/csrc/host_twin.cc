@@ -137,7 +137,7 @@ uint64_t blink_twin_ring_rmw(void) { return __atomic_load_n(&g_ring_rmw, __ATOMI
 /* One plan_step over explicit lists; ids are indices into `reqs` (the caller's table), and
  * into `times` under a policy other than FCFS (rules == NULL: FCFS through blink_plan_step). */
 void blink_plan(const blink_policy_config_t *cfg, const blink_req_t *reqs, const uint32_t *waiting,
-                uint32_t n_waiting, const uint32_t *running, uint32_t n_running, uint32_t free_blocks,
+                uint32_t n_waiting, const uint32_t *running, uint32_t n_running, int64_t free_blocks,
                 uint32_t prev_kind, uint32_t *counts /* [6]: kind, n_prefill, n_decode, n_preempted,
                                                         n_admitted, n_new_blocks */,
                 uint32_t *lists /* [7 * cap] */, uint32_t cap, const blink_sched_rules_t *rules,
@@ -285,13 +285,15 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_req_t, logprobs_offset) X(blink_req_t, seat) X(blink_req_t, seat_fresh)                         \
     X(blink_req_t, extra_offset) X(blink_req_t, n_logit_bias) X(blink_req_t, n_allowed_ids)                 \
     X(blink_req_t, bad_words_words) X(blink_req_t, automaton_words) X(blink_req_t, automaton_offset)        \
-    X(blink_req_t, automaton_state) X(blink_req_t, reserved2)                                               \
+    X(blink_req_t, automaton_state) X(blink_req_t, reserved2) X(blink_req_t, num_cached)                    \
+    X(blink_req_t, cached_idle) X(blink_req_t, num_committed) X(blink_req_t, n_keys)                        \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \
     X(blink_sched_state_t, started) X(blink_sched_state_t, n_rows) X(blink_sched_state_t, graph)            \
     X(blink_sched_state_t, drain_deadline_ns)                                                               \
     X(blink_sched_state_t, last_beat_ns) X(blink_sched_state_t, step_launched_ns)                           \
+    X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, reserved)                                     \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
@@ -301,7 +303,9 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, preempted) X(blink_sched_control_t, scan_ns) X(blink_sched_control_t, scans)   \
     X(blink_sched_control_t, wait_ns) X(blink_sched_control_t, publish_ns)                                  \
     X(blink_sched_control_t, plan_ns) X(blink_sched_control_t, launch_ns)                                   \
-    X(blink_sched_control_t, fallback_steps)                                                                \
+    X(blink_sched_control_t, fallback_steps) X(blink_sched_control_t, prefix_hit_tokens)                    \
+    X(blink_sched_control_t, prefix_miss_tokens) X(blink_sched_control_t, prefix_hit_blocks)                \
+    X(blink_sched_control_t, prefix_miss_blocks)                                                            \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)                          \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
@@ -322,6 +326,24 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, reserved)                                \
     X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \
     X(blink_sched_params_t, step_timeout_ns) X(blink_sched_params_t, clock_offset_ns)                       \
+    X(blink_sched_params_t, rules) X(blink_sched_params_t, times) X(blink_sched_params_t, plan_w_out)       \
+    X(blink_sched_params_t, plan_r_out) X(blink_sched_params_t, plan_victims) X(blink_sched_params_t, plan_lid) \
+    X(blink_sched_params_t, plan_lkey) X(blink_sched_params_t, pkv) X(blink_sched_params_t, pkv_refs)       \
+    X(blink_sched_params_t, pkv_key) X(blink_sched_params_t, pkv_has_key) X(blink_sched_params_t, pkv_lru_prev) \
+    X(blink_sched_params_t, pkv_lru_next) X(blink_sched_params_t, pkv_table_key)                            \
+    X(blink_sched_params_t, pkv_table_block) X(blink_sched_params_t, pkv_claimed) X(blink_sched_params_t, kv_keys) \
+    X(blink_sched_params_t, pkv_table_cap) X(blink_sched_params_t, prefix_caching)                          \
+    X(blink_sched_params_t, ttft_slo_us) X(blink_sched_params_t, tbt_slo_us)                                \
+    X(blink_sched_rules_t, policy) X(blink_sched_rules_t, lvf_alpha_milli) X(blink_sched_rules_t, lvf_beta_b_milli) \
+    X(blink_sched_rules_t, lvf_beta_f_milli) X(blink_sched_rules_t, lvf_xfer_blocks) X(blink_sched_rules_t, reserved) \
+    X(blink_sched_rules_t, now_us) X(blink_req_time_t, id) X(blink_req_time_t, priority)                    \
+    X(blink_req_time_t, arrival_us) X(blink_req_time_t, last_us) X(blink_req_time_t, run_us)                \
+    X(blink_req_time_t, ttft_slo_us) X(blink_req_time_t, tbt_slo_us)                                        \
+    X(blink_pkv_t, free_stack) X(blink_pkv_t, refs) X(blink_pkv_t, key) X(blink_pkv_t, has_key)             \
+    X(blink_pkv_t, lru_prev) X(blink_pkv_t, lru_next) X(blink_pkv_t, table_key) X(blink_pkv_t, table_block) \
+    X(blink_pkv_t, num_blocks) X(blink_pkv_t, table_cap) X(blink_pkv_t, never_cached) X(blink_pkv_t, evictable) \
+    X(blink_pkv_t, lru_head) X(blink_pkv_t, lru_tail) X(blink_pkv_t, extra_refs) X(blink_pkv_t, cached)     \
+    X(blink_pkv_t, evictions) X(blink_pkv_t, reserved)                                                      \
     X(blink_kv_t, free_stack) X(blink_kv_t, owner) X(blink_kv_t, tables) X(blink_kv_t, num_blocks)          \
     X(blink_kv_t, max_blocks) X(blink_kv_t, rows) X(blink_kv_t, reserved)                                   \
     X(blink_graph_lut_t, ids) X(blink_graph_lut_t, max_rows) X(blink_graph_lut_t, n_len)                    \
@@ -361,6 +383,7 @@ long blink_struct_size(const char *strct) {
     if (!strcmp(strct, "blink_step_io_t")) return sizeof(blink_step_io_t);
     if (!strcmp(strct, "blink_sched_rules_t")) return sizeof(blink_sched_rules_t);
     if (!strcmp(strct, "blink_req_time_t")) return sizeof(blink_req_time_t);
+    if (!strcmp(strct, "blink_pkv_t")) return sizeof(blink_pkv_t);
     return -1;
 }
 

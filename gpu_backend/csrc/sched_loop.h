@@ -47,6 +47,8 @@ typedef struct blink_sched_shared {
     uint32_t n_completed;    /* slots completed by the parallel phases this iteration */
     uint32_t draining;       /* copy of state->draining for the scan */
     uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
+    int64_t now_us;          /* the control phase's clock: arrivals of this iteration's intake */
+    int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -72,6 +74,96 @@ static inline BLINK_HD void blink_seat_release(const blink_sched_params_t *p, bl
     if (r->seat != BLINK_NO_SEAT && r->seat < p->n_seats) p->seat_owner[r->seat] = 0;
     r->seat = BLINK_NO_SEAT;
     r->seat_fresh = 0;
+}
+
+/* ---- KV blocks: the prefix-caching allocator (kv_alloc.h blink_pkv_*) over each slot's table ---- */
+
+static inline BLINK_HD uint32_t *blink_table(const blink_sched_params_t *p, uint32_t slot) {
+    return p->kv_tables + (uint64_t)slot * p->kv_max_blocks;
+}
+
+/* The allocator's state from the parameter block's arrays, every block free (first instance, abort). */
+static inline BLINK_HD void blink_pkv_setup(const blink_sched_params_t *p) {
+    blink_pkv_t *k = p->pkv;
+    k->free_stack = p->kv_free_stack;
+    k->refs = p->pkv_refs;
+    k->key = p->pkv_key;
+    k->has_key = p->pkv_has_key;
+    k->lru_prev = p->pkv_lru_prev;
+    k->lru_next = p->pkv_lru_next;
+    k->table_key = p->pkv_table_key;
+    k->table_block = p->pkv_table_block;
+    k->num_blocks = p->policy.num_blocks;
+    k->table_cap = p->pkv_table_cap;
+    blink_pkv_init(k);
+    for (uint32_t i = 0; i < p->policy.num_blocks; ++i) p->pkv_claimed[i] = 0;
+    p->state->free_blocks = blink_pkv_free_count(k);
+}
+
+/* A request's blocks back (finish, abort, preemption, a failed step), last first: one holder
+ * less each; a cached block nobody holds stays in the cache, evictable (scheduler.remove/_preempt). */
+static inline BLINK_HD void blink_blocks_release(const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+    blink_pkv_free(p->pkv, blink_table(p, slot), r->num_blocks);
+    r->num_blocks = r->num_committed = 0;
+    p->state->free_blocks = blink_pkv_free_count(p->pkv);
+}
+
+/* Token t of a request (prompt, then its output) from the ring's arenas. */
+template <class P>
+BLINK_DEV int32_t blink_req_token(P &plat, const blink_sched_params_t *p, const blink_req_t *r, uint32_t t) {
+    return t < r->prompt_len ? (int32_t)plat.ld32(&blink_prompt_arena(p)[r->prompt_offset + t])
+                             : (int32_t)plat.ld32(&blink_output_arena(p)[r->output_offset + t - r->prompt_len]);
+}
+
+/* The prefix-cache keys of the slot's first n full blocks (scheduler._keys: the chain extended
+ * as needed, kept in kv_keys, kv_alloc.h's blink_block_hash over tokens read from the ring). */
+template <class P>
+BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
+                                     uint32_t n) {
+    uint64_t *keys = p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
+    const uint32_t bs = p->policy.block_size;
+    for (uint32_t j = r->n_keys; j < n && j < p->kv_max_blocks; ++j) {
+        uint64_t h = blink_kv_mix64((j ? keys[j - 1] : BLINK_KV_ROOT_HASH) + 0x9E3779B97F4A7C15ull);
+        for (uint32_t i = 0; i < bs; ++i)
+            h = blink_kv_mix64((h ^ (uint64_t)(uint32_t)blink_req_token(plat, p, r, j * bs + i)) + 0x9E3779B97F4A7C15ull);
+        keys[j] = h;
+        r->n_keys = j + 1;
+    }
+    return keys;
+}
+
+/* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
+template <class P>
+BLINK_DEV void blink_commit_blocks(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+    uint32_t full = r->num_computed / p->policy.block_size;
+    if (full > r->num_blocks) full = r->num_blocks;
+    if (full <= r->num_committed) return;
+    const uint64_t *keys = blink_keys(plat, p, slot, r, full);
+    const uint32_t *table = blink_table(p, slot);
+    for (uint32_t j = r->num_committed; j < full; ++j) blink_pkv_commit(p->pkv, table[j], keys[j]);
+    r->num_committed = full;
+}
+
+/* scheduler._hit for the waiting request at `slot`: the cached blocks of the longest run of its
+ * leading full blocks (at least one token left to compute) into its own table (unused while it
+ * waits; admission takes them), num_cached / cached_idle for the policy. A block no request holds
+ * counts idle for the first waiting request that hits it in this plan (pkv_claimed). */
+template <class P>
+BLINK_DEV void blink_prefix_hit(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+    r->num_cached = r->cached_idle = 0;
+    if (!p->prefix_caching) return;
+    const uint32_t bs = p->policy.block_size, n = (blink_req_tokens(r) - 1) / bs;
+    uint32_t *table = blink_table(p, slot);
+    const uint32_t hit = blink_pkv_lookup(p->pkv, blink_keys(plat, p, slot, r, n), n < p->kv_max_blocks ? n : p->kv_max_blocks, table);
+    const uint32_t stamp = p->state->plan_stamp;
+    for (uint32_t j = 0; j < hit; ++j) {
+        const uint32_t b = table[j];
+        if (p->pkv->refs[b] == 0 && p->pkv_claimed[b] != stamp) {
+            p->pkv_claimed[b] = stamp;
+            r->cached_idle += 1;
+        }
+    }
+    r->num_cached = hit * bs;
 }
 
 /* A float ring word, read through the platform's volatile 32-bit load. */
@@ -107,10 +199,20 @@ BLINK_DEV void blink_beat(P &plat, const blink_sched_params_t *p, uint64_t now) 
     /* Counters to the host: plain stores into host-mapped memory, no reads back. */
     const uint64_t *src = &st->heartbeat;
     uint64_t *dst = &ctl->heartbeat;
-    const unsigned n = (unsigned)((&st->fallback_steps - &st->heartbeat) + 1);
+    const unsigned n = (unsigned)((&st->prefix_miss_blocks - &st->heartbeat) + 1);
     for (unsigned i = 0; i < n; ++i) plat.st64(&dst[i], src[i]);
     plat.st32(&ctl->last_launch_error, (uint32_t)st->last_launch_error);
     plat.st32(&ctl->max_window_launches, st->max_window_launches);
+    /* The KV pool and the prefix cache on the ring header, as the CPU engine reports them
+     * (engine._publish_kv): plain stores of backend-owned words, read by /metrics. */
+    plat.st32(&h->kv_blocks_total, p->policy.num_blocks);
+    plat.st32(&h->kv_blocks_free, p->state->free_blocks);
+    plat.st32(&h->prefix_caching, p->prefix_caching);
+    plat.st32(&h->kv_blocks_cached, p->pkv->cached);
+    plat.st64(&h->prefix_hit_tokens, st->prefix_hit_tokens);
+    plat.st64(&h->prefix_miss_tokens, st->prefix_miss_tokens);
+    plat.st64(&h->prefix_hit_blocks, st->prefix_hit_blocks);
+    plat.st64(&h->prefix_miss_blocks, st->prefix_miss_blocks);
 }
 
 /* End every queued and running request (engine.abort_all: running, then waiting). */
@@ -134,8 +236,7 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
     }
     st->n_running = 0;
     st->w_count = 0;
-    const blink_kv_t kv = blink_kv_of(p);
-    blink_kv_init(&kv, &st->free_blocks);   /* nobody holds a block any more */
+    blink_pkv_setup(p);   /* nobody holds a block any more; the prefix cache starts over */
 }
 
 /* thread 0: stop and abort requests, the drain deadline, the heartbeat. */
@@ -149,6 +250,7 @@ BLINK_DEV void blink_phase_control(P &plat, const blink_sched_params_t *p, blink
     const uint32_t shutdown = plat.ld32(&h->shutdown);
     sh->fe_epoch = plat.ld64(&h->frontend_epoch);
     const uint64_t now = plat.now_ns(p);
+    sh->now_us = (int64_t)(now / 1000);
     p->stats->iterations += 1;
     if (abort) {
         blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
@@ -272,6 +374,9 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         v.group_size = plat.ld32(&s->group_size);
         v.group_index = plat.ld32(&s->group_index);
         v.group_seq = plat.ld64(&s->group_seq);
+        v.priority = (int32_t)plat.ld32(&s->priority);
+        v.ttft_slo_ms = plat.ld32(&s->ttft_slo_ms);
+        v.tbt_slo_ms = plat.ld32(&s->tbt_slo_ms);
         blink_req_t *r = &p->reqs[slot];
         r->seq = v.seq;
         r->epoch = v.epoch;
@@ -308,6 +413,15 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->automaton_words = v.automaton_words;
         r->automaton_offset = v.extra_offset + 2 * v.n_logit_bias + v.n_allowed_ids + v.bad_words_words;
         r->automaton_state = -1;
+        r->num_cached = r->cached_idle = r->num_committed = r->n_keys = 0;
+        blink_req_time_t *tm = &p->times[slot];   /* what the policy reads (intake.py's Sequence fields) */
+        tm->id = slot;
+        tm->priority = v.priority;
+        tm->arrival_us = sh->now_us;              /* one clock per scan: ties go to the lower slot */
+        tm->last_us = -1;
+        tm->run_us = 0;
+        tm->ttft_slo_us = v.ttft_slo_ms ? (int64_t)v.ttft_slo_ms * 1000 : p->ttft_slo_us;
+        tm->tbt_slo_us = v.tbt_slo_ms ? (int64_t)v.tbt_slo_ms * 1000 : p->tbt_slo_us;
         r->generated = r->num_computed = r->num_blocks = 0;
         r->status = BLINK_REQ_FREE;
         r->ring_state = BLINK_PREFILL_PROCESSING;
@@ -422,7 +536,9 @@ BLINK_DEV void blink_phase_wait(P &plat, const blink_sched_params_t *p, blink_sc
         }
     }
     plat.fence_dev();   /* the step's tokens were written before its done flag */
-    p->stats->wait_ns += plat.now_ns(p) - t0;
+    const uint64_t t1 = plat.now_ns(p);
+    p->stats->wait_ns += t1 - t0;
+    sh->pub_us = (int64_t)(t1 / 1000);   /* scheduler.update's clock: one time for the step's tokens */
 }
 
 /* all threads: the step's tokens into the ring (token, fence, count), then finish or move on. */
@@ -448,6 +564,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         plat.fence_sys();   /* the token and its stamps before the count that makes them visible */
         r->generated += 1;
         plat.st32(&s->generated, r->generated);
+        p->times[slot].last_us = sh->pub_us;
         plat.add_shared(&sh->n_tokens, 1);
         if (r->automaton_words) {   /* structured output: the state after the token (logits_processors.advance) */
             const int32_t *w = blink_prompt_arena(p) + r->automaton_offset;
@@ -481,8 +598,11 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     stats->completed += sh->n_completed;
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
 
+    /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
+    if (p->prefix_caching)
+        for (uint32_t i = 0; i < st->n_running; ++i) blink_commit_blocks(plat, p, p->running[i], &p->reqs[p->running[i]]);
+
     /* engine._reap (waiting, then running) and the finished of the publish phase */
-    const blink_kv_t kv = blink_kv_of(p);
     uint32_t kept = 0;
     for (uint32_t k = 0; k < st->w_count; ++k) {
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
@@ -505,9 +625,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
                 stats->completed += 1;
             }
-            blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+            blink_blocks_release(p, slot, r);
             blink_seat_release(p, r);
-            r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
         } else {
             p->running[kept++] = slot;
@@ -525,8 +644,23 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     plan.admitted_id = scratch + 4 * mb;
     plan.new_blocks_id = scratch + 5 * mb;
     plan.new_blocks_n = scratch + 6 * mb;
-    blink_plan_step(&p->policy, p->reqs, p->waiting, st->w_head, st->w_count, (uint32_t)cap, p->running,
-                    st->n_running, st->free_blocks, st->prev_kind, &plan);
+    /* scheduler._policy_input: the clock, each waiting request's prefix-cache hit (under FCFS only
+     * those a free seat can admit; any of them under the others), the free count less the blocks'
+     * extra holders (a preempted sharer frees fewer than the policy would assume; not clamped) */
+    blink_sched_rules_t rules = p->rules;
+    rules.now_us = (int64_t)(t0 / 1000);
+    st->plan_stamp += 1;
+    const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
+    for (uint32_t k = 0; k < st->w_count; ++k) {
+        const uint32_t slot = p->waiting[(st->w_head + k) % cap];
+        blink_req_t *r = &p->reqs[slot];
+        if (k < seats) blink_prefix_hit(plat, p, slot, r);
+        else r->num_cached = r->cached_idle = 0;
+    }
+    const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
+    blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count, (uint32_t)cap,
+                           p->running, st->n_running, free_blocks, st->prev_kind, &plan, p->plan_w_out,
+                           p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
 
     if (plan.kind != BLINK_STEP_IDLE && sh->launches >= p->window_limit) {
         /* Window full: nothing was applied, so a fresh instance plans this step again. */
@@ -541,9 +675,9 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         for (; i + 1 < st->n_running; ++i) p->running[i] = p->running[i + 1];
         st->n_running -= 1;
         blink_req_t *r = &p->reqs[slot];
-        blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+        blink_blocks_release(p, slot, r);   /* its keys stay: readmitted, it looks its blocks up again */
         blink_seat_release(p, r);
-        r->num_blocks = r->num_computed = 0;
+        r->num_computed = 0;
         r->status = BLINK_REQ_WAITING;
         if (r->ring_state != BLINK_DECODE_PAUSED) {
             plat.fence_sys();   /* tokens and counts published before, then the state word */
@@ -559,11 +693,26 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         if (!did_work && !plan.n_preempted) plat.sleep_ns(p->idle_sleep_ns);
         return;
     }
-    for (uint32_t k = 0; k < plan.n_admitted; ++k) {          /* engine._schedule */
-        const uint32_t slot = p->waiting[st->w_head];
+    const uint32_t bs = p->policy.block_size;
+    for (uint32_t k = 0; k < plan.n_admitted; ++k) {          /* scheduler._batch / _admit */
+        const uint32_t slot = plan.admitted_id[k];
+        uint32_t at = 0;                                       /* FCFS: the front; other policies: anywhere */
+        while (at < st->w_count && p->waiting[(st->w_head + at) % cap] != slot) ++at;
+        for (uint32_t j = at; j > 0; --j) p->waiting[(st->w_head + j) % cap] = p->waiting[(st->w_head + j - 1) % cap];
         st->w_head = (uint32_t)((st->w_head + 1) % cap);
         st->w_count -= 1;
-        p->reqs[slot].status = BLINK_REQ_RUNNING;
+        blink_req_t *r = &p->reqs[slot];
+        const uint32_t hit = r->num_cached / bs;               /* its cached prefix, taken before any allocation */
+        blink_pkv_take(p->pkv, blink_table(p, slot), hit);
+        r->num_blocks = r->num_committed = hit;
+        r->num_computed = hit * bs;
+        const uint32_t tokens = blink_req_tokens(r);
+        stats->prefix_hit_tokens += r->num_computed;
+        stats->prefix_miss_tokens += tokens - r->num_computed;
+        stats->prefix_hit_blocks += hit;
+        stats->prefix_miss_blocks += (uint32_t)blink_blocks_needed(tokens, bs) - hit;
+        p->times[slot].run_us = rules.now_us;
+        r->status = BLINK_REQ_RUNNING;
         p->running[st->n_running++] = slot;
         blink_seat_take(p, slot);
     }
@@ -572,9 +721,13 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         const uint32_t slot = plan.new_blocks_id[k], need = plan.new_blocks_n[k];
         blink_req_t *r = &p->reqs[slot];
         if (need == 0) continue;
-        if (blink_kv_alloc(&kv, &st->free_blocks, slot, r->num_blocks, need) == BLINK_KV_OK) r->num_blocks += need;
-        else err = -1;   /* the policy never asks for more than is free: a bug, so the step's requests fail */
+        if (r->num_blocks + need <= p->kv_max_blocks &&
+            blink_pkv_alloc(p->pkv, need, blink_table(p, slot) + r->num_blocks) == BLINK_KV_OK)
+            r->num_blocks += need;
+        else
+            err = -1;   /* the policy never asks for more than is free: a bug, so the step's requests fail */
     }
+    st->free_blocks = blink_pkv_free_count(p->pkv);
     uint32_t n = 0;
     for (uint32_t k = 0; k < plan.n_prefill + plan.n_decode; ++k) {
         const int pre = k < plan.n_prefill;
@@ -634,9 +787,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                 p->running[kept++] = slot;
                 continue;
             }
-            blink_kv_free(&kv, &st->free_blocks, slot, r->num_blocks);
+            blink_blocks_release(p, slot, r);
             blink_seat_release(p, r);
-            r->num_blocks = 0;
             r->status = BLINK_REQ_FREE;
             blink_complete_slot(plat, p, slot, BLINK_FINISH_ERROR, BLINK_ERR_INTERNAL);
             stats->completed += 1;
@@ -659,8 +811,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         blink_sched_state_t *st = p->state;
         if (!st->started) {
             st->w_head = st->w_count = st->n_running = 0;
-            const blink_kv_t kv = blink_kv_of(p);
-            blink_kv_init(&kv, &st->free_blocks);
+            blink_pkv_setup(p);
+            st->plan_stamp = 0;
             for (uint32_t i = 0; i < p->n_seats; ++i) p->seat_owner[i] = 0;
             st->prev_kind = BLINK_STEP_IDLE;
             st->in_flight = 0;

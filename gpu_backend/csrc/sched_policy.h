@@ -45,32 +45,6 @@ static inline BLINK_HD uint32_t blink_req_tokens(const blink_req_t *r) {
     return r->prompt_len + r->generated;
 }
 
-/* policy.SchedPolicy */
-#define BLINK_POLICY_FCFS 0u
-#define BLINK_POLICY_PRIORITY 1u
-#define BLINK_POLICY_LVF 2u
-
-/* PolicyConfig's policy fields and PolicyInput.now_us. */
-typedef struct blink_sched_rules {
-    uint32_t policy;              /* BLINK_POLICY_* */
-    uint32_t lvf_alpha_milli;     /* alpha x 1000 */
-    int32_t lvf_beta_b_milli;     /* beta_B x 1000 (rotary tolerance, in TBT SLOs) */
-    int32_t lvf_beta_f_milli;     /* beta_F x 1000 (waiting tolerance, in TTFT SLOs) */
-    uint32_t lvf_xfer_blocks;     /* B_xfer */
-    uint32_t reserved;
-    int64_t now_us;               /* the scheduler's clock */
-} blink_sched_rules_t;
-
-/* What rule 0 reads of a request besides its blink_req_t (WaitingReq / RunningReq fields). */
-typedef struct blink_req_time {
-    uint32_t id;                  /* the tie key (the slot on the device) */
-    int32_t priority;             /* lower first */
-    int64_t arrival_us;
-    int64_t last_us;              /* latest token's time, -1: none yet (waiting: not rotary) */
-    int64_t run_us;               /* running: when it last entered the running list */
-    int64_t ttft_slo_us, tbt_slo_us;
-} blink_req_time_t;
-
 static inline BLINK_HD int64_t blink_floor_div(int64_t a, int64_t b) {
     int64_t q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;   /* C truncates; Python floors */
@@ -90,11 +64,12 @@ static inline BLINK_HD int64_t blink_vlt_running(const blink_sched_rules_t *ru, 
     return -(ru->now_us - t->run_us);
 }
 
-/* policy.first_blocks (no prefix cache on the device: num_cached = 0) */
+/* policy.first_blocks: a waiting request's first chunk, from its prefix-cache hit on, plus the
+ * hit's blocks no request holds (they leave the free count when taken) */
 static inline BLINK_HD int64_t blink_first_blocks(const blink_policy_config_t *cfg, const blink_req_t *r) {
-    int64_t n = blink_req_tokens(r);
+    int64_t n = (int64_t)blink_req_tokens(r) - r->num_cached;
     if (n > (int64_t)cfg->max_prefill_tokens) n = cfg->max_prefill_tokens;
-    return (n + cfg->block_size - 1) / cfg->block_size;
+    return (n + cfg->block_size - 1) / cfg->block_size + r->cached_idle;
 }
 
 /* 1 if a's key (k0, arrival, id) sorts before b's. */
@@ -144,12 +119,12 @@ static inline BLINK_HD uint32_t blink_order_requests(const blink_sched_rules_t *
                                                      const blink_req_t *reqs, const blink_req_time_t *times,
                                                      const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                                      uint32_t w_cap, const uint32_t *running, uint32_t n_running,
-                                                     uint32_t free_blocks, uint32_t *w_out, uint32_t *r_out,
+                                                     int64_t free_blocks, uint32_t *w_out, uint32_t *r_out,
                                                      uint32_t *victims, int64_t *lkey, uint32_t *lid) {
     for (uint32_t k = 0; k < w_count; ++k) w_out[k] = waiting[(w_head + k) % w_cap];
     for (uint32_t i = 0; i < n_running; ++i) r_out[i] = running[i];
     if (ru->policy == BLINK_POLICY_FCFS) return 0;
-    const int64_t free0 = (int64_t)free_blocks - blink_reserve(cfg, reqs, running, n_running);
+    const int64_t free0 = free_blocks - blink_reserve(cfg, reqs, running, n_running);
     const int64_t seats0 = (int64_t)cfg->max_batch_size - n_running;
     uint32_t n_victims = 0;
     if (ru->policy == BLINK_POLICY_PRIORITY) {
@@ -249,7 +224,7 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
                                             const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                             uint32_t w_cap, const uint32_t *running, uint32_t n_running,
                                             const uint32_t *victims, uint32_t n_victims,
-                                            uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
+                                            int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
     const int64_t bs = cfg->block_size;
     plan->kind = BLINK_STEP_IDLE;
     plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
@@ -272,7 +247,7 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
 
     /* rule 1: decode pauses for one PREFILL step to admit arrivals, then resumes */
     if (prefill_work && (n_decoders == 0 || prev_kind != BLINK_STEP_PREFILL)) {
-        int64_t budget = cfg->max_prefill_tokens, free = (int64_t)free_blocks + freed;
+        int64_t budget = cfg->max_prefill_tokens, free = free_blocks + freed;
         int blocked = 0;
         for (uint32_t i = 0; i < n_running; ++i) {                /* rule 2a */
             if (blink_in(victims, n_victims, running[i])) continue;
@@ -304,10 +279,12 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
             for (uint32_t k = 0; k < w_count; ++k) {               /* rule 2b */
                 if (budget == 0 || seats == 0) break;
                 uint32_t id = waiting[(w_head + k) % w_cap];
-                int64_t chunk = blink_min3(blink_req_tokens(&reqs[id]), budget, (free - reserve) * bs);
+                const blink_req_t *w = &reqs[id];   /* a prefix-cache hit computes from num_cached on */
+                int64_t chunk = blink_min3((int64_t)blink_req_tokens(w) - w->num_cached, budget,
+                                           (free - reserve - (int64_t)w->cached_idle) * bs);
                 if (chunk <= 0) break;
-                int64_t need = blink_blocks_needed(chunk, bs);
-                free -= need;
+                int64_t need = blink_blocks_needed(chunk, bs);   /* num_cached is block-aligned */
+                free -= need + w->cached_idle;
                 budget -= chunk;
                 --seats;
                 plan->prefill_id[plan->n_prefill] = id;
@@ -358,7 +335,7 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
 static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, const blink_req_t *reqs,
                                             const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                             uint32_t w_cap, const uint32_t *running, uint32_t n_running,
-                                            uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
+                                            int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
     blink_plan_core(cfg, reqs, waiting, w_head, w_count, w_cap, running, n_running, 0, 0, free_blocks, prev_kind,
                     plan);
 }
@@ -370,7 +347,7 @@ static inline BLINK_HD void blink_plan_step_policy(const blink_policy_config_t *
                                                    const blink_req_t *reqs, const blink_req_time_t *times,
                                                    const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                                    uint32_t w_cap, const uint32_t *running, uint32_t n_running,
-                                                   uint32_t free_blocks, uint32_t prev_kind, blink_plan_t *plan,
+                                                   int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan,
                                                    uint32_t *w_out, uint32_t *r_out, uint32_t *victims,
                                                    int64_t *lkey, uint32_t *lid) {
     uint32_t n_victims = blink_order_requests(ru, cfg, reqs, times, waiting, w_head, w_count, w_cap, running,

@@ -80,6 +80,32 @@ typedef struct BLINK_ALIGN8 blink_policy_config {
     uint32_t reserved;            /* zero; pads the struct to 8 bytes */
 } blink_policy_config_t;
 
+/* policy.SchedPolicy */
+#define BLINK_POLICY_FCFS 0u
+#define BLINK_POLICY_PRIORITY 1u
+#define BLINK_POLICY_LVF 2u
+
+/* PolicyConfig's policy fields and PolicyInput.now_us. */
+typedef struct blink_sched_rules {
+    uint32_t policy;              /* BLINK_POLICY_* */
+    uint32_t lvf_alpha_milli;     /* alpha x 1000 */
+    int32_t lvf_beta_b_milli;     /* beta_B x 1000 (rotary tolerance, in TBT SLOs) */
+    int32_t lvf_beta_f_milli;     /* beta_F x 1000 (waiting tolerance, in TTFT SLOs) */
+    uint32_t lvf_xfer_blocks;     /* B_xfer */
+    uint32_t reserved;
+    int64_t now_us;               /* the scheduler's clock */
+} blink_sched_rules_t;
+
+/* What rule 0 reads of a request besides its blink_req_t (WaitingReq / RunningReq fields). */
+typedef struct blink_req_time {
+    uint32_t id;                  /* the tie key (the slot on the device) */
+    int32_t priority;             /* lower first */
+    int64_t arrival_us;
+    int64_t last_us;              /* latest token's time, -1: none yet (waiting: not rotary) */
+    int64_t run_us;               /* running: when it last entered the running list */
+    int64_t ttft_slo_us, tbt_slo_us;
+} blink_req_time_t;
+
 /* One claimed request: copied out of its slot at the claim, then the
  * scheduler's progress. num_tokens = prompt_len + generated. */
 typedef struct BLINK_ALIGN8 blink_req {
@@ -119,6 +145,10 @@ typedef struct BLINK_ALIGN8 blink_req {
     uint32_t automaton_offset;    /* its first word in the prompt arena (after the other sampling data) */
     int32_t automaton_state;      /* current state; -1: not stepped yet (the initial state) */
     uint32_t reserved2;
+    uint32_t num_cached;          /* waiting: leading tokens in prefix-cache blocks (block-aligned; the plan's hit) */
+    uint32_t cached_idle;         /* waiting: of those blocks, the ones no request holds (policy.WaitingReq) */
+    uint32_t num_committed;       /* running: leading blocks offered to the prefix cache */
+    uint32_t n_keys;              /* prefix-cache keys of its full blocks computed so far (kv_keys) */
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {
@@ -137,6 +167,8 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint64_t drain_deadline_ns;
     uint64_t last_beat_ns;
     uint64_t step_launched_ns;    /* clock when the step in flight was launched */
+    uint32_t plan_stamp;          /* plans made so far: marks the cached blocks one plan counted idle */
+    uint32_t reserved;
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
@@ -165,6 +197,10 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t plan_ns;             /* cumulative time planning + launching */
     uint64_t launch_ns;           /* cumulative time inside the launch call */
     uint64_t fallback_steps;      /* steps served by a kind's max-shape graph (no tighter graph covered them) */
+    uint64_t prefix_hit_tokens;   /* admitted tokens found in the prefix cache (scheduler.PrefixStats) */
+    uint64_t prefix_miss_tokens;
+    uint64_t prefix_hit_blocks;
+    uint64_t prefix_miss_blocks;
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
     uint32_t max_window_launches; /* most launch attempts any one instance made (<= BLINK_DEVICE_LAUNCH_CAP) */
 } blink_sched_control_t;
@@ -209,6 +245,28 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint64_t grace_ns;            /* drain period after a stop before the rest is aborted */
     uint64_t step_timeout_ns;     /* a step graph silent this long ends the scheduler */
     int64_t clock_offset_ns;      /* device %globaltimer + offset = host CLOCK_MONOTONIC */
+    /* scheduling policy and prefix caching (the daemon's --scheduling-policy, prefix caching) */
+    blink_sched_rules_t rules;    /* policy and LVF weights; now_us is set at every plan */
+    blink_req_time_t *times;      /* [slot_count] what rule 0 reads of each request (priority, clocks, SLOs) */
+    uint32_t *plan_w_out;         /* [slot_count] blink_plan_step_policy's scratch: waiting order */
+    uint32_t *plan_r_out;         /* [max_batch_size] running order */
+    uint32_t *plan_victims;       /* [max_batch_size] */
+    uint32_t *plan_lid;           /* [slot_count + max_batch_size] */
+    int64_t *plan_lkey;           /* [slot_count + max_batch_size] */
+    blink_pkv_t *pkv;             /* [1] the prefix-caching allocator (kv_alloc.h), set up by the first instance */
+    uint32_t *pkv_refs;           /* [num_blocks] its arrays (the free stack is kv_free_stack) */
+    uint64_t *pkv_key;            /* [num_blocks] */
+    uint32_t *pkv_has_key;        /* [num_blocks] */
+    uint32_t *pkv_lru_prev;       /* [num_blocks] */
+    uint32_t *pkv_lru_next;       /* [num_blocks] */
+    uint64_t *pkv_table_key;      /* [pkv_table_cap] */
+    uint32_t *pkv_table_block;    /* [pkv_table_cap] */
+    uint32_t *pkv_claimed;        /* [num_blocks] plan_stamp of the plan that counted the block idle */
+    uint64_t *kv_keys;            /* [slot_count * kv_max_blocks] prefix-cache keys of each slot's full blocks */
+    uint32_t pkv_table_cap;       /* power of two >= 2 * num_blocks */
+    uint32_t prefix_caching;      /* 1: admission looks up cached prefix blocks, full blocks are committed */
+    int64_t ttft_slo_us;          /* a request's targets when its slot says 0 */
+    int64_t tbt_slo_us;
 } blink_sched_params_t;
 
 static inline BLINK_HD blink_slot_t *blink_slot_ptr(const blink_sched_params_t *p, uint64_t i) {

@@ -37,6 +37,14 @@ class SchedulerConfig:
     beat_interval_s: float = 0.01
     grace_s: float = 2.0
     step_timeout_s: float = 30.0
+    scheduling_policy: str = "fcfs"     # the daemon's --scheduling-policy: fcfs | priority | lvf (policy.py)
+    prefix_caching: bool = True         # admission takes cached prefix blocks; full blocks are committed
+    lvf_alpha_milli: int = 3000         # policy.PolicyConfig's LVF weights
+    lvf_beta_b_milli: int = 0
+    lvf_beta_f_milli: int = 500
+    lvf_xfer_blocks: int = 2400
+    ttft_slo_ms: int = 5000             # a request's targets when its slot says 0 (intake.IntakeConfig's)
+    tbt_slo_ms: int = 100
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_prefill_tokens", "block_size", "max_model_len", "vocab_size"):
@@ -46,6 +54,8 @@ class SchedulerConfig:
         if not 1 <= self.window_limit <= MAX_WINDOW:
             raise ValueError(f"window_limit must be in 1..{MAX_WINDOW} (the device's cap of {DEVICE_LAUNCH_LIMIT} "
                              f"launches less {LAUNCH_HEADROOM} for retries), got {self.window_limit}")
+        if str(self.scheduling_policy).upper() not in ("FCFS", "PRIORITY", "LVF"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or lvf, got {self.scheduling_policy!r}")
         if len(self.eos_ids) > structs.MAX_EOS_IDS:
             raise ValueError(f"at most {structs.MAX_EOS_IDS} eos ids, got {len(self.eos_ids)}")
         if self.kv_blocks * self.block_size < self.max_model_len:
@@ -78,6 +88,14 @@ class SchedulerConfig:
             pc.eos_ids[i] = t
         return pc
 
+    def rules(self) -> structs.SchedRules:
+        """blink_sched_rules_t: the policy and its LVF weights (the device sets now_us per plan)."""
+        code = {"FCFS": structs.POLICY_FCFS, "PRIORITY": structs.POLICY_PRIORITY,
+                "LVF": structs.POLICY_LVF}[str(self.scheduling_policy).upper()]
+        return structs.SchedRules(policy=code, lvf_alpha_milli=self.lvf_alpha_milli,
+                                  lvf_beta_b_milli=self.lvf_beta_b_milli, lvf_beta_f_milli=self.lvf_beta_f_milli,
+                                  lvf_xfer_blocks=self.lvf_xfer_blocks)
+
     def params(self, geom: RingGeometry, ring_addr: int, buffers: dict[str, int], control_addr: int,
                graphs: structs.GraphTable | None = None, clock_offset_ns: int = 0) -> structs.SchedParams:
         """The parameter block for a ring at `ring_addr` and buffers at the given addresses
@@ -92,7 +110,9 @@ class SchedulerConfig:
             idle_sleep_ns=self.idle_sleep_ns,
             launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
-            clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks)
+            clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks, rules=self.rules(),
+            pkv_table_cap=structs.pkv_table_cap(self.kv_blocks), prefix_caching=int(self.prefix_caching),
+            ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000)
         for name, addr in buffers.items():
             setattr(p, name, addr)
         p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)

@@ -55,7 +55,8 @@ class Req(_Struct):
                 ("min_tokens", u32), ("n_mask_stops", u32), ("mask_stops", i32 * ROW_STOPS),
                 ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("seat_fresh", u32),
                 ("extra_offset", u32), ("n_logit_bias", u32), ("n_allowed_ids", u32), ("bad_words_words", u32),
-                ("automaton_words", u32), ("automaton_offset", u32), ("automaton_state", i32), ("reserved2", u32)]
+                ("automaton_words", u32), ("automaton_offset", u32), ("automaton_state", i32), ("reserved2", u32),
+                ("num_cached", u32), ("cached_idle", u32), ("num_committed", u32), ("n_keys", u32)]
 
 
 class SchedState(_Struct):
@@ -63,18 +64,42 @@ class SchedState(_Struct):
                 ("prev_kind", u32), ("in_flight", u32), ("step_no", u32), ("n_chunks", u32),
                 ("draining", u32), ("started", u32), ("n_rows", u32), ("graph", u32),
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
-                ("step_launched_ns", u64)]
+                ("step_launched_ns", u64), ("plan_stamp", u32), ("reserved", u32)]
 
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
-            "publish_ns", "plan_ns", "launch_ns", "fallback_steps")
+            "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
+            "prefix_hit_blocks", "prefix_miss_blocks")
 
 
 class SchedControl(_Struct):
     _fields_ = [("stop", u32), ("abort", u32), ("running", u32), ("exit_code", u32),
                 *[(name, u64) for name in COUNTERS], ("last_launch_error", i32),
                 ("max_window_launches", u32)]
+
+
+POLICY_FCFS, POLICY_PRIORITY, POLICY_LVF = 0, 1, 2     # csrc BLINK_POLICY_* (= scheduler.policy.SchedPolicy)
+
+
+class SchedRules(_Struct):
+    """csrc/sched_types.h blink_sched_rules_t: PolicyConfig's policy fields and the clock."""
+    _fields_ = [("policy", u32), ("lvf_alpha_milli", u32), ("lvf_beta_b_milli", i32), ("lvf_beta_f_milli", i32),
+                ("lvf_xfer_blocks", u32), ("reserved", u32), ("now_us", i64)]
+
+
+class ReqTime(_Struct):
+    """csrc/sched_types.h blink_req_time_t: what rule 0 reads of a request."""
+    _fields_ = [("id", u32), ("priority", i32), ("arrival_us", i64), ("last_us", i64), ("run_us", i64),
+                ("ttft_slo_us", i64), ("tbt_slo_us", i64)]
+
+
+class PKV(_Struct):
+    """csrc/kv_alloc.h blink_pkv_t: the prefix-caching allocator's state."""
+    _fields_ = [("free_stack", ptr), ("refs", ptr), ("key", ptr), ("has_key", ptr), ("lru_prev", ptr),
+                ("lru_next", ptr), ("table_key", ptr), ("table_block", ptr), ("num_blocks", u32), ("table_cap", u32),
+                ("never_cached", u32), ("evictable", u32), ("lru_head", u32), ("lru_tail", u32),
+                ("extra_refs", u32), ("cached", u32), ("evictions", u32), ("reserved", u32)]
 
 
 class KV(_Struct):
@@ -118,12 +143,26 @@ class SchedParams(_Struct):
                 ("n_seats", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
                 ("kv_max_blocks", u32), ("reserved", u32),
                 ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
-                ("clock_offset_ns", i64)]
+                ("clock_offset_ns", i64), ("rules", SchedRules), ("times", ptr), ("plan_w_out", ptr),
+                ("plan_r_out", ptr), ("plan_victims", ptr), ("plan_lid", ptr), ("plan_lkey", ptr), ("pkv", ptr),
+                ("pkv_refs", ptr), ("pkv_key", ptr), ("pkv_has_key", ptr), ("pkv_lru_prev", ptr),
+                ("pkv_lru_next", ptr), ("pkv_table_key", ptr), ("pkv_table_block", ptr), ("pkv_claimed", ptr),
+                ("kv_keys", ptr), ("pkv_table_cap", u32), ("prefix_caching", u32), ("ttft_slo_us", i64),
+                ("tbt_slo_us", i64)]
 
 
 C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",
            SchedControl: "blink_sched_control_t", SchedParams: "blink_sched_params_t", KV: "blink_kv_t",
+           SchedRules: "blink_sched_rules_t", ReqTime: "blink_req_time_t", PKV: "blink_pkv_t",
            GraphLut: "blink_graph_lut_t", GraphTable: "blink_graph_table_t", StepIO: "blink_step_io_t"}
+
+
+def pkv_table_cap(num_blocks: int) -> int:
+    """The prefix cache's hash table size: a power of two >= 2 * num_blocks."""
+    cap = 2
+    while cap < 2 * num_blocks:
+        cap *= 2
+    return cap
 
 
 def buffer_sizes(slot_count: int, max_batch_size: int, *, num_blocks: int, max_blocks: int,
@@ -133,7 +172,15 @@ def buffer_sizes(slot_count: int, max_batch_size: int, *, num_blocks: int, max_b
     num_blocks: the KV pool; max_blocks: blocks of one slot's table; max_rows: rows of the
     largest step graph (0 for the stand-in echo, which reads no rows)."""
     rows = max(1, max_rows)
-    return {"reqs": slot_count * ctypes.sizeof(Req), "waiting": 4 * slot_count, "running": 4 * max_batch_size,
+    cap = pkv_table_cap(num_blocks)
+    both = slot_count + max_batch_size
+    return {"times": slot_count * ctypes.sizeof(ReqTime), "plan_w_out": 4 * slot_count,
+            "plan_r_out": 4 * max_batch_size, "plan_victims": 4 * max_batch_size, "plan_lid": 4 * both,
+            "plan_lkey": 8 * both, "pkv": ctypes.sizeof(PKV), "pkv_refs": 4 * num_blocks, "pkv_key": 8 * num_blocks,
+            "pkv_has_key": 4 * num_blocks, "pkv_lru_prev": 4 * num_blocks, "pkv_lru_next": 4 * num_blocks,
+            "pkv_table_key": 8 * cap, "pkv_table_block": 4 * cap, "pkv_claimed": 4 * num_blocks,
+            "kv_keys": 8 * slot_count * max_blocks,
+            "reqs": slot_count * ctypes.sizeof(Req), "waiting": 4 * slot_count, "running": 4 * max_batch_size,
             "arrivals": 4 * slot_count, "chunk_slot": 4 * max_batch_size, "chunk_start": 4 * max_batch_size,
             "chunk_len": 4 * max_batch_size, "chunk_sample": 4 * max_batch_size,
             "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * 8 * max_batch_size,

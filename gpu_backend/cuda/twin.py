@@ -81,18 +81,7 @@ def _u32(a) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=np.uint32))
 
 
-class SchedRules(ctypes.Structure):
-    """blink_sched_rules_t (sched_policy.h): PolicyConfig's policy fields and the clock."""
-    _fields_ = [("policy", ctypes.c_uint32), ("lvf_alpha_milli", ctypes.c_uint32),
-                ("lvf_beta_b_milli", ctypes.c_int32), ("lvf_beta_f_milli", ctypes.c_int32),
-                ("lvf_xfer_blocks", ctypes.c_uint32), ("reserved", ctypes.c_uint32), ("now_us", ctypes.c_int64)]
-
-
-class ReqTime(ctypes.Structure):
-    """blink_req_time_t (sched_policy.h): what rule 0 reads of a request."""
-    _fields_ = [("id", ctypes.c_uint32), ("priority", ctypes.c_int32), ("arrival_us", ctypes.c_int64),
-                ("last_us", ctypes.c_int64), ("run_us", ctypes.c_int64), ("ttft_slo_us", ctypes.c_int64),
-                ("tbt_slo_us", ctypes.c_int64)]
+SchedRules, ReqTime = structs.SchedRules, structs.ReqTime   # sched_types.h's blink_sched_rules_t, blink_req_time_t
 
 
 def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_policy.StepPlan:
@@ -103,6 +92,7 @@ def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_pol
     times = (ReqTime * max(1, len(ids)))()
     for i, w in enumerate(inp.waiting):
         reqs[i].prompt_len = w.num_tokens
+        reqs[i].num_cached, reqs[i].cached_idle = w.num_cached, w.cached_idle
         reqs[i].status = structs.REQ_WAITING
         times[i] = ReqTime(w.id, w.priority, w.arrival_us, w.last_us, 0, w.ttft_slo_us, w.tbt_slo_us)
     for j, r in enumerate(inp.running):
@@ -123,7 +113,7 @@ def plan_step(inp: py_policy.PolicyInput, cfg: py_policy.PolicyConfig) -> py_pol
     lists = np.zeros(7 * cap, np.uint32)
     vp = ctypes.c_void_p
     lib().blink_plan(ctypes.byref(pc), ctypes.byref(reqs), vp(waiting.ctypes.data), ctypes.c_uint32(len(waiting)),
-                     vp(running.ctypes.data), ctypes.c_uint32(len(running)), ctypes.c_uint32(inp.free_blocks),
+                     vp(running.ctypes.data), ctypes.c_uint32(len(running)), ctypes.c_int64(inp.free_blocks),
                      ctypes.c_uint32(int(inp.prev_kind)), vp(counts.ctypes.data), vp(lists.ctypes.data),
                      ctypes.c_uint32(cap), rules, ctypes.byref(times))
     kind, n_pre, n_dec, n_preempt, n_adm, n_new = (int(c) for c in counts)
