@@ -28,6 +28,7 @@ protocol: it forwards every transport event unchanged and adds one timer per req
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import Any, Callable, Coroutine, TypeVar
@@ -178,6 +179,11 @@ async def serve(app: web.Application, host: str, port: int, *, header_timeout_s:
                 signals.append(sig)
             except (NotImplementedError, RuntimeError):   # not the main thread / no signals here
                 pass
+        # What start-up made (tokenizer, templates, pydantic models, the app) lives as long as the
+        # server: frozen out of the cyclic collector's sight, requests' garbage no longer makes it
+        # walk them (as the daemon's engine does, and vLLM's server).
+        gc.collect()
+        gc.freeze()
         if on_ready is not None:
             on_ready()
         await stop.wait()

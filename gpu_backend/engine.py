@@ -24,7 +24,6 @@ the daemon's heartbeat runs beside it.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import threading
 import time
@@ -266,12 +265,6 @@ class Engine:
         """Step until `stop` is set; then finish in-flight work within the grace period
         (no new claims) and abort whatever is left with ABORT/BACKEND_SHUTDOWN."""
         fine_timer_slack()   # the idle back-off's 50 us sleeps, not 100+
-        # Everything alive now (the model's modules, the tokenizer's and config's objects) lives as
-        # long as the daemon: out of the collector's sight, a step's allocations no longer make it
-        # walk them. The cyclic collector's passes were ~7% of a batch-1 decode step's samples
-        # (perf, Q4_1 SmolLM2 on the AVX2 EPYC), as vLLM found (it freezes after start-up too).
-        gc.collect()
-        gc.freeze()
         idle = 0
         while not stop.is_set():
             if self._safe_step():

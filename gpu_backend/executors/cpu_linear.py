@@ -179,9 +179,9 @@ class QuantKernelLinear(nn.Module):
 
 # Sampled rows up to which the tied logits head multiplies its Q8_0 blocks with float activations;
 # above, the float token-embedding table through the float GEMM. SmolLM2's 49152 x 576 head on
-# the 2-core AVX2 EPYC, 2 threads (the blocks / the float32 table): 2.7 / 8.3 ms at 1 row, 6.9 /
-# 17.6 at 8, 15.0 / 22.6 at 16, 24.6 / 26.8 at 32 (a loaded machine; the float table reads 3.8x
-# the bytes and is bandwidth-bound to ~16 rows).
+# the 2-core AVX2 EPYC, 2 threads, best of 10 (the blocks / the float32 table): 3.1 / 8.5 ms at
+# 1 row, 4.8 / 16.4 at 8, 9.2 / 18.3 at 16, 18.2 / 26.7 at 32 (a noisy machine; the float
+# table reads 3.8x the bytes and is bandwidth-bound to ~16 rows).
 FX_HEAD_MAX_ROWS = 32
 
 
