@@ -63,8 +63,40 @@ def test_hypothesis_inputs_plan_alike(twin_lib, seed, batch, budget, block):
     assert twin.plan_step(inp, cfg) == P.plan_step(inp, cfg)
 
 
-def _record_engine_scenario(seed: int) -> P.Scenario:
-    """Serve random traffic through the real engine (echo runner) and record every decision."""
+def _with_prefix_hits(rng: random.Random, inp: P.PolicyInput, cfg: P.PolicyConfig) -> P.PolicyInput:
+    """The input with prefix-cache hits on some waiting requests (block-aligned, < num_tokens; some
+    of their blocks idle) and a free count that may go negative (extra holders of shared blocks)."""
+    bs = cfg.block_size
+    waiting = []
+    for w in inp.waiting:
+        full = (w.num_tokens - 1) // bs
+        hit = rng.randint(0, full) if full and rng.random() < 0.6 else 0
+        idle = rng.randint(0, hit) if hit else 0
+        waiting.append(P.WaitingReq(w.id, w.num_tokens, hit * bs, idle, *w.ext()))
+    free = inp.free_blocks - (rng.randint(0, 6) if rng.random() < 0.2 else 0)
+    return P.PolicyInput(tuple(waiting), inp.running, free, inp.prev_kind, inp.now_us)
+
+
+@pytest.mark.parametrize("policy", list(P.SchedPolicy))
+def test_random_inputs_with_prefix_hits_plan_alike(twin_lib, policy):
+    """num_cached / cached_idle (rule 0's need, rule 2b's chunk and free count) and a negative free
+    count in C++ as in Python, under each policy."""
+    from gpu_backend.cuda import twin
+    rng = random.Random(20261125 + 7 * int(policy))
+    hits = 0
+    for _ in range(3000):
+        cfg = P.PolicyConfig(rng.randint(1, 8), rng.choice([1, 3, 16, 64, 2048]), rng.choice([1, 2, 4, 16]),
+                             policy=policy, lvf_xfer_blocks=rng.choice([0, 3, 2400]))
+        inp = _with_prefix_hits(rng, _random_policy_input(rng, cfg, min(6, cfg.max_batch_size + 1)), cfg)
+        want = P.plan_step(inp, cfg)
+        assert twin.plan_step(inp, cfg) == want, (inp, cfg)
+        hits += any(w.num_cached and w.id in want.admitted for w in inp.waiting)
+    assert hits > 50
+
+
+def _record_engine_scenario(seed: int, prefix_caching: bool = False) -> P.Scenario:
+    """Serve random traffic through the real engine (echo runner) and record every decision; with
+    prefix caching, most prompts start with one of a few shared prefixes."""
     rng = np.random.default_rng(seed)
     geom = RingGeometry(24, 1 << 14, 1 << 14)
     ring = Ring.create(bytearray(geom.total_size), geom)
@@ -72,16 +104,18 @@ def _record_engine_scenario(seed: int) -> P.Scenario:
                             block_size=int(rng.choice([2, 4, 8])))
     max_len = 96
     num_blocks = P.blocks_needed(max_len, policy.block_size) + int(rng.integers(0, 12))   # tight: preemptions
-    scenario = P.Scenario(policy, name=f"engine-seed{seed}")
-    # The device loop has no prefix cache (its planner sees num_cached = 0): record without one, or a
-    # preempted request re-admitted onto its own cached blocks would plan what the device never does.
-    engine = Engine(ring, EchoRunner(), EngineConfig(policy, num_blocks, prefix_caching=False),
+    scenario = P.Scenario(policy, name=f"engine-seed{seed}{'-prefix' if prefix_caching else ''}")
+    engine = Engine(ring, EchoRunner(), EngineConfig(policy, num_blocks, prefix_caching=prefix_caching),
                     IntakeConfig(49152, max_len), scenario=scenario)
     fp = FrontendPlayer(ring)
+    prefixes = [rng.integers(0, 1000, int(rng.integers(8, 40))).tolist() for _ in range(3)]
     submitted = 0
     for _ in range(400):
         while submitted < 40 and len(fp.inflight) < geom.slot_count and rng.random() < 0.5:
-            fp.submit(rng.integers(0, 1000, int(rng.integers(1, 60))).tolist(), int(rng.integers(1, 40)))
+            prompt = rng.integers(0, 1000, int(rng.integers(1, 60))).tolist()
+            if prefix_caching and rng.random() < 0.7:
+                prompt = (prefixes[int(rng.integers(0, 3))] + prompt)[:60]
+            fp.submit(prompt, int(rng.integers(1, 40)))
             submitted += 1
         if fp.inflight and rng.random() < 0.03:
             fp.cancel(int(rng.choice(list(fp.inflight))))
@@ -91,10 +125,13 @@ def _record_engine_scenario(seed: int) -> P.Scenario:
     return scenario
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_recorded_engine_scenarios_replay_alike(twin_lib, seed, tmp_path):
+def test_recorded_engine_scenarios_replay_alike(twin_lib, seed, prefix_caching, tmp_path):
     from gpu_backend.cuda import twin
-    recorded = _record_engine_scenario(seed)
+    recorded = _record_engine_scenario(seed, prefix_caching)
+    if prefix_caching:
+        assert any(w.num_cached for inp, _ in recorded.steps for w in inp.waiting), "shared prefixes should hit"
     path = tmp_path / "scenario.json"
     recorded.dump(path)
     scenario = P.Scenario.from_json(json.loads(path.read_text()))
