@@ -11,13 +11,19 @@
  *                        cancelled or stale requests for the reap
  *   intake   (all)       copy + validate the claimed requests (the sampling surface and its
  *                        data too, a structured output's token automaton: automaton.h;
- *                        prompt logprobs refused), queue them FCFS by seq
+ *                        prompt logprobs refused), stamp what the policy reads (times:
+ *                        priority, arrival, SLOs), queue them by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; a structured output's automaton steps over the
  *                        token; finish (STOP / LENGTH) -> DECODE_COMPLETED
- *   schedule (thread 0)  drop finished, reap aborted (their KV blocks back to the
- *                        allocator), blink_plan_step, preempt, admit, allocate KV
- *                        blocks (kv_alloc.h) and sampler seats, write the step descriptor, pick the
+ *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
+ *                        finished, reap aborted (their KV blocks back to the allocator),
+ *                        look up each waiting request's cached prefix (key chain over its
+ *                        ring tokens), blink_plan_step_policy under the daemon's policy
+ *                        (FCFS, PRIORITY or LVF), preempt, admit (taking the cached
+ *                        prefix: shared, refcounted), allocate KV blocks (kv_alloc.h
+ *                        blink_pkv_*: LRU eviction of cached ones) and sampler seats,
+ *                        write the step descriptor, pick the
  *                        step graph (graph_table.h: O(1) lookup, chunks -> rows),
  *                        launch it fire-and-forget, or tail-launch a fresh
  *                        instance when this one's launch window is full

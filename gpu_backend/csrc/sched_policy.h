@@ -1,4 +1,5 @@
-/* The scheduler's decisions as plain host+device C: the twin of
+/* The scheduler's decisions as plain host+device C (the persistent loop plans through
+ * blink_plan_step_policy under the daemon's policy): the twin of
  * gpu_backend/scheduler/policy.py (plan_step) and of the engine's request checks
  * (scheduler/intake.py) and finish rule (engine._emit). No memory ordering, no ring
  * access, no CUDA: the kernel (sched_loop.h) is the mechanism around these

@@ -1,9 +1,9 @@
 """SchedulerConfig: the persistent scheduler's knobs, and the parameter block
 (structs.SchedParams) they become for a given ring and buffer set.
 
-    ExecutorOptions (daemon flags) -> SchedulerConfig -> params(ring geometry,
-    buffer addresses, graph table) -> SchedParams -> device memory (runtime.py)
-    or the CPU twin
+    ExecutorOptions (daemon flags) -> SchedulerConfig (+ scheduling_fields(options): the
+    --scheduling-policy, prefix caching and default SLOs) -> params(ring geometry, buffer
+    addresses, graph table) -> SchedParams -> device memory (runtime.py) or the CPU twin
 """
 from __future__ import annotations
 
@@ -120,3 +120,11 @@ class SchedulerConfig:
         # the echo stand-in none, and its intake refuses what would need one
         p.n_seats = self.max_batch_size if p.graphs.shapes else 0
         return p
+
+
+def scheduling_fields(options) -> dict:
+    """SchedulerConfig's fields that the daemon's ExecutorOptions set beyond the pool and batch
+    shape: `SchedulerConfig(..., **scheduling_fields(options))` runs the device loop under the
+    policy, prefix caching and default SLOs the daemon was started with."""
+    return dict(scheduling_policy=options.scheduling_policy, prefix_caching=bool(options.prefix_caching),
+                ttft_slo_ms=int(options.ttft_slo_ms), tbt_slo_ms=int(options.tbt_slo_ms))

@@ -143,6 +143,37 @@ def test_same_results_as_the_cpu_engine(ring_name, device, module):
     assert got == _serve_workload(ref, engine_drain, 3)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "lvf"])
+def test_same_results_under_each_policy_and_prefix_cache(ring_name, device, module, policy):
+    """The device loop under --scheduling-policy with prefix caching, on a trace the twin test
+    (test_twin_policies.py) runs: the Python scheduler's outputs, preemption count and prefix-cache
+    counters (hits and misses, tokens and blocks) on the ring header."""
+    from gpu_backend.scheduler.policy import SchedPolicy, blocks_needed
+    from test_twin_policies import MAX_LEN, PREFIX_COUNTERS, _python, _trace
+    sp = SchedPolicy[policy.upper()]
+    shared = sp != SchedPolicy.LVF           # LVF + tight + shared: the Python scheduler's own MemoryError
+    num_blocks = blocks_needed(MAX_LEN, 4) + 4
+    trace = _trace(7 + int(sp), shared)
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, max_batch_size=4, max_prefill_tokens=64, block_size=4,
+                            num_blocks=num_blocks, max_model_len=MAX_LEN, scheduling_policy=policy,
+                            prefix_caching=True, beat_interval_s=0.002)
+    fp, got = FrontendPlayer(ring), {}
+    for prompt, n, params in trace:
+        fp.submit(prompt, n, **params)
+    for r in drain(fp).values():
+        got[r.seq] = (r.tokens, int(r.finish))
+    time.sleep(0.02)                          # a heartbeat after the last step
+    stats = shut(rt, mapped)
+    counters = {k: int(ring.get(k)) for k in PREFIX_COUNTERS}
+    _, want, want_pre, want_prefix = _python(trace, sp, 4, 4, num_blocks)
+    assert got == want
+    preempted = stats.counters["preempted"]
+    assert (preempted, counters) == (want_pre, want_prefix)
+    assert preempted > 0 and (counters["prefix_hit_blocks"] > 0 or not shared)
+
+
 def test_cancel_stale_epoch_and_abort(ring_name, device, module):
     region = ShmRegion.create(ring_name, GEOM.total_size)
     ring = Ring.create(region.buf, GEOM)

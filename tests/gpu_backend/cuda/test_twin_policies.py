@@ -60,7 +60,7 @@ class Recorder:
         self.steps = []
 
 
-def _python(trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int):
+def _python(trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int, prefix: bool = True):
     ring = Ring.create(bytearray(GEOM.total_size), GEOM)
     rec, echo = Recorder(), EchoRunner()
 
@@ -70,7 +70,7 @@ def _python(trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int)
             return echo.run(batch_)
 
     engine = Engine(ring, Runner(), EngineConfig(PolicyConfig(batch, 64, block, policy=policy), num_blocks,
-                                                 prefix_caching=True), IntakeConfig(49152, MAX_LEN))
+                                                 prefix_caching=prefix), IntakeConfig(49152, MAX_LEN))
     fp = FrontendPlayer(ring)
     for prompt, n, params in trace:
         fp.submit(prompt, n, **params)
@@ -86,7 +86,7 @@ def _python(trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int)
     return rec.steps, out, len(preempted), {k: int(ring.get(k)) for k in PREFIX_COUNTERS}
 
 
-def _twin(ring, trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int):
+def _twin(ring, trace, policy: SchedPolicy, batch: int, block: int, num_blocks: int, prefix: bool = True):
     from gpu_backend.cuda.twin import TwinScheduler
     rec, holder = Recorder(), {}
 
@@ -109,7 +109,7 @@ def _twin(ring, trace, policy: SchedPolicy, batch: int, block: int, num_blocks: 
         fp.submit(prompt, n, **params)
     cfg = SchedulerConfig(max_batch_size=batch, max_prefill_tokens=64, block_size=block, num_blocks=num_blocks,
                           max_model_len=MAX_LEN, idle_sleep_ns=20_000, beat_interval_s=0.002,
-                          scheduling_policy=policy.name.lower(), prefix_caching=True)
+                          scheduling_policy=policy.name.lower(), prefix_caching=prefix)
     tw = holder["tw"] = TwinScheduler(ring, cfg, threads=2, launch_cb=launch).start()
     out, deadline = {}, time.monotonic() + 60
     try:
@@ -152,6 +152,16 @@ def test_twin_loop_decides_as_the_python_scheduler(twin_lib, shm_ring, policy, t
         assert got_prefix["prefix_hit_blocks"] > 10 and got_prefix["prefix_hit_tokens"] > 40
     elif not tight:
         assert got_prefix["prefix_hit_blocks"] == 0
+
+
+def test_prefix_caching_off_on_the_twin(twin_lib, shm_ring):
+    """--no-prefix-caching: no lookups, no commits, no hits; the Python scheduler's decisions."""
+    num_blocks = blocks_needed(MAX_LEN, 4) + 4
+    trace = _trace(3, True)
+    want = _python(trace, SchedPolicy.FCFS, 4, 4, num_blocks, prefix=False)
+    got = _twin(shm_ring(GEOM), trace, SchedPolicy.FCFS, 4, 4, num_blocks, prefix=False)
+    assert got == want
+    assert got[3]["prefix_hit_blocks"] == 0 and got[3]["prefix_miss_blocks"] > 0
 
 
 def test_priority_order_on_the_twin(twin_lib, shm_ring):
@@ -224,3 +234,16 @@ def test_prefix_sharing_through_cpu_graphs_gives_the_cpu_executors_tokens(twin_l
     assert tw.stats.prefix_hit_blocks == 5 * 6 and tw.stats.prefix_hit_tokens == 5 * 24
     assert int(ring.get("prefix_hit_blocks")) == 30 and int(ring.get("prefix_caching")) == 1
     assert int(ref_ring.get("prefix_hit_blocks")) == 30
+
+
+def test_the_daemons_options_reach_the_parameter_block():
+    from gpu_backend.cuda.config import scheduling_fields
+    from gpu_backend.executors import ExecutorOptions
+    opts = ExecutorOptions(scheduling_policy="lvf", prefix_caching=False, ttft_slo_ms=700, tbt_slo_ms=40)
+    cfg = SchedulerConfig(max_batch_size=4, block_size=4, max_model_len=64, **scheduling_fields(opts))
+    p = cfg.params(GEOM, 0, {}, 0)
+    assert (p.rules.policy, p.prefix_caching, p.ttft_slo_us, p.tbt_slo_us) == (structs.POLICY_LVF, 0, 700_000, 40_000)
+    assert (p.rules.lvf_alpha_milli, p.rules.lvf_beta_f_milli) == (3000, 500)     # policy.PolicyConfig's defaults
+    assert p.pkv_table_cap >= 2 * cfg.kv_blocks and p.pkv_table_cap & (p.pkv_table_cap - 1) == 0
+    with pytest.raises(ValueError):
+        SchedulerConfig(scheduling_policy="sjf")
