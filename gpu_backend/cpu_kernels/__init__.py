@@ -67,7 +67,9 @@ _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
                            _int, _int]
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}     # ggml type id -> name: what quant.cc reads
 SPLIT = 0x100           # | a type id: its rows repacked by CpuKernels.repack (f16 scales first, then codes)
+X8 = 0x200              # | Q4_0 / Q4_1: groups of 8 rows interleaved block by block (CpuKernels.repack)
 QUANT_TYPES.update({SPLIT | t: f"{QUANT_TYPES[t]}(split)" for t in (2, 3, 8)})
+QUANT_TYPES.update({X8 | t: f"{QUANT_TYPES[t]}(x8)" for t in (2, 3)})
 ISA_NAMES = ("scalar", "avx2", "avx512")                         # quant.cc's paths, narrowest first
 ISA_ENV = "BLINK_CPU_ISA"
 
@@ -283,19 +285,23 @@ class CpuKernels:
             return -1
         return int(self._fns["quant_row_bytes", "quant"](wtype, k))
 
-    def repack(self, wtype: int, blocks: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
-        """blocks uint8 [N, row bytes] of ggml type wtype -> (SPLIT | wtype, the rows repacked with
-        their f16 scales first: the same bytes, read faster by a 1-row matmul); Q4_K -> as given."""
+    def repack(self, wtype: int, blocks: torch.Tensor, k: int, x8: bool = True) -> tuple[int, torch.Tensor]:
+        """blocks uint8 [N, row bytes] of ggml type wtype -> (new type, the same bytes rearranged for
+        quant_linear): Q4_0 / Q4_1 with N % 8 == 0 as X8 (8 rows a vector) unless x8 is False,
+        Q4_0 / Q4_1 / Q8_0 otherwise as SPLIT (each row's f16 scales first: quant_linear_fx reads
+        these); Q4_K as given."""
         rb = self.quant_row_bytes(wtype, k)
-        if rb < 0 or wtype & SPLIT or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != rb:
+        if (rb < 0 or wtype & (SPLIT | X8) or blocks.dtype != torch.uint8 or blocks.dim() != 2
+                or blocks.shape[1] != rb):
             raise ValueError(f"repack: blocks {tuple(blocks.shape)} of type {QUANT_TYPES.get(wtype, wtype)}, K {k}")
         if wtype == 12:
             return wtype, blocks
+        want = X8 | wtype if x8 and wtype in (2, 3) and blocks.shape[0] % 8 == 0 else SPLIT | wtype
         src = blocks.contiguous()
         out = torch.empty_like(src)
-        split = int(self._fns["quant_repack", "quant"](wtype, src.data_ptr(), out.data_ptr(), src.shape[0], k))
-        assert split == SPLIT | wtype
-        return split, out
+        got = int(self._fns["quant_repack", "quant"](want, src.data_ptr(), out.data_ptr(), src.shape[0], k))
+        assert got == want, (got, want)
+        return got, out
 
     def dequantize(self, wtype: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
         """blocks uint8 [N, row bytes] of ggml type wtype -> float32 [N, K]."""

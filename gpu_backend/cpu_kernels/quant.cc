@@ -14,6 +14,13 @@
 // fits L1 (decode batches, prefill chunks), not once per row. Threads (OpenMP, the caller's count)
 // split the weight rows.
 //
+// Layouts (the same bytes; CpuKernels.repack rearranges a GGUF matrix once, at load):
+//   GGUF      rows of blocks as the file has them
+//   SPLIT     each row's f16 scales first, then its codes: a tile's scales convert 8 at a time
+//   X8        Q4_0/Q4_1, N % 8 == 0: 8 rows interleaved a block at a time, so the 8 int32 lanes of a
+//             ymm are 8 weight rows: no horizontal sums, one conversion and scale per 8 rows of a
+//             block (ggml's q4_0_8x8 arrangement); what the CPU executor serves Q4 matrices as
+//
 // Paths, picked per call by `isa` (the caller clamps it to blink_quant_isa_max()):
 //   0 scalar   plain C++, the reference the others are tested against
 //   1 avx2     AVX2 + FMA + F16C, 16 ymm registers: tiles of up to 4 x 2 / 1 x 4
@@ -48,8 +55,14 @@ enum WType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };      // ggml_type ids, a
 // every block's codes: [d x nb][m x nb, Q4_1 only][codes x nb]. Same bytes; the scales of 8 blocks
 // convert in one instruction instead of one at a time (most of a 1-row matmul's work at K = 576).
 constexpr int SPLIT = 0x100;
+// X8 | type (Q4_0, Q4_1): groups of 8 rows interleaved block by block, so a ymm's 8 int32 lanes are
+// 8 weight rows: per block of a group, [d x 8 f16][m x 8 f16, Q4_1 only][codes: 4 x 32 bytes, the
+// q-th holding bytes 4q..4q+3 of rows 0..7]. A 1-row matmul then needs no horizontal sums and one
+// float conversion and multiply per 8 rows of a block, not per row (ggml's q4_0_8x8 idea). N % 8 == 0.
+constexpr int X8 = 0x200;
 constexpr int base_type(int t) { return t & 0xff; }
 constexpr bool is_split(int t) { return (t & SPLIT) != 0; }
+constexpr bool is_x8(int t) { return (t & X8) != 0; }
 constexpr int code_bytes(int t) { return base_type(t) == Q8_0 ? 32 : 16; }       // codes of a split block
 constexpr int scale_bytes(int t) { return base_type(t) == Q4_1 ? 4 : 2; }        // f16 d (and m) of one
 
@@ -88,7 +101,8 @@ struct Codes {
 };
 
 int64_t row_bytes(int t, int64_t k) {
-    if (is_split(t) && base_type(t) == Q4_K) return -1;
+    if ((is_split(t) && base_type(t) == Q4_K) || (is_x8(t) && base_type(t) != Q4_0 && base_type(t) != Q4_1)) return -1;
+    if (is_split(t) && is_x8(t)) return -1;
     switch (base_type(t)) {
         case Q4_0: return k / 32 * 18;
         case Q4_1: return k / 32 * 20;
@@ -554,6 +568,163 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
 }
 
 
+// ---- X8: 8 weight rows a ymm ----
+// The block b of group g (rows 8g .. 8g+7) starts at w + g * 8 * rb + b * X8_BLOCK(T).
+template <int T>
+constexpr int64_t x8_block_bytes() { return 8 * (scale_bytes(T) + 16); }
+
+template <int T>
+inline const uint8_t* x8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
+    return w + (n / 8) * 8 * rb + b * x8_block_bytes<T>();
+}
+
+// Row n's block b as a GGUF-style 16 code bytes (scalar paths, dequantization) and its scales.
+template <int T>
+inline void x8_row_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b, uint8_t* qs16, float* d, float* m) {
+    const uint8_t* blk = x8_block<T>(w, rb, n, b);
+    const int r = int(n % 8);
+    *d = f16(blk + 2 * r);
+    *m = base_type(T) == Q4_1 ? f16(blk + 16 + 2 * r) : -8.f * *d;
+    const uint8_t* codes = blk + 8 * scale_bytes(T);
+    for (int q = 0; q < 4; ++q) std::memcpy(qs16 + 4 * q, codes + 32 * q + 4 * r, 4);
+}
+
+template <int T>
+void repack_x8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rb = row_bytes(base_type(T), K), gb = rb / nb;
+    constexpr int sb = scale_bytes(T);
+    for (int64_t n = 0; n < N; ++n) {
+        const int r = int(n % 8);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* src = w + n * rb + b * gb;
+            uint8_t* blk = out + (n / 8) * 8 * rb + b * x8_block_bytes<T>();
+            std::memcpy(blk + 2 * r, src, 2);
+            if constexpr (base_type(T) == Q4_1) std::memcpy(blk + 16 + 2 * r, src + 2, 2);
+            for (int q = 0; q < 4; ++q) std::memcpy(blk + 8 * sb + 32 * q + 4 * r, src + sb + 4 * q, 4);
+        }
+    }
+}
+
+template <int T>
+void matmul_x8_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
+                      int threads) {
+    const int64_t nb = K / QK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 8)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t qs[16];
+                float wd, wm;
+                x8_row_block<T>(w, rb, n, b, qs, &wd, &wm);
+                const int8_t* xq = a.qs + m * K + b * QK;
+                int32_t dot = 0;
+                for (int i = 0; i < 16; ++i) dot += (qs[i] & 15) * xq[i] + (qs[i] >> 4) * xq[i + 16];
+                acc += wd * a.d[m * nb + b] * float(dot) + wm * a.s[m * nb + b];
+            }
+            out.put(m, n, acc);
+        }
+    }
+}
+
+template <int T>
+void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+    const int64_t nb = K / QK, rb = row_bytes(T, K);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 8)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t qs[16];
+            float d, m;
+            x8_row_block<T>(w, rb, n, b, qs, &d, &m);
+            float* o = out + n * K + b * QK;
+            for (int i = 0; i < 16; ++i) {
+                o[i] = d * float(qs[i] & 15) + m;
+                o[i + 16] = d * float(qs[i] >> 4) + m;
+            }
+        }
+    }
+}
+
+#if BLINK_Q_AVX2
+// 8 weight rows (one group) against MR rows of x: per block the 8 code vectors are unpacked once
+// (c[q]: the rows' codes at k = 4q .. 4q+3, matching x's bytes 4q .. 4q+3), and per row of x 8
+// u8 x s8 pair products summed in int16 (|sum| <= 8 * 2 * 15 * 127 < 32768), one int32 pair sum,
+// one conversion and two FMAs (scale, offset) for the 8 rows.
+template <int T, int MR>
+void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K, const Out& out, int64_t n0) {
+    constexpr int64_t BB = x8_block_bytes<T>();
+    constexpr int SB = scale_bytes(T);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    #pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = grp + b * BB;
+        __m256i c[8];
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 * SB + 32 * q));
+            c[q] = _mm256_and_si256(v, low4);
+            c[q + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        const __m256 mw = base_type(T) == Q4_1
+            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)))
+            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+        #pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+            const int8_t* xq = a.qs + (m0 + m) * K + b * QK;
+            int32_t quad[8];
+            std::memcpy(quad, xq, 32);
+            __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(quad[0]));
+            #pragma GCC unroll 8
+            for (int q = 1; q < 8; ++q) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[q], _mm256_set1_epi32(quad[q])));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            const __m256 dx = _mm256_broadcast_ss(a.d + (m0 + m) * nb + b);
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, dx), acc[m]);
+            acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(a.s + (m0 + m) * nb + b), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[m]);
+        for (int r = 0; r < 8; ++r) out.put(m0 + m, n0 + r, lanes[r]);
+    }
+}
+
+template <int T>
+void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    const int64_t nb = K / QK, groups = N / 8, chunk = chunk_rows(K);
+    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {              // rows of x whose codes stay in L1
+        const int64_t c1 = M - c0 < chunk ? M : c0 + chunk;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const uint8_t* grp = w + g * 8 * rb;
+            int64_t m = c0;
+            for (; m + 4 <= c1; m += 4) x8_tile<T, 4>(grp, a, m, nb, K, out, 8 * g);
+            switch (c1 - m) {
+                case 3: x8_tile<T, 3>(grp, a, m, nb, K, out, 8 * g); break;
+                case 2: x8_tile<T, 2>(grp, a, m, nb, K, out, 8 * g); break;
+                case 1: x8_tile<T, 1>(grp, a, m, nb, K, out, 8 * g); break;
+                default: break;
+            }
+        }
+    }
+}
+#endif
+
+template <int T>
+void matmul_x8(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K, int threads) {
+    const int64_t rb = row_bytes(T, K);
+#if BLINK_Q_AVX2
+    if (isa >= 1) return matmul_x8_simd<T>(w, rb, a, out, M, N, K, threads);
+#endif
+    (void)isa;
+    matmul_x8_scalar<T>(w, rb, a, out, M, N, K, threads);
+}
+
 template <int T>
 void matmul_type(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
                  int threads) {
@@ -639,6 +810,8 @@ extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, co
         case SPLIT | Q4_0: matmul_type<SPLIT | Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
         case SPLIT | Q4_1: matmul_type<SPLIT | Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
         case SPLIT | Q8_0: matmul_type<SPLIT | Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
+        case X8 | Q4_0: if (N % 8) return -1; matmul_x8<X8 | Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
+        case X8 | Q4_1: if (N % 8) return -1; matmul_x8<X8 | Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
     }
     return -1;
 }
@@ -654,6 +827,8 @@ extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int6
         case SPLIT | Q4_0: dequantize<SPLIT | Q4_0>(wb, out, N, K, threads); return 0;
         case SPLIT | Q4_1: dequantize<SPLIT | Q4_1>(wb, out, N, K, threads); return 0;
         case SPLIT | Q8_0: dequantize<SPLIT | Q8_0>(wb, out, N, K, threads); return 0;
+        case X8 | Q4_0: if (N % 8) return -1; dequantize_x8<X8 | Q4_0>(wb, out, N, K, threads); return 0;
+        case X8 | Q4_1: if (N % 8) return -1; dequantize_x8<X8 | Q4_1>(wb, out, N, K, threads); return 0;
     }
     return -1;
 }
@@ -680,14 +855,20 @@ extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, i
 }
 
 // out = W (N GGUF rows of type wtype, K values each) repacked as SPLIT | wtype: the same bytes, each
-// row's f16 scales first. Returns the split type id, or -1 where wtype has no split layout (Q4_K).
+// row's f16 scales first; or, asked for X8 | Q4_0 / X8 | Q4_1 (N % 8 == 0), with 8 rows interleaved.
+// Returns the new type id, or -1 where that layout does not exist for the type or N.
 extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N, int64_t K) {
     const uint8_t* wb = static_cast<const uint8_t*>(w);
     uint8_t* ob = static_cast<uint8_t*>(out);
     switch (wtype) {
-        case Q4_0: repack<Q4_0>(wb, ob, N, K); return SPLIT | Q4_0;
-        case Q4_1: repack<Q4_1>(wb, ob, N, K); return SPLIT | Q4_1;
-        case Q8_0: repack<Q8_0>(wb, ob, N, K); return SPLIT | Q8_0;
+        case X8 | Q4_0: if (N % 8) return -1; repack_x8<X8 | Q4_0>(wb, ob, N, K); return X8 | Q4_0;
+        case X8 | Q4_1: if (N % 8) return -1; repack_x8<X8 | Q4_1>(wb, ob, N, K); return X8 | Q4_1;
+        case Q4_0:
+        case SPLIT | Q4_0: repack<Q4_0>(wb, ob, N, K); return SPLIT | Q4_0;
+        case Q4_1:
+        case SPLIT | Q4_1: repack<Q4_1>(wb, ob, N, K); return SPLIT | Q4_1;
+        case Q8_0:
+        case SPLIT | Q8_0: repack<Q8_0>(wb, ob, N, K); return SPLIT | Q8_0;
     }
     return -1;
 }

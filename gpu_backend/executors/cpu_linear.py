@@ -126,9 +126,8 @@ class QuantKernelLinear(nn.Module):
         starts = [0]
         for seg in self.segments:
             starts.append(starts[-1] + seg.n)
-        # Each segment's rows with their scales first (kernels.repack: the same bytes, the scales
-        # of 8 blocks converted at once), in place of the GGUF copy. Q4_1 SmolLM2, batch-1 decode
-        # matmuls, 1 thread, AVX2 EPYC: see bench/results/2026-11-25-cpu2-epyc-avx2-quant-split.md.
+        # Each segment's rows rearranged for the kernels (kernels.repack: the same bytes; Q4_0/Q4_1
+        # 8 rows a vector, the rest with their scales first), in place of the GGUF copy.
         self._blocks = [kernels.repack(seg.wtype, seg.blocks, seg.k) for seg in quant.segments]
         # (type, blocks pointer, first output column, columns) per segment
         self._plan = [(t, b.data_ptr(), s0, seg.n) for (t, b), seg, s0 in zip(self._blocks, self.segments, starts)]
@@ -198,7 +197,7 @@ class FloatActHead(nn.Module):
         self.type_name = seg.type_name
         self.table = table.detach()                 # [V, K]: the embedding weight (shared, not a copy)
         self._fn, self.isa = kernels.raw("quant_matmul_fx"), kernels.quant_isa
-        self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k)     # scales first, as above
+        self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k, x8=False)   # scales first
         self._ptr = self.blocks.data_ptr()
 
     def block_tensors(self) -> list[torch.Tensor]:

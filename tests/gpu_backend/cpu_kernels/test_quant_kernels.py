@@ -130,6 +130,29 @@ def test_split_rows_compute_exactly_what_the_gguf_rows_do(wtype, k, isa):
                            KERNELS.quant_linear_fx(x, int(wtype), blocks, isa=isa))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
+def test_x8_rows_compute_the_same_products(wtype, m, isa):
+    """X8 (8 rows interleaved a block at a time): the same integer sums as the GGUF rows, so the
+    results agree to float summation order, and the dequantized matrix is the same exactly."""
+    n, k = 48, 576
+    blocks = random_blocks(wtype, n, k, seed=m + 50)
+    x8, packed = KERNELS.repack(int(wtype), blocks, k)
+    assert x8 == cpu_kernels.X8 | int(wtype) and packed.shape == blocks.shape
+    assert torch.equal(KERNELS.dequantize(x8, packed, k), KERNELS.dequantize(int(wtype), blocks, k))
+    assert torch.equal(KERNELS.dequantize(x8, packed[8:24], k), KERNELS.dequantize(int(wtype), blocks[8:24], k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    want = KERNELS.quant_linear(x, int(wtype), blocks, bias=bias, isa=0).double()
+    got = KERNELS.quant_linear(x, x8, packed, bias=bias, isa=isa).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    bf16 = KERNELS.quant_linear(x, x8, packed, bias=bias, isa=isa, out_dtype=torch.bfloat16)
+    assert torch.equal(bf16, got.float().bfloat16())
+    odd, _ = KERNELS.repack(int(wtype), blocks[:12], k)                  # 12 rows: no whole groups
+    assert odd == cpu_kernels.SPLIT | int(wtype)
+
+
 def test_q4_k_has_no_split_layout_and_stays_as_it_is():
     blocks = random_blocks(Q.Q4_K, 3, 256, seed=1)
     wtype, same = KERNELS.repack(int(Q.Q4_K), blocks, 256)
