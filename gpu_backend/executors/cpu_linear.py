@@ -18,10 +18,11 @@ auto dtype picks bf16 wherever the CPU has native bf16 math.
 
 Quantized models (loader quantized=True: QuantLinear modules over GGUF blocks) keep
 their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
-QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks,
-isa from BLINK_CPU_ISA); batches above QUANT_MAX_ROWS rows (larger decode batches,
-prefill chunks) dequantize the weight slice by slice into the float GEMM, which is
-faster there. Without the
+QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks, repacked
+at load: Q4 matrices 8 rows a vector (X8), the rest scales first; isa from BLINK_CPU_ISA);
+batches above QUANT_MAX_ROWS rows (QUANT_X8_MAX_ROWS for X8 matrices: prefill chunks, large
+decode batches) dequantize the weight slice by slice into the float GEMM, which is faster
+there. A tied Q8_0 logits head (FloatActHead) meets float activations. Without the
 kernels every QuantLinear is dequantized to a float nn.Linear once, with a log line.
 """
 from __future__ import annotations
@@ -98,6 +99,11 @@ class PackedLinear(nn.Module):
 # blocks against slices + sgemm took 1.2 / 1.5 ms at 16 rows, 2.4 / 2.3 at 32, 4.7 / 3.6 at 64,
 # 18.6 / 11.3 at 256. The logits head (sampled rows only; 49152 x 576) always runs on its blocks.
 QUANT_MAX_ROWS = 32
+# The same limit for matrices in the X8 layout (every segment Q4_0/Q4_1 with whole groups of 8 rows),
+# whose int8 matmul does ~1.8x the work a second of the others: the SmolLM2 Q4_1 forward of one
+# prompt, 2 threads, the AVX2 EPYC, best of 3 (blocks / dequantized slices + sgemm): 48 tokens 94 /
+# 176 ms, 128 180 / 252, 512 757 / 831, 2048 4489 / 4482 (attention dominates there).
+QUANT_X8_MAX_ROWS = 1024
 DEQUANT_ROWS = 256          # 256 x 576 floats: 576 KiB
 
 
@@ -132,6 +138,11 @@ class QuantKernelLinear(nn.Module):
         # (type, blocks pointer, first output column, columns) per segment
         self._plan = [(t, b.data_ptr(), s0, seg.n) for (t, b), seg, s0 in zip(self._blocks, self.segments, starts)]
 
+    def max_rows(self) -> int:
+        """Rows of x up to which the matmul runs on the blocks (above: dequantized slices + GEMM)."""
+        x8 = all(t & cpu_kernels.X8 for t, _ in self._blocks)
+        return QUANT_X8_MAX_ROWS if x8 else QUANT_MAX_ROWS
+
     def block_tensors(self) -> list[torch.Tensor]:
         """The weight bytes a 1-row matmul streams (bench.bandwidth counts them)."""
         return [b for _, b in self._blocks]
@@ -148,7 +159,7 @@ class QuantKernelLinear(nn.Module):
     def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:     # x: [M, K] contiguous f32/bf16
         m, k, n = x.shape[0], self.in_features, self.out_features
         out_dtype = torch.float32 if self.float32_out else x.dtype
-        if m > QUANT_MAX_ROWS and not self.float32_out:
+        if m > self.max_rows() and not self.float32_out:
             return self._dequantized_gemm(x, out_dtype)
         qs = torch.empty((m, k), dtype=torch.int8)                      # the codes, scales d and d * sum
         d, s = torch.empty((m, k // 32)), torch.empty((m, k // 32))

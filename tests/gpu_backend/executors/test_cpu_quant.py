@@ -106,9 +106,11 @@ def test_mixed_types_in_one_fused_projection_each_fill_their_columns():
 def test_large_batches_take_the_dequantized_gemm_and_agree(monkeypatch):
     model = prepare_model(quantize_model(tiny({}), {}, Q.Q4_0), KERNELS)
     layer = model.layers[0].mlp.gate_up_proj
+    assert layer.max_rows() == cpu_linear.QUANT_X8_MAX_ROWS          # Q4_0, whole groups of 8 rows: X8
+    monkeypatch.setattr(cpu_linear, "QUANT_X8_MAX_ROWS", cpu_linear.QUANT_MAX_ROWS)
     x = torch.randn(cpu_linear.QUANT_MAX_ROWS + 5, 64, generator=torch.Generator().manual_seed(2))
     gemm = layer(x)                                             # float activations x dequantized blocks
-    monkeypatch.setattr(cpu_linear, "QUANT_MAX_ROWS", 10**6)
+    monkeypatch.setattr(cpu_linear, "QUANT_X8_MAX_ROWS", 10**6)
     torch.testing.assert_close(layer(x), gemm, rtol=0.05, atol=0.05 * float(gemm.abs().max()))
 
 
@@ -186,11 +188,11 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
         return math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
 
     # The whole text in one forward, every matmul on the blocks (not the dequantized GEMM).
-    rows, cpu_linear.QUANT_MAX_ROWS = cpu_linear.QUANT_MAX_ROWS, 10**6
+    rows, cpu_linear.QUANT_X8_MAX_ROWS = cpu_linear.QUANT_X8_MAX_ROWS, 10**6
     try:
         got = logits_of(served)
     finally:
-        cpu_linear.QUANT_MAX_ROWS = rows
+        cpu_linear.QUANT_X8_MAX_ROWS = rows
     want = logits_of(reference)
     assert abs(perplexity(got) / perplexity(want) - 1) <= 0.01, (perplexity(got), perplexity(want))
     # The near-tie rule at every position: a different argmax only where the float32 model's margin
