@@ -110,7 +110,8 @@ def _twin(ring, trace, policy: SchedPolicy, batch: int, block: int, num_blocks: 
     cfg = SchedulerConfig(max_batch_size=batch, max_prefill_tokens=64, block_size=block, num_blocks=num_blocks,
                           max_model_len=MAX_LEN, idle_sleep_ns=20_000, beat_interval_s=0.002,
                           scheduling_policy=policy.name.lower(), prefix_caching=prefix)
-    tw = holder["tw"] = TwinScheduler(ring, cfg, threads=2, launch_cb=launch).start()
+    tw = holder["tw"] = TwinScheduler(ring, cfg, threads=2, launch_cb=launch)
+    tw.start()                                   # after holder has it: the first launch reads it
     out, deadline = {}, time.monotonic() + 60
     try:
         while fp.inflight:
@@ -223,7 +224,8 @@ def test_prefix_sharing_through_cpu_graphs_gives_the_cpu_executors_tokens(twin_l
     holder = {}
     ring = shm_ring(geom)
     tw = holder["tw"] = TwinScheduler(ring, cfg, threads=2, launch_cb=graphs.launch_cb(lambda: holder["tw"].params_addr),
-                                      graphs=graphs.graph_table(), max_rows=table.max_rows).start()
+                                      graphs=graphs.graph_table(), max_rows=table.max_rows)
+    tw.start()
     try:
         got = serve(ring, lambda: time.sleep(0.002))
         time.sleep(0.01)
