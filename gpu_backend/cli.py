@@ -75,12 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
                    action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a prompt prefix another request computed (default on; "
-                        "--no-prefix-caching turns it off; the cuda executor's device loop has none yet)")
+                        "--no-prefix-caching turns it off; the cuda executor's device loop caches the same way)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority", "lvf"),
                    help="which waiting request runs first: fcfs (arrival order), priority (the request's "
                         "'priority', lower first; worse ones are preempted for better ones), lvf (SuperInfer's "
                         "Largest Virtual Lag Time first: requests lagging their TTFT/TBT targets first, long "
-                        "runners rotated out). The cuda executor's device loop runs fcfs")
+                        "runners rotated out); the cuda executor's device loop runs each the same way")
     p.add_argument("--ttft-slo-ms", type=_positive_int, default=5000,
                    help="time-to-first-token target of a request that names none (ttft_slo_ms), for lvf")
     p.add_argument("--tbt-slo-ms", type=_positive_int, default=100,

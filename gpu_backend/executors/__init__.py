@@ -53,7 +53,7 @@ class ExecutorOptions:
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
     step_ms: float = 0.0                # null executor: each engine step takes at least this long (0: no pacing)
     prefix_caching: bool = True         # share cached KV blocks of a common prefix (engine executors)
-    scheduling_policy: str = "fcfs"     # fcfs | priority | lvf (engine executors; the device loop runs fcfs)
+    scheduling_policy: str = "fcfs"     # fcfs | priority | lvf (engine executors and the device loop)
     ttft_slo_ms: int = 5000             # a request's TTFT target when it names none
     tbt_slo_ms: int = 100               # its time-between-tokens target when it names none
 

@@ -25,7 +25,7 @@ import time
 from shared_layout import Ring
 
 from ..cuda import build, driver, structs
-from ..cuda.config import SchedulerConfig
+from ..cuda.config import SchedulerConfig, scheduling_fields
 from . import ExecutorOptions
 
 log = logging.getLogger("blink.gpu_daemon")
@@ -64,7 +64,7 @@ class CudaExecutor:
                 max_batch_size=options.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
                 max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
                 block_size=options.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                grace_s=options.shutdown_grace_s)
+                grace_s=options.shutdown_grace_s, **scheduling_fields(options))
         else:
             self._setup_model(options)
         log.info("cuda executor on %s (cc %d.%d, %d SMs), scheduler module built", self.device.name,
@@ -87,7 +87,7 @@ class CudaExecutor:
             max_batch_size=g.policy.max_batch_size, max_prefill_tokens=g.policy.max_prefill_tokens,
             block_size=g.policy.block_size, num_blocks=g.num_blocks, max_model_len=g.max_model_len,
             vocab_size=model_config.vocab_size, eos_ids=tuple(model_config.eos_token_ids)[:structs.MAX_EOS_IDS],
-            grace_s=options.shutdown_grace_s)
+            grace_s=options.shutdown_grace_s, **scheduling_fields(options))
         t_model = time.monotonic()
         self.device.make_current()
         self.params_addr = int(check(bindings().cuMemAlloc(ctypes.sizeof(structs.SchedParams)), "cuMemAlloc(params)"))
