@@ -3,9 +3,10 @@
     the embedded model's tokenizer -> two SLO classes of /v1/completions requests
       interactive: short prompt, short output, tight TTFT target, priority 0
       batch:       longer prompt, long output, loose TTFT target, priority 1
-    -> capacity: a fresh `blink serve --scheduling-policy fcfs`, closed loop (as many
-       clients as seats, the same class mix) for --capacity-s: completed requests/s = the
-       load this machine sustains
+    -> capacity: a fresh `blink serve --scheduling-policy fcfs`, closed loop (twice as many
+       clients as seats by default, so no seat idles between a reply and the next request;
+       the same class mix) for --capacity-s: completed requests/s = the load this machine
+       sustains
     -> for each policy (fcfs, priority, lvf; a fresh server each, the same flags): one
        Poisson arrival schedule (seeded, identical for every policy) at --load-factor x
        that rate for --duration-s, every request streamed, a drain cut-off after
@@ -133,7 +134,7 @@ async def capacity(url: str, model: str, prompts: dict, cls, clients: int, durat
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         await asyncio.gather(*(loop(session) for _ in range(clients)))
     wall = time.perf_counter() - t0
-    return {"completed": len(done), "window_s": duration_s, "wall_s": round(wall, 1),
+    return {"completed": len(done), "window_s": duration_s, "wall_s": round(wall, 1), "clients": clients,
             "req_per_s": len(done) / duration_s,
             "tokens_per_s": sum(r.tokens for r in done) / duration_s}
 
@@ -202,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--duration-s", type=float, default=60.0, help="open-loop arrival window per policy")
     ap.add_argument("--drain-s", type=float, default=120.0, help="after the last arrival, unfinished requests are cut")
     ap.add_argument("--load-factor", type=float, default=1.5, help="offered load / sustainable load")
+    ap.add_argument("--capacity-clients", type=int, default=None,
+                    help="closed-loop clients of the capacity probe (default twice --max-batch-size: with one a "
+                         "seat, seats idle between a reply and the next request and the probe reads low)")
     ap.add_argument("--interactive-ttft-ms", type=int, default=3000)
     ap.add_argument("--interactive-tbt-ms", type=int, default=300)
     ap.add_argument("--batch-ttft-ms", type=int, default=30000)
@@ -226,7 +230,8 @@ def main(argv=None) -> int:
 
     proc, url, _ = start_server("fcfs", extra, out.parent)
     try:
-        cap = asyncio.run(capacity(url, SERVED_NAME, prompts, cls, args.max_batch_size, args.capacity_s))
+        cap = asyncio.run(capacity(url, SERVED_NAME, prompts, cls, args.capacity_clients or 2 * args.max_batch_size,
+                                   args.capacity_s))
     finally:
         stop_group(proc, 20.0)
     rate = args.load_factor * cap["req_per_s"]
@@ -273,7 +278,7 @@ def report(res: dict) -> str:
                  f"{c['name']} ({c['share']:.0%}): {c['prompt_tokens']}-token prompt, {c['max_tokens']} tokens out, "
                  f"TTFT target {c['ttft_slo_ms']} ms, TBT target {c['tbt_slo_ms']} ms, priority {c['priority']}"
                  for c in res["classes"]), "",
-             f"Sustainable load (FCFS, closed loop with {res['server_flags'][1]} clients, "
+             f"Sustainable load (FCFS, closed loop with {res['capacity'].get('clients', res['server_flags'][1])} clients, "
              f"{res['capacity']['window_s']:.0f} s): {res['capacity']['req_per_s']:.3f} req/s, "
              f"{res['capacity']['tokens_per_s']:.1f} output tok/s. Offered: {res['offered_req_per_s']:.3f} req/s, "
              f"{res['arrivals']} requests.", "",
