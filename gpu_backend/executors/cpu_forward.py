@@ -66,8 +66,8 @@ class _Matmul:
         self.small_fn = kernels.raw("linear") if self.small else None
 
     def __call__(self, x: torch.Tensor, threads: int) -> torch.Tensor:    # x: [M, K] contiguous
-        if self.quant is not None:
-            return self.quant.matmul(x, threads)
+        if self.quant is not None:           # its output buffer reused: each is read within its layer
+            return self.quant.matmul(x, threads, reuse_output=True)
         m = x.shape[0]
         if self.small and self.layer.takes_small(m):
             y = torch.empty((m, self.n), dtype=x.dtype)
@@ -146,12 +146,13 @@ class KernelForward:
         isa = self.attention_isa
         heads_total = h + 2 * kvh
         normed = torch.empty_like(x)           # each norm's output, reused layer after layer
+        o = torch.empty((t, h * d), dtype=dt)  # [T, H * D]: attention's output, reused likewise
+        act = None                             # [T, I]: silu(gate) * up, reused likewise
         self.add_rms_norm(x_ptr, None, self.first_w, normed.data_ptr(), t, self.hidden, self.first_eps, threads)
         for p in self.plans:
             qkv = p.qkv(normed, threads)                               # [T, (H + 2 KV) * D]
             self.rope_cache(qkv.data_ptr(), cos_ptr, sin_ptr, slots_ptr, p.kc_ptr, p.vc_ptr, t, heads_total,
                             h + kvh, h, kvh, d, self.num_blocks * self.block_size, threads)
-            o = torch.empty((t, h * d), dtype=dt)                      # [T, H * D]
             # RoPE is applied in place, and this step's k/v are in the pool.
             if nd:
                 self.decode_attention(qkv.data_ptr(), heads_total * d, p.kc_ptr, p.vc_ptr, dec_tables.data_ptr(),
@@ -165,7 +166,8 @@ class KernelForward:
             self.add_rms_norm(x_ptr, attn_out.data_ptr(), p.post_w, normed.data_ptr(), t, self.hidden,
                               p.post_eps, threads)
             gate_up = p.gate_up(normed, threads)                       # [T, 2 I]
-            act = torch.empty((t, gate_up.shape[1] // 2), dtype=dt)
+            if act is None:
+                act = torch.empty((t, gate_up.shape[1] // 2), dtype=dt)
             self.silu_mul(gate_up.data_ptr(), act.data_ptr(), t, act.shape[1], threads)
             down = p.down(act, threads)
             self.add_rms_norm(x_ptr, down.data_ptr(), p.next_w, normed.data_ptr(), t, self.hidden,

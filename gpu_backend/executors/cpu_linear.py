@@ -137,11 +137,24 @@ class QuantKernelLinear(nn.Module):
         self._blocks = [kernels.repack(seg.wtype, seg.blocks, seg.k) for seg in quant.segments]
         # (type, blocks pointer, first output column, columns) per segment
         self._plan = [(t, b.data_ptr(), s0, seg.n) for (t, b), seg, s0 in zip(self._blocks, self.segments, starts)]
+        self._x8 = all(t & cpu_kernels.X8 for t, _ in self._blocks)
+        # The activation codes of the last row count, kept: a decode step's batch is the same size
+        # step after step, and ~500 small allocations a step were ~1.5 ms of a 1-row step's
+        # single-threaded time (cProfile, Q4_1 SmolLM2 on the AVX2 EPYC).
+        self._codes: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._out: torch.Tensor | None = None
 
     def max_rows(self) -> int:
         """Rows of x up to which the matmul runs on the blocks (above: dequantized slices + GEMM)."""
-        x8 = all(t & cpu_kernels.X8 for t, _ in self._blocks)
-        return QUANT_X8_MAX_ROWS if x8 else QUANT_MAX_ROWS
+        return QUANT_X8_MAX_ROWS if self._x8 else QUANT_MAX_ROWS
+
+    def _codes_for(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Buffers for m rows' int8 codes [m, K], scales d and d * sum [m, K/32] (reused while m repeats)."""
+        if self._codes is None or self._codes[0] != m:
+            k = self.in_features
+            self._codes = (m, torch.empty((m, k), dtype=torch.int8), torch.empty((m, k // 32)),
+                           torch.empty((m, k // 32)))
+        return self._codes[1:]
 
     def block_tensors(self) -> list[torch.Tensor]:
         """The weight bytes a 1-row matmul streams (bench.bandwidth counts them)."""
@@ -156,16 +169,20 @@ class QuantKernelLinear(nn.Module):
         y = self.matmul(x.reshape(-1, self.in_features).contiguous(), torch.get_num_threads())
         return y.view(*lead, self.out_features)
 
-    def matmul(self, x: torch.Tensor, threads: int) -> torch.Tensor:     # x: [M, K] contiguous f32/bf16
+    def matmul(self, x: torch.Tensor, threads: int, reuse_output: bool = False) -> torch.Tensor:
+        """x [M, K] contiguous f32/bf16 -> y [M, N]. reuse_output: y is this module's buffer from the
+        last call with as many rows (KernelForward, which reads each output within its layer)."""
         m, k, n = x.shape[0], self.in_features, self.out_features
         out_dtype = torch.float32 if self.float32_out else x.dtype
         if m > self.max_rows() and not self.float32_out:
             return self._dequantized_gemm(x, out_dtype)
-        qs = torch.empty((m, k), dtype=torch.int8)                      # the codes, scales d and d * sum
-        d, s = torch.empty((m, k // 32)), torch.empty((m, k // 32))
+        qs, d, s = self._codes_for(m)                                   # the codes, scales d and d * sum
         self._quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qs.data_ptr(), d.data_ptr(),
                        s.data_ptr(), threads)
-        y = torch.empty((m, n), dtype=out_dtype)
+        y = self._out if reuse_output and self._out is not None and self._out.shape[0] == m \
+            and self._out.dtype == out_dtype else torch.empty((m, n), dtype=out_dtype)
+        if reuse_output:
+            self._out = y
         size = y.element_size()
         for wtype, ptr, col, cols in self._plan:
             bias = None if self.bias is None else self.bias.data_ptr() + 4 * col
