@@ -1,7 +1,7 @@
 """sampling: temperature / top-k / top-p filters and per-request generators."""
 import torch
 
-from gpu_backend.sampling import filter_logits, sample
+from gpu_backend.sampling import draw, filter_logits, sample
 from gpu_backend.scheduler.sequence import SamplingParams, Sequence
 
 
@@ -56,3 +56,18 @@ def test_tiny_temperature_is_greedy_not_nan():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1)) * 30
     out = sample(logits, [seq(temperature=1e-30, seed=1), seq(temperature=1e-4, top_p=0.5, seed=2)])
     assert out == logits.argmax(-1).tolist()
+
+
+def test_the_draw_follows_the_probabilities_and_never_picks_a_zero():
+    """draw: inverse CDF with one uniform from the generator; frequencies over 20k draws match
+    the probabilities (each within 4 standard deviations) and a zero-probability id never comes."""
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.3, 0.0])
+    cdf = torch.cumsum(probs, dim=-1)
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(cdf, g) for _ in range(n)]), minlength=6).double()
+    assert counts[1] == counts[3] == counts[5] == 0
+    sd = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert bool(((counts / n - probs.double()).abs() <= 4 * sd + 1e-12).all())
+    last = torch.cumsum(torch.tensor([0.0, 0.0, 1.0, 0.0]), dim=-1)              # mass on one id
+    assert {draw(last, g) for _ in range(200)} == {2}
