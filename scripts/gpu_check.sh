@@ -5,8 +5,8 @@
 # here, and runs one of its calls on the device.
 #
 #   here, once, with the network:  scripts/gpu_check.sh --prepare
-#       wheels the GPU image lacks -> .whl/; the embedded GGUF in parts -> .gpu_carry/
-#       (both ignored by git through .git/info/exclude)
+#       wheels the GPU image lacks (gpu_plan.WHEELS: gguf, pydantic and its deps, outlines-core) -> .whl/,
+#       only those not there yet; the embedded GGUF in parts -> .gpu_carry/ (both ignored by git: .gitignore)
 #   here, in seconds:              scripts/gpu_check.sh --plan
 #       the ordered device calls: command, carried paths, expected time, $OUT files, what each proves
 #   here, before a GPU is lent:    scripts/gpu_check.sh --rehearse     (scripts/gpu_rehearse.py)
@@ -29,9 +29,13 @@ exclude() {     # keep a carried folder out of git (and so out of the tree that 
     grep -qx "/$1/" "$ex" 2>/dev/null || echo "/$1/" >> "$ex"
 }
 
-install_wheels() {  # install_wheels TARGET: carried wheels only, no index, no dependencies
-    ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels carried (.whl/ is empty)"; return 0; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" .whl/*.whl
+install_wheels() {  # install_wheels TARGET: the plan's pinned wheels in .whl/, no index, no dependencies
+    local missing files
+    missing=$("$PY" "${PLAN[@]}" missing-wheels .whl) || echo "gpu_check: WHEELS NOT CARRIED: $missing (run --prepare here, then carry .whl)"
+    mapfile -t files < <("$PY" "${PLAN[@]}" wheel-files .whl)
+    [ ${#files[@]} -gt 0 ] && [ -n "${files[0]}" ] || { echo "no wheels carried (.whl/ holds none the plan pins)"; return 0; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${files[@]}" \
+        && echo "carried wheels -> $1: $(printf '%s\n' "${files[@]##*/}" | sed 's/-py3-none.*\|-cp3.*//' | tr '\n' ' ')"
 }
 
 STATUS=0
@@ -106,10 +110,14 @@ case "${1:-}" in
     --prepare)
         exclude .whl; exclude .gpu_carry
         mkdir -p .whl
-        read -r -a wheels <<< "$("$HERE_PY" "${PLAN[@]}" wheels)"
-        "$HERE_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "${wheels[@]}" \
-            && "$HERE_PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
+        read -r -a wheels <<< "$("$HERE_PY" "${PLAN[@]}" missing-wheels .whl)"     # the cache: only what is missing
+        if [ ${#wheels[@]} -gt 0 ]; then
+            "$HERE_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+                --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "${wheels[@]}" \
+                || exit $?
+        fi
+        "$HERE_PY" "${PLAN[@]}" missing-wheels .whl >/dev/null || { echo "gpu_check: wheels still missing"; exit 1; }
+        "$HERE_PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
         exit $? ;;
     --install-wheels) install_wheels "$2"; exit $? ;;
     --run-stage)    # --run-stage NAME BUDGET FLAGS ARGV...: one stage as a call runs it (the rehearsal's timeout check)

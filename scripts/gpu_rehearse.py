@@ -10,11 +10,14 @@ slip. `scripts/gpu_check.sh --rehearse` runs it; exit 1 on any problem.
                 CPU build of torch for python 3.12 can be had here); cached
     carried     the carried wheels installed as on the device: pip --no-index --no-deps
     imports     the tree byte-compiles under 3.12; every third-party import of the code
-                the device runs is an image package or a carried wheel; the torch-free
-                modules import; every cuda.bindings.driver name the code uses exists
+                the device runs is an image package or a carried wheel (uncovered_imports,
+                also a unit test); every module of shared_layout, dpu_frontend and
+                gpu_backend imports with the carried wheels (those needing torch: only
+                torch missing); every cuda.bindings.driver name the code uses exists
     child_env   a process started with child_env() resolves every module as its parent
     torch_venv  python 3.11 + torch 2.13.0+cpu (the closest CPU build this machine's
-                index holds; the image has 2.11.0+cu130 on 3.12) + the image's packages
+                index holds; the image has 2.11.0+cu130 on 3.12) + the image's packages;
+                the carried pins as 3.11 wheels (the cp312 ones do not install on 3.11)
     collect     pytest --collect-only -m gpu: no import errors; each plan stage collects
     nvcc        every .cu for sm_90a with warnings as errors; the twin with -Werror
     twin        the twin's tests (tests/gpu_backend/cuda, not gpu-marked)
@@ -104,14 +107,15 @@ def venv(name: str, python: str, pins: list[str], budget_s: float) -> pathlib.Pa
 # -- stages -----------------------------------------------------------------------------------
 
 def stage_prepare(ctx) -> str:
-    wheels_ok = all(list((REPO / plan.WHEEL_DIR).glob(w.split("==")[0] + "-" + w.split("==")[1] + "-*.whl"))
-                    for w in plan.WHEELS)
+    wheels_ok = not plan.missing_wheels()
     parts_ok = all((REPO / plan.part_dir(k) / "part").is_file() for k in range(1, plan.GGUF_PARTS + 1))
     if not (wheels_ok and parts_ok):
         sh(["bash", "scripts/gpu_check.sh", "--prepare"], 300, cwd=REPO, env=dict(os.environ, PYTHON=sys.executable))
     ignored = sh(["git", "check-ignore", plan.WHEEL_DIR, plan.CARRY_DIR], 30, cwd=REPO).split()
     if set(ignored) != {plan.WHEEL_DIR, plan.CARRY_DIR}:
         raise Failed(f"carried folders must be ignored by git (they would travel twice): {ignored}")
+    if plan.missing_wheels():
+        raise Failed(f"--prepare left wheels missing from {plan.WHEEL_DIR}/: {plan.missing_wheels()}")
     return f"{plan.WHEEL_DIR}: {sorted(p.name for p in (REPO / plan.WHEEL_DIR).glob('*.whl'))}; " \
            f"{plan.GGUF_PARTS} GGUF parts"
 
@@ -142,8 +146,15 @@ def stage_carried(ctx) -> str:
     sh(["bash", "scripts/gpu_check.sh", "--install-wheels", site], 120, cwd=REPO,
        env=dict(os.environ, PYTHON=str(ctx["py312"]), PIP_FIND_LINKS="", PIP_EXTRA_INDEX_URL=""))
     ctx["device_env"] = dict(os.environ, PYTHONPATH=f"{site}:{REPO}", PYTHONNOUSERSITE="1")
-    return sh([ctx["py312"], "-c", "import gguf; print('gguf', gguf.__file__)"], 60, env=ctx["device_env"],
-              cwd=REPO).strip()
+    code = ("import importlib, sys; from importlib.metadata import version; site = sys.argv[1]; pins = sys.argv[2:]\n"
+            "for pin in pins:\n"
+            "    name, want = pin.split('==')\n"
+            "    got = version(name)\n"
+            "    assert got == want, (pin, got)\n"
+            "for m in ('gguf', 'pydantic', 'pydantic_core', 'outlines_core', 'typing_extensions'):\n"
+            "    assert importlib.import_module(m).__file__.startswith(site), (m, 'not from the carried site')\n"
+            "print(len(pins), 'carried wheels at their pinned versions, imported from the carried site')")
+    return sh([ctx["py312"], "-c", code, site, *plan.WHEELS], 60, env=ctx["device_env"], cwd=REPO).strip()
 
 
 def _device_sources() -> list[pathlib.Path]:
@@ -189,25 +200,57 @@ def third_party_imports() -> dict[str, set[str]]:
     return found
 
 
-def stage_imports(ctx) -> str:
-    py = ctx["py312"]
-    sh([py, "-m", "compileall", "-q", "-j", "2", *[REPO / r for r in DEVICE_CODE]], 300)
+def uncovered_imports() -> list[str]:
+    """Third-party imports of the device's code that neither the GPU image nor a carried wheel satisfies."""
     carried = {w.split("==")[0] for w in plan.WHEELS}
     problems = []
     for root, files in sorted(third_party_imports().items()):
         dist = DIST_OF.get(root, root.replace("_", "-"))
         if dist not in plan.IMAGE_PACKAGES and dist not in carried and root not in OPTIONAL:
             problems.append(f"{root} ({dist}): not in the GPU image nor carried; imported by {sorted(files)[:3]}")
-    mods = [m for m in ("shared_layout", "dpu_frontend.ring_client", "dpu_frontend.transport", "gpu_backend.cuda.build",
+    return problems
+
+
+# Every module of these packages, imported in the image's stand-in (no torch there: a module may fail on
+# torch alone, which the image has). The frontend's processes start from these on the device.
+IMPORT_ALL = ("shared_layout", "dpu_frontend", "gpu_backend")
+IMPORT_ALL_CODE = """import importlib, json, pkgutil, sys
+done, bad = [], {}
+for pkg in sys.argv[1:]:
+    names = [pkg] + [m.name for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]
+    for name in names:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except ModuleNotFoundError as e:
+            if e.name != "torch" and not (e.name or "").startswith("torch."):
+                bad[name] = repr(e)
+        except Exception as e:
+            bad[name] = repr(e)[:300]
+print(json.dumps({"done": len(done), "bad": bad}))"""
+
+
+def stage_imports(ctx) -> str:
+    py = ctx["py312"]
+    sh([py, "-m", "compileall", "-q", "-j", "2", *[REPO / r for r in DEVICE_CODE]], 300)
+    problems = uncovered_imports()
+    mods = [m for m in ("shared_layout", "dpu_frontend.ring_client", "dpu_frontend.transport", "dpu_frontend.app",
+                        "dpu_frontend.protocol", "dpu_frontend.structured.compiler", "gpu_backend.cuda.build",
                         "gpu_backend.cuda.driver", "gpu_backend.cuda.runtime", "gpu_backend.cuda.twin",
-                        "gpu_backend.cuda.probe", "gpu_backend.cuda.child_env", "gguf", "cuda.bindings.driver")]
+                        "gpu_backend.cuda.probe", "gpu_backend.cuda.child_env", "gguf", "cuda.bindings.driver",
+                        "pydantic", "outlines_core")]
     sh([py, "-c", f"import importlib; [importlib.import_module(m) for m in {mods!r}]"], 120, env=ctx["device_env"],
        cwd=REPO)
+    res = json.loads(sh([py, "-c", IMPORT_ALL_CODE, *IMPORT_ALL], 180, env=ctx["device_env"],
+                        cwd=REPO).strip().splitlines()[-1])
+    problems += [f"{m} does not import with the image's packages and the carried wheels: {e}"
+                 for m, e in sorted(res["bad"].items())]
     missing, n_names = driver_names_missing(py, ctx["device_env"])
     problems += [f"cuda.bindings.driver has no {n} (used by {f})" for n, f in missing]
     if problems:
         raise Failed("\n".join(problems))
-    return f"{len(_device_sources())} files compile under 3.12; {len(mods)} torch-free modules import; " \
+    return f"{len(_device_sources())} files compile under 3.12; every third-party import is in the image or " \
+           f"carried; {res['done']} modules of {'/'.join(IMPORT_ALL)} import (the rest need torch alone); " \
            f"all {n_names} cuda.bindings.driver names the code uses exist"
 
 
@@ -266,7 +309,9 @@ def stage_child_env(ctx) -> str:
 def stage_torch_venv(ctx) -> str:
     ctx["py311"] = venv("torch-py311", find_python(PY311), TORCH_PINS, 900)
     site = ctx["site311"] = pathlib.Path(tempfile.mkdtemp(prefix="blink-site311-"))
-    sh(["bash", "scripts/gpu_check.sh", "--install-wheels", site], 120, cwd=REPO, env=dict(os.environ, PYTHON=str(ctx["py311"])))
+    # the carried pins, as wheels for 3.11 (outlines-core and pydantic-core are compiled: cp312 ones refuse 3.11)
+    sh([ctx["py311"], "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:", "--target", site,
+        *plan.WHEELS], 300)
     ctx["torch_env"] = dict(os.environ, PYTHONPATH=f"{site}:{REPO}", PYTHONNOUSERSITE="1")
     return sh([ctx["py311"], "-c", "import sys, torch, numpy; print(sys.version.split()[0], 'torch', torch.__version__, "
                "'numpy', numpy.__version__)"], 120).strip()

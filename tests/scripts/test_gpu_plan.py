@@ -1,6 +1,8 @@
 """The lent-GPU plan (scripts/gpu_plan.py) keeps the device tool's limits, its
 runner (scripts/gpu_check.sh) leaves a verdict for a stage stopped at its budget,
-and the GGUF's parts reassemble only into the right file (scripts/gguf_parts.py).
+the GGUF's parts reassemble only into the right file (scripts/gguf_parts.py), and
+every third-party import of the code the device runs (the frontend's processes
+included) is an image package or a carried wheel, with the wheels' own requirements.
 Fast: no GPU, no network, no virtual environment."""
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import gguf_parts  # noqa: E402
 import gpu_plan as plan  # noqa: E402
+import gpu_rehearse  # noqa: E402
 
 
 def test_the_plan_keeps_every_limit_with_this_tree():
@@ -144,3 +147,82 @@ def test_a_corrupt_part_never_becomes_the_model(small_gguf, tmp_path):
     with pytest.raises(SystemExit, match="corrupt"):
         gguf_parts.collect(here, tmp_path / "device" / "model.gguf")
     assert not (tmp_path / "device" / "model.gguf").exists()
+
+
+# -- what the device imports: the image's packages and the carried wheels ----------------------
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_every_third_party_import_of_the_device_code_is_in_the_image_or_carried():
+    """The rehearsal's imports stage, statically (an AST walk, under a second): the frontend's request models
+    (pydantic) and structured outputs (outlines-core) included, since the GPU tests start real frontends."""
+    found = gpu_rehearse.third_party_imports()
+    assert {"pydantic", "outlines_core", "aiohttp", "numpy", "gguf"} <= set(found)
+    assert gpu_rehearse.uncovered_imports() == []
+
+
+def test_a_dependency_neither_in_the_image_nor_carried_is_caught(monkeypatch):
+    monkeypatch.setattr(plan, "WHEELS", tuple(w for w in plan.WHEELS if not w.startswith(("pydantic==", "outlines-core"))))
+    problems = "\n".join(gpu_rehearse.uncovered_imports())
+    assert "pydantic (pydantic)" in problems and "outlines_core (outlines-core)" in problems
+    assert "dpu_frontend/protocol.py" in problems
+
+
+def test_carried_wheels_are_what_this_venv_runs_and_bring_their_requirements():
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+    carried = {_norm(w.split("==")[0]): w.split("==")[1] for w in plan.WHEELS}
+    on_device = set(carried) | {_norm(n) for n in plan.IMAGE_PACKAGES}
+    device_env = {"python_version": plan.IMAGE_PYTHON, "python_full_version": plan.IMAGE_PYTHON + ".3",
+                  "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                  "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    for name, pinned in carried.items():
+        try:
+            assert version(name) == pinned, f"{name}: this venv runs {version(name)}, the plan carries {pinned}"
+        except PackageNotFoundError:
+            pytest.skip(f"{name} is not installed here")
+        for line in requires(name) or []:
+            req = Requirement(line)
+            if req.marker and not req.marker.evaluate(device_env):
+                continue
+            dep = _norm(req.name)
+            assert dep in on_device, f"{name} needs {req}: neither in the GPU image nor carried"
+            if dep in carried:
+                assert req.specifier.contains(carried[dep], prereleases=True), f"{name} needs {req}, carried {carried[dep]}"
+
+
+def test_the_project_dependencies_are_on_the_device():
+    """pyproject's runtime dependencies and the gpu/cuda extras: each an image package or a carried wheel whose
+    pinned version the project accepts."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    project = tomllib.loads((plan.REPO / "pyproject.toml").read_text())["project"]
+    carried = {_norm(w.split("==")[0]): w.split("==")[1] for w in plan.WHEELS}
+    image = {_norm(n) for n in plan.IMAGE_PACKAGES}
+    for line in [*project["dependencies"], *project["optional-dependencies"]["gpu"],
+                 *project["optional-dependencies"]["cuda"]]:
+        req = Requirement(line)
+        dep = _norm(req.name)
+        assert dep in carried or dep in image, f"{req}: neither in the GPU image nor carried"
+        if dep in carried:
+            assert req.specifier.contains(carried[dep], prereleases=True), f"pyproject wants {req}, carried {carried[dep]}"
+
+
+def test_wheel_file_names_and_the_prepared_cache(tmp_path):
+    assert plan.wheel_prefix("pydantic-core==2.50.5") == "pydantic_core-2.50.5-"
+    assert plan.wheel_prefix("typing-extensions==4.16.0") == "typing_extensions-4.16.0-"
+    (tmp_path / "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl").write_bytes(b"")
+    missing = plan.missing_wheels(tmp_path)
+    assert "pydantic-core==2.50.5" not in missing and len(missing) == len(plan.WHEELS) - 1
+    assert plan.missing_wheels(tmp_path / "none") == list(plan.WHEELS)
+    (tmp_path / "pydantic_core-2.0.0-cp312-cp312-manylinux2014_x86_64.whl").write_bytes(b"")   # a stale pin
+    assert [f.name for f in plan.wheel_files(tmp_path)] == [
+        "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"]
+    prepared = plan.REPO / plan.WHEEL_DIR
+    if plan.missing_wheels(prepared):
+        pytest.skip("scripts/gpu_check.sh --prepare has not run here")
+    assert plan.path_bytes(plan.WHEEL_DIR) <= plan.WHEELS_PLANNED_BYTES    # the plan's size before --prepare holds
