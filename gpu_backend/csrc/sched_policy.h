@@ -217,6 +217,25 @@ static inline BLINK_HD int blink_in(const uint32_t *ids, uint32_t n, uint32_t id
     return 0;
 }
 
+/* policy.hit_taken: free blocks admitting waiting request `id` may take for its prefix-cache hit:
+ * cached_idle, plus those of its other hit blocks that can be idle when it takes them: held only
+ * by this step's victims (at most `freed`), or idle but counted for a request ahead of it in the
+ * engine's queue (`queue`, the order cached_idle was claimed in) that is not admitted so far. */
+static inline BLINK_HD int64_t blink_hit_taken(const blink_policy_config_t *cfg, const blink_req_t *reqs, uint32_t id,
+                                               const uint32_t *queue, uint32_t q_head, uint32_t q_count,
+                                               uint32_t q_cap, const blink_plan_t *plan, int64_t freed) {
+    const blink_req_t *w = &reqs[id];
+    int64_t held = (int64_t)(w->num_cached / cfg->block_size) - (int64_t)w->cached_idle;
+    if (held <= 0) return w->cached_idle;
+    int64_t avail = freed;
+    for (uint32_t k = 0; k < q_count; ++k) {
+        uint32_t q = queue[(q_head + k) % q_cap];
+        if (q == id) break;
+        if (!blink_in(plan->admitted_id, plan->n_admitted, q)) avail += reqs[q].cached_idle;
+    }
+    return (int64_t)w->cached_idle + (held < avail ? held : avail);
+}
+
 /* Rules 1-4 of policy.py after rule 0: `waiting` is a deque of capacity w_cap starting at
  * w_head, `running` in the policy's order; `victims` leave for a PREFILL step. Ids index
  * `reqs`. Fills `plan` (its arrays hold max_batch_size entries, or n_running where that
@@ -225,7 +244,8 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
                                             const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
                                             uint32_t w_cap, const uint32_t *running, uint32_t n_running,
                                             const uint32_t *victims, uint32_t n_victims,
-                                            int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
+                                            int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan,
+                                            const uint32_t *queue, uint32_t q_head, uint32_t q_cap) {
     const int64_t bs = cfg->block_size;
     plan->kind = BLINK_STEP_IDLE;
     plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
@@ -281,11 +301,12 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
                 if (budget == 0 || seats == 0) break;
                 uint32_t id = waiting[(w_head + k) % w_cap];
                 const blink_req_t *w = &reqs[id];   /* a prefix-cache hit computes from num_cached on */
+                int64_t taken = blink_hit_taken(cfg, reqs, id, queue, q_head, w_count, q_cap, plan, freed);
                 int64_t chunk = blink_min3((int64_t)blink_req_tokens(w) - w->num_cached, budget,
-                                           (free - reserve - (int64_t)w->cached_idle) * bs);
+                                           (free - reserve - taken) * bs);
                 if (chunk <= 0) break;
                 int64_t need = blink_blocks_needed(chunk, bs);   /* num_cached is block-aligned */
-                free -= need + w->cached_idle;
+                free -= need + taken;
                 budget -= chunk;
                 --seats;
                 plan->prefill_id[plan->n_prefill] = id;
@@ -338,7 +359,7 @@ static inline BLINK_HD void blink_plan_step(const blink_policy_config_t *cfg, co
                                             uint32_t w_cap, const uint32_t *running, uint32_t n_running,
                                             int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan) {
     blink_plan_core(cfg, reqs, waiting, w_head, w_count, w_cap, running, n_running, 0, 0, free_blocks, prev_kind,
-                    plan);
+                    plan, waiting, w_head, w_cap);
 }
 
 /* policy.plan_step under any policy: rule 0, then rules 1-4. Scratch: w_out [w_count],
@@ -354,7 +375,7 @@ static inline BLINK_HD void blink_plan_step_policy(const blink_policy_config_t *
     uint32_t n_victims = blink_order_requests(ru, cfg, reqs, times, waiting, w_head, w_count, w_cap, running,
                                               n_running, free_blocks, w_out, r_out, victims, lkey, lid);
     blink_plan_core(cfg, reqs, w_out, 0, w_count, w_count ? w_count : 1, r_out, n_running, victims, n_victims,
-                    free_blocks, prev_kind, plan);
+                    free_blocks, prev_kind, plan, waiting, w_head, w_cap);
 }
 
 /* Finish rule of engine._emit, after `token` was appended (r->generated counts it):

@@ -44,8 +44,14 @@ Decision rules, in order:
        A request with a prefix-cache hit (num_cached leading tokens in cached
        blocks, block-aligned, fewer than num_tokens) computes from there:
        chunk = min(num_tokens - num_cached, budget, (free - reserve -
-       cached_idle) * block_size), and the free count drops by its new blocks
-       plus cached_idle, the hit blocks no request held (counted free until taken).
+       taken) * block_size), and the free count drops by its new blocks plus
+       taken: cached_idle, the hit blocks no request held (counted free until
+       taken), plus its other hit blocks that may be idle when it takes them
+       (`hit_taken`): those held only by this step's victims (counted freed
+       for the step; at most the victims' blocks) and idle ones counted in the
+       cached_idle of a request ahead of it in the engine's queue that is not
+       admitted so far (PRIORITY and LVF reorder the queue). Without victims
+       and in queue order (FCFS) taken is cached_idle.
     No preemption happens in a PREFILL step.
  3. DECODE step: decoders in admission order each need blocks(num_computed + 1)
     - held blocks (0 or 1). While one needs more than is free, the most
@@ -350,7 +356,7 @@ def plan_step(inp: PolicyInput, cfg: PolicyConfig) -> StepPlan:
     if prefill_work and (not decoders or inp.prev_kind != StepKind.PREFILL):
         freed = sum(r.num_blocks for r in running if r.id in victims)
         plan = _plan_prefill(waiting, inp.free_blocks + freed, cfg, [d for d in live if d.remaining == 1],
-                             prefilling, seats)
+                             prefilling, seats, inp.waiting, freed)
         if plan.prefill:
             return dataclasses.replace(plan, preempted=victims)
     if decoders:
@@ -360,8 +366,28 @@ def plan_step(inp: PolicyInput, cfg: PolicyConfig) -> StepPlan:
     return StepPlan(StepKind.IDLE)
 
 
+def hit_taken(w: WaitingReq, queue: tuple[WaitingReq, ...], admitted: list[int], freed: int, bs: int) -> int:
+    """Free blocks that admitting `w` may take for its prefix-cache hit: cached_idle, plus those of
+    its other hit blocks (held when the input was taken, or idle but counted for another waiting
+    request) that can be idle when it takes them: ones whose holders are all this step's victims
+    (at most `freed`, their blocks), and idle ones claimed by a request ahead of it in the queue
+    (`queue`, the engine's order: the first hitting request counts an idle block) not admitted so far
+    (their cached_idle). Without victims and admitting in queue order (FCFS) that is cached_idle."""
+    held = w.num_cached // bs - w.cached_idle
+    if held <= 0:
+        return w.cached_idle
+    avail = freed
+    for q in queue:
+        if q.id == w.id:
+            break
+        if q.id not in admitted:
+            avail += q.cached_idle
+    return w.cached_idle + min(held, avail)
+
+
 def _plan_prefill(waiting: tuple[WaitingReq, ...], free: int, cfg: PolicyConfig, decoders: list[RunningReq],
-                  prefilling: list[RunningReq], seats: int) -> StepPlan:
+                  prefilling: list[RunningReq], seats: int, queue: tuple[WaitingReq, ...] = (),
+                  freed: int = 0) -> StepPlan:
     bs = cfg.block_size
     budget = cfg.max_prefill_tokens
     prefill: list[tuple[int, int]] = []
@@ -382,11 +408,12 @@ def _plan_prefill(waiting: tuple[WaitingReq, ...], free: int, cfg: PolicyConfig,
     for w in waiting:                                              # rule 2b
         if budget == 0 or seats == 0:
             break
-        chunk = min(w.num_tokens - w.num_cached, budget, (free - reserve - w.cached_idle) * bs)
+        taken = hit_taken(w, queue, admitted, freed, bs)
+        chunk = min(w.num_tokens - w.num_cached, budget, (free - reserve - taken) * bs)
         if chunk <= 0:
             break
         need = blocks_needed(chunk, bs)    # num_cached is block-aligned: new blocks from there
-        free -= need + w.cached_idle
+        free -= need + taken
         budget -= chunk
         seats -= 1
         prefill.append((w.id, chunk))

@@ -79,11 +79,12 @@ def _with_prefix_hits(rng: random.Random, inp: P.PolicyInput, cfg: P.PolicyConfi
 
 @pytest.mark.parametrize("policy", list(P.SchedPolicy))
 def test_random_inputs_with_prefix_hits_plan_alike(twin_lib, policy):
-    """num_cached / cached_idle (rule 0's need, rule 2b's chunk and free count) and a negative free
-    count in C++ as in Python, under each policy."""
+    """num_cached / cached_idle (rule 0's need, rule 2b's chunk and free count, hit_taken's hit blocks
+    a victim frees or a request ahead claimed) and a negative free count in C++ as in Python, under
+    each policy."""
     from gpu_backend.cuda import twin
     rng = random.Random(20261125 + 7 * int(policy))
-    hits = 0
+    hits = revived = 0
     for _ in range(3000):
         cfg = P.PolicyConfig(rng.randint(1, 8), rng.choice([1, 3, 16, 64, 2048]), rng.choice([1, 2, 4, 16]),
                              policy=policy, lvf_xfer_blocks=rng.choice([0, 3, 2400]))
@@ -91,7 +92,14 @@ def test_random_inputs_with_prefix_hits_plan_alike(twin_lib, policy):
         want = P.plan_step(inp, cfg)
         assert twin.plan_step(inp, cfg) == want, (inp, cfg)
         hits += any(w.num_cached and w.id in want.admitted for w in inp.waiting)
+        queue, done = inp.waiting, []       # hit_taken beyond cached_idle (victims' blocks, claims ahead)
+        freed = sum(r.num_blocks for r in inp.running if r.id in want.preempted) if want.prefill else 0
+        for i in want.admitted:
+            w = next(w for w in queue if w.id == i)
+            revived += P.hit_taken(w, queue, done, freed, cfg.block_size) > w.cached_idle
+            done.append(i)
     assert hits > 50
+    assert revived == 0 if policy == P.SchedPolicy.FCFS else revived > 20   # FCFS: taken is cached_idle
 
 
 def _record_engine_scenario(seed: int, prefix_caching: bool = False) -> P.Scenario:

@@ -133,9 +133,6 @@ def _twin(ring, trace, policy: SchedPolicy, batch: int, block: int, num_blocks: 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
 @pytest.mark.parametrize("policy", list(SchedPolicy), ids=lambda p: p.name.lower())
 def test_twin_loop_decides_as_the_python_scheduler(twin_lib, shm_ring, policy, tight, shared):
-    if policy == SchedPolicy.LVF and tight and shared:
-        pytest.xfail("the Python scheduler itself over-allocates here (kv_cache MemoryError: LVF's rule 0 "
-                     "with shared prefix blocks in a tight pool); the device would fail that step's requests")
     block, batch = 4, 4
     num_blocks = blocks_needed(MAX_LEN, block) + (4 if tight else 200)
     trace = _trace(7 + int(policy), shared)
