@@ -21,8 +21,8 @@ their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
 QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks, repacked
 at load: Q4 matrices 8 rows a vector (X8), the rest scales first; isa from BLINK_CPU_ISA);
 batches above QUANT_MAX_ROWS rows (QUANT_X8_MAX_ROWS for X8 matrices: prefill chunks, large
-decode batches) dequantize the weight slice by slice into the float GEMM, which is faster
-there. A tied Q8_0 logits head (FloatActHead) meets float activations. Without the
+decode batches) dequantize the weight slice by slice into the float GEMM (float activations
+keep a prompt's near-ties where the float model has them). A tied Q8_0 logits head (FloatActHead) meets float activations. Without the
 kernels every QuantLinear is dequantized to a float nn.Linear once, with a log line.
 """
 from __future__ import annotations
@@ -99,11 +99,14 @@ class PackedLinear(nn.Module):
 # blocks against slices + sgemm took 1.2 / 1.5 ms at 16 rows, 2.4 / 2.3 at 32, 4.7 / 3.6 at 64,
 # 18.6 / 11.3 at 256. The logits head (sampled rows only; 49152 x 576) always runs on its blocks.
 QUANT_MAX_ROWS = 32
-# The same limit for matrices in the X8 layout (every segment Q4_0/Q4_1 with whole groups of 8 rows),
-# whose int8 matmul does ~1.8x the work a second of the others: the SmolLM2 Q4_1 forward of one
-# prompt, 2 threads, the AVX2 EPYC, best of 3 (blocks / dequantized slices + sgemm): 48 tokens 94 /
-# 176 ms, 128 180 / 252, 512 757 / 831, 2048 4489 / 4482 (attention dominates there).
-QUANT_X8_MAX_ROWS = 1024
+# The same limit for matrices in the X8 layout (every segment Q4_0/Q4_1 with whole groups of 8 rows).
+# Their int8 matmul is faster than the dequantized slices + sgemm well past 32 rows (the SmolLM2 Q4_1
+# forward of one prompt, 2 threads, the AVX2 EPYC, best of 3, blocks / slices: 48 tokens 94 / 176 ms,
+# 128 180 / 252, 512 757 / 831, 2048 4489 / 4482), but a prompt's int8 activation codes flip
+# near-ties the float prefill keeps: at 1024 the README's "What is the capital of France?" (a
+# ~40-token chat prompt) answered "L'Étoile, la Marseur, ..." instead of "Paris" (the first
+# token's top two logits are 0.08 apart in float32). So prompts keep float activations past 32 rows.
+QUANT_X8_MAX_ROWS = 32
 DEQUANT_ROWS = 256          # 256 x 576 floats: 576 KiB
 
 

@@ -106,7 +106,7 @@ def test_mixed_types_in_one_fused_projection_each_fill_their_columns():
 def test_large_batches_take_the_dequantized_gemm_and_agree(monkeypatch):
     model = prepare_model(quantize_model(tiny({}), {}, Q.Q4_0), KERNELS)
     layer = model.layers[0].mlp.gate_up_proj
-    assert layer.max_rows() == cpu_linear.QUANT_X8_MAX_ROWS          # Q4_0, whole groups of 8 rows: X8
+    assert layer._x8 and layer.max_rows() == cpu_linear.QUANT_X8_MAX_ROWS      # Q4_0, whole groups of 8 rows
     monkeypatch.setattr(cpu_linear, "QUANT_X8_MAX_ROWS", cpu_linear.QUANT_MAX_ROWS)
     x = torch.randn(cpu_linear.QUANT_MAX_ROWS + 5, 64, generator=torch.Generator().manual_seed(2))
     gemm = layer(x)                                             # float activations x dequantized blocks
