@@ -637,6 +637,21 @@ void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threa
             float d, m;
             x8_row_block<T>(w, rb, n, b, qs, &d, &m);
             float* o = out + n * K + b * QK;
+#if BLINK_Q_AVX2
+            // as dequantize's AVX2 path: the 16 bytes' low nibbles are values 0..15, high ones 16..31
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            const __m128i halves[2] = {_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4)};
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            for (int h = 0; h < 2; ++h) {
+                for (int j = 0; j < 2; ++j) {
+                    const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
+                    _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(q, dv, mv));
+                }
+            }
+            continue;
+#endif
             for (int i = 0; i < 16; ++i) {
                 o[i] = d * float(qs[i] & 15) + m;
                 o[i + 16] = d * float(qs[i] >> 4) + m;
