@@ -95,9 +95,13 @@ def test_dribbled_headers_are_cut_off_while_others_are_served(server, client):
     t.start()
     try:
         time.sleep(0.3)   # the slow client is mid-headers
+        # A request the frontend answers itself: on a loaded 2-core machine a completion through the
+        # daemon could take longer than the 0.7 s left before the slow client's cut-off (CI with the
+        # soft-RoCE guest beside it failed so), which says nothing about the frontend being blocked.
+        assert [m.id for m in client.models.list().data]
+        assert t.is_alive(), "the slow connection must still be open while the normal request is served"
         r = client.completions.create(model="null", prompt=[9906, 1001], max_tokens=4, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 4
-        assert t.is_alive(), "the slow connection must still be open while the normal request is served"
         t.join(HEADER_TIMEOUT_S + MARGIN_S)
     finally:
         stop.set()
