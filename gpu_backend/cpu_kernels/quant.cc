@@ -381,6 +381,28 @@ inline int64_t chunk_rows(int64_t K) {
     return rows < 4 ? 4 : rows;
 }
 
+// This thread's share of the tiles of nr weight rows (the last may be short), each with its rows'
+// scales decoded into wd, wm first: besides the conversion, that touches every line of the rows
+// ahead of the main loop (one row of x streaming W from DRAM ran ~1.5x faster with it than with the
+// scales converted inside the loop, Q8_0 49152 x 576). Called inside an omp parallel region: the
+// loop is shared out among its threads. fn(rows, rows_here, n0) runs the tile.
+template <int T, typename Fn>
+inline void for_each_tile(const uint8_t* w, int64_t rb, int64_t N, int64_t nb, int nr, float* wd, float* wm,
+                          Fn&& fn) {
+    const int64_t groups = (N + nr - 1) / nr;
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n0 = g * nr;
+        const int rows_here = int(N - n0 < nr ? N - n0 : nr);
+        const uint8_t* rows[4];
+        for (int r = 0; r < rows_here; ++r) {
+            rows[r] = w + (n0 + r) * rb;
+            scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
+        }
+        fn(rows, rows_here, n0);
+    }
+}
+
 template <int T, bool VNNI>
 void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
                  int threads) {
@@ -395,18 +417,8 @@ void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int
         const int64_t chunk = chunk_rows(K);
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-            #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; ++g) {
-                const int64_t n0 = g * nr;
-                const int rows_here = int(N - n0 < nr ? N - n0 : nr);
-                const uint8_t* rows[4];
-                // The tile's scales first: besides the conversion, this touches every line of its
-                // rows ahead of the main loop (one row of x streaming W from DRAM ran ~1.5x faster
-                // with it than with the scales converted inside the loop, Q8_0 49152 x 576).
-                for (int r = 0; r < rows_here; ++r) {
-                    rows[r] = w + (n0 + r) * rb;
-                    scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
-                }
+            for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
+                                                                         int64_t n0) {
                 if (rows_here == 4) tile_rows<T, VNNI, 4>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
                 else if (rows_here == nr && nr == 2)
                     tile_rows<T, VNNI, 2>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
@@ -414,10 +426,11 @@ void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int
                     for (int r = 0; r < rows_here; ++r)
                         tile_rows<T, VNNI, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, a, m0, mc, nb, K,
                                               out, n0 + r);
-            }
+            });
         }
     }
 }
+
 // ---- float activations: y = x . dequant(W)^T, x float32, W's codes converted in registers ----
 // y = sum over blocks of d * (codes . x) + m * sum(x): the weights are exactly those of the
 // dequantized float matrix (Q8_0: d * q is exact in float), so this is the float32 matmul of that
@@ -514,15 +527,8 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
     #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
     {
         std::vector<float> wd(4 * nb), wm(4 * nb);
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t n0 = g * nr;
-            const int rows_here = int(N - n0 < nr ? N - n0 : nr);
-            const uint8_t* rows[4];
-            for (int r = 0; r < rows_here; ++r) {
-                rows[r] = w + (n0 + r) * rb;
-                scales_row<T>(rows[r], nb, &wd[r * nb], &wm[r * nb]);
-            }
+        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
+                                                                     int64_t n0) {
             if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
             else if (rows_here == nr && nr == 2)
                 tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
@@ -530,7 +536,7 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
                 for (int r = 0; r < rows_here; ++r)
                     tile_rows_fx<T, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, x, ldx, xs.data(), M, nb,
                                        out, n0 + r);
-        }
+        });
     }
 }
 #endif
