@@ -633,6 +633,35 @@ void matmul_x8_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out
     }
 }
 
+// One block's 32 values, w = d * q + m, into o (Q4_0 / Q4_1 / Q4_K / Q8_0 codes as `c` finds them).
+template <int T>
+inline void dequantize_block(const Codes& c, float d, float m, float* __restrict o) {
+#if BLINK_Q_AVX2
+    const __m256i q = load_codes<T>(c);              // 32 codes, unpacked as the matmul does
+    const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    for (int h = 0; h < 2; ++h) {
+        for (int j = 0; j < 2; ++j) {
+            const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
+            const __m256i wide = base_type(T) == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+            _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
+        }
+    }
+#else
+    if constexpr (base_type(T) == Q8_0) {
+        for (int i = 0; i < QK; ++i) o[i] = d * float(int8_t(c.qs[i]));
+    } else if constexpr (T == Q4_K) {
+        const int shift = c.high ? 4 : 0;
+        for (int i = 0; i < QK; ++i) o[i] = d * float((c.qs[i] >> shift) & 15) + m;
+    } else {
+        for (int i = 0; i < 16; ++i) {
+            o[i] = d * float(c.qs[i] & 15) + m;
+            o[i + 16] = d * float(c.qs[i] >> 4) + m;
+        }
+    }
+#endif
+}
+
 template <int T>
 void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
     const int64_t nb = K / QK, rb = row_bytes(T, K);
@@ -642,26 +671,7 @@ void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threa
             uint8_t qs[16];
             float d, m;
             x8_row_block<T>(w, rb, n, b, qs, &d, &m);
-            float* o = out + n * K + b * QK;
-#if BLINK_Q_AVX2
-            // as dequantize's AVX2 path: the 16 bytes' low nibbles are values 0..15, high ones 16..31
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-            const __m128i low4 = _mm_set1_epi8(0x0F);
-            const __m128i halves[2] = {_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4)};
-            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-            for (int h = 0; h < 2; ++h) {
-                for (int j = 0; j < 2; ++j) {
-                    const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
-                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
-                    _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(q, dv, mv));
-                }
-            }
-            continue;
-#endif
-            for (int i = 0; i < 16; ++i) {
-                o[i] = d * float(qs[i] & 15) + m;
-                o[i + 16] = d * float(qs[i] >> 4) + m;
-            }
+            dequantize_block<base_type(T)>(Codes{qs, false}, d, m, out + n * K + b * QK);   // a GGUF Q4 block now
         }
     }
 }
@@ -771,31 +781,7 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
             float d, m;
             scales_at<T>(w + n * rb, b, nb, &d, &m);
             const Codes c = codes_at<T>(w + n * rb, b, nb);
-            float* __restrict o = out + n * K + b * QK;
-#if BLINK_Q_AVX2
-            const __m256i q = load_codes<T>(c);              // 32 codes, unpacked as the matmul does
-            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-            for (int h = 0; h < 2; ++h) {
-                for (int j = 0; j < 2; ++j) {
-                    const __m128i part = j ? _mm_srli_si128(halves[h], 8) : halves[h];
-                    const __m256i wide = base_type(T) == Q8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-                    _mm256_storeu_ps(o + 16 * h + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
-                }
-            }
-            continue;
-#endif
-            if constexpr (base_type(T) == Q8_0) {
-                for (int i = 0; i < QK; ++i) o[i] = d * float(int8_t(c.qs[i]));
-            } else if constexpr (T == Q4_K) {
-                const int shift = c.high ? 4 : 0;
-                for (int i = 0; i < QK; ++i) o[i] = d * float((c.qs[i] >> shift) & 15) + m;
-            } else {
-                for (int i = 0; i < 16; ++i) {
-                    o[i] = d * float(c.qs[i] & 15) + m;
-                    o[i + 16] = d * float(c.qs[i] >> 4) + m;
-                }
-            }
+            dequantize_block<T>(c, d, m, out + n * K + b * QK);
         }
     }
 }
