@@ -13,11 +13,12 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from shared_layout import BackendStatus, Ring, RingGeometry
+from shared_layout import BackendPort, BackendStatus, Ring, RingGeometry
 from shared_layout.shm import ShmRegion
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,19 +188,134 @@ def _wait_ready(*args: str, env: dict) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
+class _Beats:
+    """This test process as a running daemon: its pid in the header, a heartbeat every 50 ms."""
+
+    def __init__(self, ring: Ring):
+        self.ring, self.stop = ring, threading.Event()
+        ring.set("backend_pid", os.getpid())
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        port = BackendPort(self.ring)
+        while not self.stop.wait(0.05):
+            port.beat()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
 def test_gpu_daemon_is_ready_when_the_ring_says_ready(ring_name):
     geom = RingGeometry(slot_count=4, prompt_arena_tokens=64, output_arena_tokens=64)
     region = ShmRegion.create(ring_name, geom.total_size)
     try:
         ring = Ring.create(region.buf, geom)
         ring.set("backend_status", BackendStatus.STARTING)
-        out = _wait_ready("gpu-daemon", "--timeout-s", "0.6", "--interval-s", "0.1", env={"BLINK_RING": ring_name})
-        assert out.returncode == 1 and "backend status STARTING" in out.stderr
-        ring.set("backend_status", BackendStatus.READY)
-        out = _wait_ready("gpu-daemon", "--timeout-s", "5", env={"BLINK_RING": ring_name})
-        assert out.returncode == 0 and "ready" in out.stdout
+        env = {"BLINK_RING": ring_name, "MAINPID": str(os.getpid())}
+        with _Beats(ring):
+            out = _wait_ready("gpu-daemon", "--timeout-s", "0.6", "--interval-s", "0.1", env=env)
+            assert out.returncode == 1 and "backend status STARTING" in out.stderr
+            ring.set("backend_status", BackendStatus.READY)
+            out = _wait_ready("gpu-daemon", "--timeout-s", "5", "--interval-s", "0.1", env=env)
+        assert out.returncode == 0 and "ready" in out.stdout and "heartbeat advancing" in out.stdout, out.stderr
         del ring
     finally:
+        region.close()
+
+
+# A daemon's header writes, through the daemon's own functions: wait, begin (STARTING, pid,
+# epoch + 1, first beat), heartbeat thread, wait, READY; then beat until killed.
+_FAKE_DAEMON = """
+import sys, threading, time
+from shared_layout import Ring
+from shared_layout.shm import ShmRegion
+from gpu_backend import ring_host
+from gpu_backend.heartbeat import Heartbeat
+region = ShmRegion.open(sys.argv[1])
+ring = Ring.attach(region.buf)
+time.sleep(float(sys.argv[2]))
+ring_host.begin(ring)
+Heartbeat(ring, threading.Event(), 0.05).start()
+time.sleep(float(sys.argv[3]))
+ring_host.publish_model(ring, 100, 64)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def _fake_daemon(ring: str, before_begin_s: float, loading_s: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _FAKE_DAEMON, ring, str(before_begin_s), str(loading_s)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def test_a_ring_left_ready_by_a_killed_daemon_does_not_pass_for_its_restart(ring_name):
+    """kill -9 leaves READY, the dead pid and a still heartbeat in the header: the restarted
+    unit's check must wait for the new daemon's own READY, not pass on the old one at once."""
+    geom = RingGeometry(slot_count=4, prompt_arena_tokens=64, output_arena_tokens=64)
+    region = ShmRegion.create(ring_name, geom.total_size)
+    procs = []
+    try:
+        ring = Ring.create(region.buf, geom)
+        old = _fake_daemon(ring_name, 0, 0)
+        procs.append(old)
+        assert old.stdout.readline().strip() == "ready"
+        old.kill()
+        old.wait()
+        assert ring.get("backend_status") == BackendStatus.READY and ring.get("backend_pid") == old.pid
+        assert ring.get("backend_epoch") == 1
+
+        # systemd restarted the unit: its new main process is still importing, the header is the dead one's
+        starting = subprocess.Popen(["sleep", "60"])
+        procs.append(starting)
+        out = _wait_ready("gpu-daemon", "--timeout-s", "1", "--interval-s", "0.1",
+                          env={"BLINK_RING": ring_name, "MAINPID": str(starting.pid)})
+        assert out.returncode == 1 and "stale READY" in out.stderr, (out.stdout, out.stderr)
+        # run by hand (no MAINPID) the same: the dead daemon's READY is not a ready daemon
+        out = _wait_ready("gpu-daemon", "--timeout-s", "0.6", "--interval-s", "0.1", env={"BLINK_RING": ring_name})
+        assert out.returncode == 1 and "stale READY" in out.stderr, (out.stdout, out.stderr)
+
+        # the restarted daemon: 2 s before it begins, READY 0.5 s later; the check started before either
+        new = _fake_daemon(ring_name, 2.0, 0.5)
+        procs.append(new)
+        t0 = time.monotonic()
+        out = _wait_ready("gpu-daemon", "--timeout-s", "60", "--interval-s", "0.1",
+                          env={"BLINK_RING": ring_name, "MAINPID": str(new.pid)})
+        took = time.monotonic() - t0
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert f"epoch 2, pid {new.pid}" in out.stdout and took > 2.0, (out.stdout, took)
+        assert new.stdout.readline().strip() == "ready"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        region.close()
+
+
+def test_a_stale_ready_whose_pid_lives_on_does_not_pass(ring_name):
+    """READY with a pid that runs but is not this unit's daemon, or a heartbeat that does not move
+    (the dead daemon's pid reused by another process), is not a ready daemon either."""
+    geom = RingGeometry(slot_count=4, prompt_arena_tokens=64, output_arena_tokens=64)
+    region = ShmRegion.create(ring_name, geom.total_size)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        ring = Ring.create(region.buf, geom)
+        ring.set("backend_status", BackendStatus.READY)
+        ring.set("backend_pid", os.getpid())                      # alive, but no heartbeat
+        out = _wait_ready("gpu-daemon", "--timeout-s", "0.8", "--interval-s", "0.1", env={"BLINK_RING": ring_name})
+        assert out.returncode == 1 and "heartbeat to advance" in out.stderr, (out.stdout, out.stderr)
+        with _Beats(ring):                                        # a live daemon, but not the unit's
+            out = _wait_ready("gpu-daemon", "--timeout-s", "0.8", "--interval-s", "0.1",
+                              env={"BLINK_RING": ring_name, "MAINPID": str(other.pid)})
+        assert out.returncode == 1 and f"not written by this unit's daemon (MAINPID {other.pid})" in out.stderr
+        del ring
+    finally:
+        other.kill()
+        other.wait()
         region.close()
 
 
