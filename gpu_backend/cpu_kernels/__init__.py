@@ -1,14 +1,17 @@
-"""Fused CPU kernels (kernels.cc, quant.cc, attention.cc) for the CPU executor, built once with g++
-and called by ctypes.
+"""Fused CPU kernels (kernels.cc, quant.cc, attention.cc, forward.cc) for the CPU executor, built
+once with g++ and called by ctypes.
 
-    kernels.cc + quant.cc + attention.cc --g++ -O3 -march=native -fopenmp-->
+    kernels.cc + quant.cc + attention.cc + forward.cc --g++ -O3 -march=native -fopenmp-->
       ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
       <hash of sources, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
     -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul,
        prefill_attention (causal, flash-attention style over the paged pool),
        (on CPUs with AVX512-BF16) linear for decode-sized batches, and quant_linear: matmuls
        over GGUF Q4_0/Q4_1/Q8_0/Q4_K weight blocks on int8-quantized activations, on torch
-       tensors (shapes and dtypes checked here, data pointers handed to C)
+       tensors (shapes and dtypes checked here, data pointers handed to C), and forward_decode:
+       a quantized model's whole decoder stack for a step of decode rows in one call
+       (forward.cc over the team bodies of the others; executors/cpu_decode.py builds its
+       descriptors)
 
 quant.cc has a scalar, an AVX2 and an AVX512-VNNI path, attention.cc a scalar, an AVX2 and an
 AVX512F path; `isa` picks one per call, and BLINK_CPU_ISA=scalar|avx2|avx512 (read here, once)
@@ -35,7 +38,7 @@ from ..cuda.build import BuildError, _publish, _run, _version, find_gxx
 log = logging.getLogger("blink.gpu_daemon")
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
-SOURCES = (SOURCE, SOURCE.with_name("quant.cc"), SOURCE.with_name("attention.cc"))
+SOURCES = (SOURCE, SOURCE.with_name("quant.cc"), SOURCE.with_name("attention.cc"), SOURCE.with_name("forward.cc"))
 GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
              "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
@@ -62,6 +65,7 @@ _QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
     "quant_repack": ([_int, _ptr, _ptr, _i64, _i64], _int),
     "quant_matmul_fx": ([_int, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "attention_isa_max": ([], _int),
+    "forward_decode": ([_ptr, _ptr, _int], _int),
 }
 _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                            _int, _int]
@@ -97,7 +101,8 @@ def build(gxx: str | None = None) -> pathlib.Path:
 
     def compile_to(tmp: pathlib.Path) -> pathlib.Path:
         out = tmp / LIB_NAME
-        _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)], "g++ cpu_kernels/kernels.cc quant.cc attention.cc")
+        _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)],
+             "g++ cpu_kernels/kernels.cc quant.cc attention.cc forward.cc")
         return out
 
     return _publish(compile_to, cache_root() / h.hexdigest()[:16], LIB_NAME)
@@ -144,7 +149,8 @@ class CpuKernels:
             if dtype != torch.bfloat16 or not self.has_bf16_linear:
                 raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
             return self._linear
-        if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx", "quant_repack"):
+        if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx", "quant_repack",
+                    "forward_decode"):
             return self._fns[name, "quant"]
         return self._fn(name, dtype)
 

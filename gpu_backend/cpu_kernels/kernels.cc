@@ -92,8 +92,8 @@ static inline float vexp(float x) {
 // x = dtype(x + delta) in place (the residual stream), as `x + sublayer(x)` then the norm.
 template <class P>
 void add_rms_norm(typename P::T* x, const typename P::T* delta, const typename P::T* weight,
-                  typename P::T* out, int64_t rows, int64_t n, float eps, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1)
+                  typename P::T* out, int64_t rows, int64_t n, float eps) {
+    #pragma omp for
     for (int64_t r = 0; r < rows; ++r) {
         typename P::T* xr = x + r * n;
         typename P::T* yr = out + r * n;
@@ -119,9 +119,9 @@ template <class P>
 void rope_cache(typename P::T* qkv, const typename P::T* cos, const typename P::T* sin,
                 const int64_t* slots, typename P::T* kc, typename P::T* vc,
                 int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
-                int64_t d, int64_t pool_slots, int threads) {
+                int64_t d, int64_t pool_slots) {
     const int64_t half = d / 2;
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && tokens > 1)
+    #pragma omp for
     for (int64_t t = 0; t < tokens; ++t) {
         typename P::T* row = qkv + t * heads_total * d;
         const typename P::T* c = cos + t * d;
@@ -220,11 +220,10 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                            const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
                            int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t d_rt,
-                           int64_t num_blocks, int64_t bs, float scale, int threads) {
+                           int64_t num_blocks, int64_t bs, float scale) {
     const int64_t d = DC ? DC : d_rt;
     const int64_t group = heads / kv_heads;
     const int64_t pool_slots = num_blocks * bs;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)
     {
         std::vector<float> qf, scores, acc, row;
         #pragma omp for schedule(dynamic)
@@ -323,11 +322,11 @@ void decode_attention(const typename P::T* q, int64_t q_stride, const typename P
                       const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
                       int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks,
-                      int64_t bs, float scale, int threads) {
+                      int64_t bs, float scale) {
     // The common head sizes get a compile-time D, so the inner loops unroll into whole vectors.
     auto run = [&](auto impl) {
         impl(q, q_stride, kc, vc, tables, table_index, max_blocks, context_lens, o, batch, heads, kv_heads, d,
-             num_blocks, bs, scale, threads);
+             num_blocks, bs, scale);
     };
     if (d == 64) run(decode_attention_impl<P, 64>);
     else if (d == 128) run(decode_attention_impl<P, 128>);
@@ -336,8 +335,8 @@ void decode_attention(const typename P::T* q, int64_t q_stride, const typename P
 
 // gate_up [rows, 2n] (gate, then up) -> out [rows, n] = dtype(silu(gate)) * up, rounded.
 template <class P>
-void silu_mul(const typename P::T* gate_up, typename P::T* out, int64_t rows, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1)
+void silu_mul(const typename P::T* gate_up, typename P::T* out, int64_t rows, int64_t n) {
+    #pragma omp for
     for (int64_t r = 0; r < rows; ++r) {
         const typename P::T* gate = gate_up + r * 2 * n;
         const typename P::T* up = gate + n;
@@ -472,14 +471,16 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out
 #define BLINK_EXPORT(SUF, P)                                                                             \
     extern "C" void blink_add_rms_norm_##SUF(void* x, const void* delta, const void* w, void* out,       \
                                              int64_t rows, int64_t n, float eps, int threads) {          \
-        add_rms_norm<P>((P::T*)x, (const P::T*)delta, (const P::T*)w, (P::T*)out, rows, n, eps, threads); \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && rows > 1)")                       \
+        add_rms_norm<P>((P::T*)x, (const P::T*)delta, (const P::T*)w, (P::T*)out, rows, n, eps);          \
     }                                                                                                    \
     extern "C" void blink_rope_cache_##SUF(void* qkv, const void* cos, const void* sin,                  \
                                            const int64_t* slots, void* kc, void* vc, int64_t tokens,     \
                                            int64_t heads_total, int64_t rope_heads, int64_t k_head,      \
                                            int64_t kv_heads, int64_t d, int64_t pool_slots, int threads) { \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && tokens > 1)")                     \
         rope_cache<P>((P::T*)qkv, (const P::T*)cos, (const P::T*)sin, slots, (P::T*)kc, (P::T*)vc,       \
-                      tokens, heads_total, rope_heads, k_head, kv_heads, d, pool_slots, threads);        \
+                      tokens, heads_total, rope_heads, k_head, kv_heads, d, pool_slots);                 \
     }                                                                                                    \
     extern "C" void blink_decode_attention_##SUF(const void* q, int64_t q_stride, const void* kc,        \
                                                  const void* vc, const int64_t* tables,                  \
@@ -488,17 +489,69 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out
                                                  int64_t heads, int64_t kv_heads, int64_t d,             \
                                                  int64_t num_blocks, int64_t bs, float scale,            \
                                                  int threads) {                                          \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)")           \
         decode_attention<P>((const P::T*)q, q_stride, (const P::T*)kc, (const P::T*)vc, tables,          \
                             table_index, max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, d,  \
-                            num_blocks, bs, scale, threads);                                             \
+                            num_blocks, bs, scale);                                                      \
     }                                                                                                    \
     extern "C" void blink_silu_mul_##SUF(const void* gate_up, void* out, int64_t rows, int64_t n,        \
                                          int threads) {                                                  \
-        silu_mul<P>((const P::T*)gate_up, (P::T*)out, rows, n, threads);                                 \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && rows > 1)")                       \
+        silu_mul<P>((const P::T*)gate_up, (P::T*)out, rows, n);                                          \
     }
 
 BLINK_EXPORT(bf16, BF16)
 BLINK_EXPORT(f32, F32)
+
+// Team bodies for blink_forward (forward.cc), bf16 or float32 by `bf16`: called by every thread of
+// an OpenMP team, the rows (attention: sequence x kv head pairs) shared out with orphaned `omp for`
+// loops, each complete for every thread when it returns (the loops' implicit barriers).
+namespace blink_team {
+template <class Fn>
+static inline void by_dtype(bool bf16, Fn&& fn) {
+    if (bf16) fn(BF16{});
+    else fn(F32{});
+}
+
+void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
+                  float eps) {
+    by_dtype(bf16, [&](auto p) {
+        using P = decltype(p);
+        ::add_rms_norm<P>((typename P::T*)x, (const typename P::T*)delta, (const typename P::T*)w,
+                          (typename P::T*)out, rows, n, eps);
+    });
+}
+
+void rope_cache(bool bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots, void* kc, void* vc,
+                int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
+                int64_t d, int64_t pool_slots) {
+    by_dtype(bf16, [&](auto p) {
+        using P = decltype(p);
+        ::rope_cache<P>((typename P::T*)qkv, (const typename P::T*)cos, (const typename P::T*)sin, slots,
+                        (typename P::T*)kc, (typename P::T*)vc, tokens, heads_total, rope_heads, k_head, kv_heads,
+                        d, pool_slots);
+    });
+}
+
+void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
+                      const int64_t* tables, int64_t max_blocks, const int64_t* context_lens, void* o,
+                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs,
+                      float scale) {
+    by_dtype(bf16, [&](auto p) {
+        using P = decltype(p);
+        ::decode_attention<P>((const typename P::T*)q, q_stride, (const typename P::T*)kc,
+                              (const typename P::T*)vc, tables, nullptr, max_blocks, context_lens,
+                              (typename P::T*)o, batch, heads, kv_heads, d, num_blocks, bs, scale);
+    });
+}
+
+void silu_mul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n) {
+    by_dtype(bf16, [&](auto p) {
+        using P = decltype(p);
+        ::silu_mul<P>((const typename P::T*)gate_up, (typename P::T*)out, rows, n);
+    });
+}
+}  // namespace blink_team
 
 // y = x . w^T (+ bias) for bf16 [M, K] x [N, K]; K a multiple of 32. Only where vdpbf16ps exists:
 // blink_has_bf16_linear() says whether this build has it (the caller uses oneDNN otherwise).

@@ -208,9 +208,10 @@ float load_x(const void* x, int bf16, int64_t i) {
     return f;
 }
 
-void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s, int threads) {
+// A team body (see the C ABI's note on teams): the blocks are shared out among the team's threads.
+void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
     const int64_t nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M * nb >= 256)
+    #pragma omp for schedule(static)
     for (int64_t i = 0; i < M * nb; ++i) {
         float v[QK], amax = 0.f;
         for (int j = 0; j < QK; ++j) {
@@ -255,10 +256,9 @@ struct Out {                 // y [M, N] (row stride ldy), f32 or bf16, + option
 
 // ---- scalar reference ----
 template <int T>
-void matmul_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
-                   int threads) {
+void matmul_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         for (int64_t m = 0; m < M; ++m) {
             float acc = 0.f;
@@ -404,30 +404,25 @@ inline void for_each_tile(const uint8_t* w, int64_t rb, int64_t N, int64_t nb, i
 }
 
 template <int T, bool VNNI>
-void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
-                 int threads) {
+void matmul_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
     // AVX2: one row of x is memory-bound (4 rows of W a tile: more loads in flight), several are
     // compute-bound (2 rows of W x 4 of x: fewer unpacks and loads per multiply). VNNI: 4 x 4.
     const int nr = VNNI ? 4 : (M == 1 ? 4 : 2);
-    const int64_t groups = (N + nr - 1) / nr;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
-    {
-        std::vector<float> wd(4 * nb), wm(4 * nb);
-        const int64_t chunk = chunk_rows(K);
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-            for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
-                                                                         int64_t n0) {
-                if (rows_here == 4) tile_rows<T, VNNI, 4>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
-                else if (rows_here == nr && nr == 2)
-                    tile_rows<T, VNNI, 2>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
-                else
-                    for (int r = 0; r < rows_here; ++r)
-                        tile_rows<T, VNNI, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, a, m0, mc, nb, K,
-                                              out, n0 + r);
-            });
-        }
+    std::vector<float> wd(4 * nb), wm(4 * nb);
+    const int64_t chunk = chunk_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
+                                                                     int64_t n0) {
+            if (rows_here == 4) tile_rows<T, VNNI, 4>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
+            else if (rows_here == nr && nr == 2)
+                tile_rows<T, VNNI, 2>(rows, wd.data(), wm.data(), a, m0, mc, nb, K, out, n0);
+            else
+                for (int r = 0; r < rows_here; ++r)
+                    tile_rows<T, VNNI, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, a, m0, mc, nb, K,
+                                          out, n0 + r);
+        });
     }
 }
 
@@ -612,10 +607,9 @@ void repack_x8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
 }
 
 template <int T>
-void matmul_x8_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
-                      int threads) {
+void matmul_x8_scalar(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 8)
+    #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         for (int64_t m = 0; m < M; ++m) {
             float acc = 0.f;
@@ -724,10 +718,8 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
 }
 
 template <int T>
-void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
-                    int threads) {
+void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK, groups = N / 8, chunk = chunk_rows(K);
-    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {              // rows of x whose codes stay in L1
         const int64_t c1 = M - c0 < chunk ? M : c0 + chunk;
         #pragma omp for schedule(static)
@@ -747,27 +739,26 @@ void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, 
 #endif
 
 template <int T>
-void matmul_x8(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K, int threads) {
+void matmul_x8(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t rb = row_bytes(T, K);
 #if BLINK_Q_AVX2
-    if (isa >= 1) return matmul_x8_simd<T>(w, rb, a, out, M, N, K, threads);
+    if (isa >= 1) return matmul_x8_simd<T>(w, rb, a, out, M, N, K);
 #endif
     (void)isa;
-    matmul_x8_scalar<T>(w, rb, a, out, M, N, K, threads);
+    matmul_x8_scalar<T>(w, rb, a, out, M, N, K);
 }
 
 template <int T>
-void matmul_type(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K,
-                 int threads) {
+void matmul_type(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t rb = row_bytes(T, K);
 #if BLINK_Q_AVX512
-    if (isa >= 2) return matmul_simd<T, true>(w, rb, a, out, M, N, K, threads);
+    if (isa >= 2) return matmul_simd<T, true>(w, rb, a, out, M, N, K);
 #endif
 #if BLINK_Q_AVX2
-    if (isa >= 1) return matmul_simd<T, false>(w, rb, a, out, M, N, K, threads);
+    if (isa >= 1) return matmul_simd<T, false>(w, rb, a, out, M, N, K);
 #endif
     (void)isa;
-    matmul_scalar<T>(w, rb, a, out, M, N, K, threads);
+    matmul_scalar<T>(w, rb, a, out, M, N, K);
 }
 
 // W [N, K] in blocks -> float32 [N, K] (for large batches: one dequantization, then a float GEMM).
@@ -798,29 +789,47 @@ extern "C" int64_t blink_quant_row_bytes(int wtype, int64_t K) { return row_byte
 // x [M, K] (float32, or bf16 when x_bf16) -> qs [M, K] int8, d [M, K/32], s [M, K/32]; K % 32 == 0.
 extern "C" void blink_quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s,
                                    int threads) {
-    quantize_act(x, x_bf16, M, K, qs, d, s, threads);
+    #pragma omp parallel num_threads(threads) if (threads > 1 && M * (K / QK) >= 256)
+    quantize_act(x, x_bf16, M, K, qs, d, s);
 }
+
+// Team bodies for blink_forward (forward.cc): called by every thread of an OpenMP team (or by one
+// thread outside any parallel region), the work shared out with orphaned `omp for` loops; each
+// returns after the loop's implicit barrier, so its output is complete for every thread.
+namespace blink_team {
+void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
+    ::quantize_act(x, x_bf16, M, K, qs, d, s);
+}
+
+int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
+                 void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa) {
+    const Act a{qs, d, s};
+    const Out out{y, y_bf16, ldy, bias};
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    switch (wtype) {
+        case Q4_0: matmul_type<Q4_0>(isa, wb, a, out, M, N, K); return 0;
+        case Q4_1: matmul_type<Q4_1>(isa, wb, a, out, M, N, K); return 0;
+        case Q8_0: matmul_type<Q8_0>(isa, wb, a, out, M, N, K); return 0;
+        case Q4_K: matmul_type<Q4_K>(isa, wb, a, out, M, N, K); return 0;
+        case SPLIT | Q4_0: matmul_type<SPLIT | Q4_0>(isa, wb, a, out, M, N, K); return 0;
+        case SPLIT | Q4_1: matmul_type<SPLIT | Q4_1>(isa, wb, a, out, M, N, K); return 0;
+        case SPLIT | Q8_0: matmul_type<SPLIT | Q8_0>(isa, wb, a, out, M, N, K); return 0;
+        case X8 | Q4_0: if (N % 8) return -1; matmul_x8<X8 | Q4_0>(isa, wb, a, out, M, N, K); return 0;
+        case X8 | Q4_1: if (N % 8) return -1; matmul_x8<X8 | Q4_1>(isa, wb, a, out, M, N, K); return 0;
+    }
+    return -1;
+}
+}  // namespace blink_team
 
 // y [M, N] (row stride ldy; float32, or bf16 when y_bf16) = act [M, K] . W[N, K]^T (+ bias, float32 [N]),
 // W as N rows of blink_quant_row_bytes(wtype, K) bytes. Returns 0, or -1 for an unknown wtype.
 extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s,
                                   const float* bias, void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N,
                                   int64_t K, int isa, int threads) {
-    const Act a{qs, d, s};
-    const Out out{y, y_bf16, ldy, bias};
-    const uint8_t* wb = static_cast<const uint8_t*>(w);
-    switch (wtype) {
-        case Q4_0: matmul_type<Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
-        case Q4_1: matmul_type<Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
-        case Q8_0: matmul_type<Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
-        case Q4_K: matmul_type<Q4_K>(isa, wb, a, out, M, N, K, threads); return 0;
-        case SPLIT | Q4_0: matmul_type<SPLIT | Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
-        case SPLIT | Q4_1: matmul_type<SPLIT | Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
-        case SPLIT | Q8_0: matmul_type<SPLIT | Q8_0>(isa, wb, a, out, M, N, K, threads); return 0;
-        case X8 | Q4_0: if (N % 8) return -1; matmul_x8<X8 | Q4_0>(isa, wb, a, out, M, N, K, threads); return 0;
-        case X8 | Q4_1: if (N % 8) return -1; matmul_x8<X8 | Q4_1>(isa, wb, a, out, M, N, K, threads); return 0;
-    }
-    return -1;
+    if (row_bytes(wtype, K) < 0 || (is_x8(wtype) && N % 8)) return -1;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && N > 8)
+    blink_team::quant_matmul(wtype, w, qs, d, s, bias, y, y_bf16, ldy, M, N, K, isa);
+    return 0;
 }
 
 // out [N, K] float32 = W dequantized (w = d * q + m per block). Returns 0, or -1 for an unknown wtype.

@@ -13,6 +13,10 @@ fused kernels of gpu_backend/cpu_kernels between the (prepacked) matmuls.
                      -> add_rms_norm (residual += mlp; the next layer's norm, or the final one)
       -> hidden [T, hidden] after the final norm, as LlamaModel.forward returns
 
+A step of decode rows only on a quantized model (every projection on quant.cc's int8 matmul) runs
+the whole stack in one C call instead (cpu_decode.FusedDecode: forward.cc, one OpenMP parallel
+region a step), with the same kernels in the same order: the same bits.
+
 Same math as LlamaModel.forward + PagedAttention, in ~9 calls a layer instead of ~60 ops:
 on a CPU the small ops, not the matmuls, were half of a batch-8 decode step. The calls
 go straight to ctypes with data pointers taken once at setup (weights) or once a step
@@ -32,6 +36,7 @@ from ..cpu_kernels import CpuKernels
 from ..kv_pool import KVPool
 from ..model.llama import LlamaModel
 from ..paged_attention import PagedBatch
+from .cpu_decode import FusedDecode
 from .cpu_linear import PackedLinear, QuantKernelLinear
 
 
@@ -117,6 +122,8 @@ class KernelForward:
         self.prefill_attention = kernels.raw("prefill_attention", dt)
         self.attention_isa = kernels.attention_isa
         self.silu_mul = kernels.raw("silu_mul", dt)
+        # Decode steps of a quantized model: the whole stack in one call (None: the per-call loop only).
+        self.fused = FusedDecode(self, kernels) if FusedDecode.fits(self) else None
 
     @staticmethod
     def applicable(model: LlamaModel, kernels: CpuKernels | None) -> bool:
@@ -141,6 +148,8 @@ class KernelForward:
         cos_ptr, sin_ptr, slots_ptr = cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr()
         nd = batch.num_decode                                         # decode rows first, then the chunks
         dec_tables, dec_lens = batch.decode_block_tables, batch.decode_context_lens     # [Bd, W], [Bd]
+        if self.fused is not None and self.fused.takes(t, nd):
+            return self.fused(x, cos, sin, batch.slot_mapping, dec_tables, dec_lens, threads)
         if batch.prefills:
             pre_tables, spans = prefill_spans(batch)                   # once a step, for every layer
         isa = self.attention_isa

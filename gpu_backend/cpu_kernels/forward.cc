@@ -1,0 +1,140 @@
+// The decoder stack of a quantized Llama model for one step of decode rows, in one call and one
+// OpenMP parallel region (blink_forward_decode; KernelForward calls it where it applies).
+//
+//   x [T, hidden] (the embedded tokens: the residual stream) -> first RMSNorm -> per layer:
+//     codes(normed) -> qkv blocks -> RoPE + k/v into the pool -> decode attention
+//     -> codes(attn) -> o blocks -> residual += o; RMSNorm
+//     -> codes(normed) -> gate|up blocks -> SiLU * up -> codes(act) -> down blocks
+//     -> residual += down; the next layer's RMSNorm (the final norm after the last)
+//   -> normed [T, hidden], as KernelForward's per-call loop returns it, bit for bit: the same
+//      kernels (the team bodies of kernels.cc and quant.cc) in the same order on the same data.
+//
+// Why one call: a 1-row decode step of SmolLM2 made ~14 ctypes calls a layer (30 layers) and opened
+// a parallel region for each matmul and the attention: ~420 Python -> C crossings and ~150 fork/joins
+// whose waits a loaded 2-core machine stretches, where every byte of work is ~3 MB a layer of weight
+// streaming. Here the team is forked once; the phases are separated by the barriers of their `omp for`
+// loops (a 1-row phase, the norms and activation codes, runs on one thread while the others wait at
+// its barrier: ~1 us). That is how llama.cpp's graph runs, one thread pool and a barrier between ops.
+//
+// Applies to decode rows only (one query row per sequence; prefill chunks keep the per-call loop and
+// its prefill attention kernel) with every projection on quant.cc's int8 matmul (rows <= the
+// projections' block-matmul limit); the descriptors are built once per model by KernelForward.
+#include <cstdint>
+
+namespace blink_team {     // kernels.cc and quant.cc
+void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
+                  float eps);
+void rope_cache(bool bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots, void* kc, void* vc,
+                int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
+                int64_t d, int64_t pool_slots);
+void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
+                      const int64_t* tables, int64_t max_blocks, const int64_t* context_lens, void* o,
+                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs,
+                      float scale);
+void silu_mul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n);
+void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s);
+int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
+                 void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa);
+}  // namespace blink_team
+
+namespace {
+
+constexpr int kMaxSegments = 4;
+
+// One projection (layouts as in cpu_kernels/__init__.py: ctypes Structures of the same fields).
+struct QMat {
+    int64_t n, k;                       // output columns (all segments), values per row
+    int64_t nseg;
+    const float* bias;                  // float32 [n] or null
+    int64_t wtype[kMaxSegments];        // each segment's type id (quant.cc: | SPLIT, | X8)
+    int64_t col[kMaxSegments];          // its first output column
+    int64_t rows[kMaxSegments];         // its output columns
+    const void* w[kMaxSegments];        // its repacked blocks
+};
+
+struct Layer {
+    QMat qkv, o, gate_up, down;
+    void* kc;                           // this layer's pool [KV, blocks, bs, D]
+    void* vc;
+    const void* post_w;                 // post-attention norm weight
+    const void* next_w;                 // the next layer's input norm (the final norm after the last)
+    double post_eps, next_eps;
+};
+
+struct Model {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
+    int64_t bf16, isa;
+    const void* first_w;                // the first layer's input norm
+    double first_eps;
+    double scale;                       // attention's 1 / sqrt(D)
+    const Layer* layer;
+};
+
+struct Step {
+    int64_t tokens;                     // T decode rows
+    void* x;                            // [T, hidden] embedded tokens in; the residual stream after
+    void* normed;                       // [T, hidden] out: the final norm's output
+    const void* cos;                    // [T, D] each
+    const void* sin;
+    const int64_t* slots;               // [T] pool slot of each row's k/v
+    const int64_t* tables;              // [T, width] block tables
+    int64_t width;
+    const int64_t* context_lens;        // [T]
+    void* qkv;                          // scratch [T, (H + 2 KV) D]
+    void* attn;                         // scratch [T, H D]
+    void* proj;                         // scratch [T, hidden]: o and down outputs
+    void* gate_up;                      // scratch [T, 2 I]
+    void* act;                          // scratch [T, I]
+    int8_t* qs;                         // scratch [T, max(hidden, H D, I)] activation codes
+    float* d;                           // scratch [T, max / 32] each
+    float* s;
+};
+
+// y [T, n] = codes(x [T, k]) . W^T, segment by segment (shared codes), in the model's dtype.
+inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, void* y) {
+    const int64_t t = st.tokens;
+    const int bf16 = int(m.bf16);
+    blink_team::quantize_act(x, bf16, t, w.k, st.qs, st.d, st.s);
+    const int64_t esize = bf16 ? 2 : 4;
+    int rc = 0;
+    for (int64_t i = 0; i < w.nseg; ++i) {
+        const float* bias = w.bias ? w.bias + w.col[i] : nullptr;
+        rc |= blink_team::quant_matmul(int(w.wtype[i]), w.w[i], st.qs, st.d, st.s, bias,
+                                       static_cast<char*>(y) + esize * w.col[i], bf16, w.n, t, w.rows[i], w.k,
+                                       int(m.isa));
+    }
+    return rc;
+}
+
+}  // namespace
+
+// Runs the decoder stack of `model` over the step's decode rows with `threads` threads.
+// Returns 0, or -1 where a segment's type is not one quant.cc reads (checked at setup, so never).
+extern "C" int blink_forward_decode(const Model* model, const Step* step, int threads) {
+    const Model& m = *model;
+    const Step& st = *step;
+    const bool bf16 = m.bf16 != 0;
+    const int64_t t = st.tokens, h = m.heads, kvh = m.kv_heads, d = m.head_dim;
+    const int64_t heads_total = h + 2 * kvh;
+    int rc = 0;
+    #pragma omp parallel num_threads(threads) reduction(| : rc)
+    {
+        blink_team::add_rms_norm(bf16, st.x, nullptr, m.first_w, st.normed, t, m.hidden, float(m.first_eps));
+        for (int64_t l = 0; l < m.layers; ++l) {
+            const Layer& p = m.layer[l];
+            rc |= matmul(m, st, p.qkv, st.normed, st.qkv);
+            blink_team::rope_cache(bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total, h + kvh, h,
+                                   kvh, d, m.num_blocks * m.block_size);
+            blink_team::decode_attention(bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables, st.width,
+                                         st.context_lens, st.attn, t, h, kvh, d, m.num_blocks, m.block_size,
+                                         float(m.scale));
+            rc |= matmul(m, st, p.o, st.attn, st.proj);
+            blink_team::add_rms_norm(bf16, st.x, st.proj, p.post_w, st.normed, t, m.hidden, float(p.post_eps));
+            rc |= matmul(m, st, p.gate_up, st.normed, st.gate_up);
+            blink_team::silu_mul(bf16, st.gate_up, st.act, t, m.inter);
+            rc |= matmul(m, st, p.down, st.act, st.proj);
+            blink_team::add_rms_norm(bf16, st.x, st.proj, p.next_w, st.normed, t, m.hidden, float(p.next_eps));
+        }
+    }
+    return rc ? -1 : 0;
+}

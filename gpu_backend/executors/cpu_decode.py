@@ -1,0 +1,128 @@
+"""FusedDecode: a quantized model's decoder stack for a step of decode rows in one C call
+(cpu_kernels/forward.cc, blink_forward_decode), for KernelForward.
+
+    KernelForward's layer plans (QuantKernelLinear projections, pool layers, norm weights)
+      -> once: ctypes descriptors (Model, Layer x L, QMat x 4 a layer: each projection's row
+         segments, their types, repacked blocks and output columns)
+    step: x [T, hidden] (embedded tokens), cos/sin [T, D], slots, block tables, context lengths
+      -> Step (pointers; scratch buffers kept while T repeats) -> blink_forward_decode(threads)
+      -> normed [T, hidden]: what KernelForward's per-call loop returns, bit for bit
+
+The per-call loop made ~14 ctypes calls and 5 OpenMP fork/joins a layer; this is one call and
+one parallel region a step (forward.cc says why that matters on 2 cores). It applies when every
+projection runs on quant.cc's int8 matmul at the step's row count (QuantKernelLinear, T within its
+max_rows, at most MAX_SEGMENTS segments) and every row is a decode row.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_linear import QuantKernelLinear
+
+MAX_SEGMENTS = 4            # forward.cc's kMaxSegments
+
+_i64, _f64, _ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+
+class QMat(ctypes.Structure):
+    _fields_ = [("n", _i64), ("k", _i64), ("nseg", _i64), ("bias", _ptr),
+                ("wtype", _i64 * MAX_SEGMENTS), ("col", _i64 * MAX_SEGMENTS), ("rows", _i64 * MAX_SEGMENTS),
+                ("w", _ptr * MAX_SEGMENTS)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat), ("kc", _ptr), ("vc", _ptr),
+                ("post_w", _ptr), ("next_w", _ptr), ("post_eps", _f64), ("next_eps", _f64)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("num_blocks", _i64), ("block_size", _i64), ("bf16", _i64), ("isa", _i64),
+                ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64), ("layer", ctypes.POINTER(Layer))]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("tokens", _i64), ("x", _ptr), ("normed", _ptr), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
+                ("tables", _ptr), ("width", _i64), ("context_lens", _ptr), ("qkv", _ptr), ("attn", _ptr),
+                ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("qs", _ptr), ("d", _ptr), ("s", _ptr)]
+
+
+def _qmat(mm: QuantKernelLinear) -> QMat:
+    q = QMat(n=mm.out_features, k=mm.in_features, nseg=len(mm._plan),
+             bias=None if mm.bias is None else mm.bias.data_ptr())
+    for i, (wtype, ptr, col, cols) in enumerate(mm._plan):
+        q.wtype[i], q.w[i], q.col[i], q.rows[i] = wtype, ptr, col, cols
+    return q
+
+
+class FusedDecode:
+    """The descriptors of one model (kept alive with the tensors they point into) and its call."""
+
+    def __init__(self, forward, kernels) -> None:
+        """forward: a KernelForward whose plans pass `fits`; kernels: the loaded CpuKernels."""
+        plans = forward.plans
+        mats = [[p.qkv.quant, p.o.quant, p.gate_up.quant, p.down.quant] for p in plans]
+        self.max_rows = min(mm.max_rows() for layer in mats for mm in layer)
+        self._fn = kernels.raw("forward_decode")
+        self.hidden, self.inter = forward.hidden, mats[0][2].out_features // 2
+        self.heads, self.kv_heads, self.head_dim = forward.num_heads, forward.num_kv_heads, forward.head_dim
+        self.dtype = forward.model.dtype
+        self._layers = (Layer * len(plans))()
+        for i, (p, (qkv, o, gate_up, down)) in enumerate(zip(plans, mats)):
+            self._layers[i] = Layer(qkv=_qmat(qkv), o=_qmat(o), gate_up=_qmat(gate_up), down=_qmat(down),
+                                    kc=p.kc_ptr, vc=p.vc_ptr, post_w=p.post_w, next_w=p.next_w,
+                                    post_eps=p.post_eps, next_eps=p.next_eps)
+        self._model = Model(layers=len(plans), hidden=forward.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                            head_dim=self.head_dim, inter=self.inter, num_blocks=forward.num_blocks,
+                            block_size=forward.block_size, bf16=int(self.dtype == torch.bfloat16),
+                            isa=mats[0][0].isa, first_w=forward.first_w, first_eps=forward.first_eps,
+                            scale=self.head_dim ** -0.5, layer=self._layers)
+        self._scratch: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @staticmethod
+    def fits(forward) -> bool:
+        """Whether every projection of every layer is a QuantKernelLinear on int8 codes in the
+        model's dtype with at most MAX_SEGMENTS segments, all on one isa, the MLP's halves equal."""
+        isas = set()
+        for p in forward.plans:
+            mats = (p.qkv.quant, p.o.quant, p.gate_up.quant, p.down.quant)
+            if any(mm is None or mm.float32_out or len(mm._plan) > MAX_SEGMENTS for mm in mats):
+                return False
+            isas.update(mm.isa for mm in mats)
+            if mats[2].out_features != 2 * mats[3].in_features or mats[0].in_features != forward.hidden:
+                return False
+        return bool(forward.plans) and len(isas) == 1         # one path for the stack
+
+    def takes(self, tokens: int, num_decode: int) -> bool:
+        """Whether a step of `tokens` rows, the first `num_decode` of them decode rows, runs here."""
+        return 0 < tokens == num_decode and tokens <= self.max_rows
+
+    def _buffers(self, t: int) -> dict[str, torch.Tensor]:
+        if self._scratch is None or self._scratch[0] != t:
+            dt, h, kvh, d = self.dtype, self.heads, self.kv_heads, self.head_dim
+            widest = max(self.hidden, h * d, self.inter)
+            self._scratch = (t, {
+                "qkv": torch.empty((t, (h + 2 * kvh) * d), dtype=dt),
+                "attn": torch.empty((t, h * d), dtype=dt), "proj": torch.empty((t, self.hidden), dtype=dt),
+                "gate_up": torch.empty((t, 2 * self.inter), dtype=dt), "act": torch.empty((t, self.inter), dtype=dt),
+                "qs": torch.empty((t, widest), dtype=torch.int8), "d": torch.empty((t, widest // 32)),
+                "s": torch.empty((t, widest // 32))})
+        return self._scratch[1]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, context_lens: torch.Tensor, threads: int) -> torch.Tensor:
+        """x [T, hidden] (contiguous, the model's dtype; the residual stream, updated in place), cos/sin
+        [T, D] contiguous, slots [T], tables [T, W], context_lens [T] int64 -> normed [T, hidden]."""
+        t = x.shape[0]
+        b = self._buffers(t)
+        normed = torch.empty_like(x)          # the caller's to keep; the scratch is reused step to step
+        step = Step(tokens=t, x=x.data_ptr(), normed=normed.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                    slots=slots.data_ptr(), tables=tables.data_ptr(), width=tables.shape[1],
+                    context_lens=context_lens.data_ptr(), qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(),
+                    proj=b["proj"].data_ptr(), gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(),
+                    qs=b["qs"].data_ptr(), d=b["d"].data_ptr(), s=b["s"].data_ptr())
+        if self._fn(ctypes.byref(self._model), ctypes.byref(step), threads) != 0:
+            raise RuntimeError("blink_forward_decode: a projection's block type is not one quant.cc reads")
+        return normed
