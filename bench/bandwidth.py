@@ -10,6 +10,10 @@ speed it allows.
        fraction of the bandwidth limit it reaches (issue 21 asks for >= 0.6)
 
     python -m bench.bandwidth [--threads N] [--mb 256]
+
+`blink bench` with blink on the default model runs probe() before its sweep (the machine as the
+servers find it) and its report gives blink's 1-stream decode (1 / TPOT p50) as decode_fraction
+of that bound.
 """
 from __future__ import annotations
 
@@ -65,6 +69,31 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     if emb is not None and head is None and getattr(model, "lm_head", None) is None:
         total += emb.weight.numel() * emb.weight.element_size()      # tied float head: F.linear reads it all
     return total
+
+
+def served_weight_bytes(model: str = "default") -> int:
+    """Weight bytes a decode step of `blink serve --model MODEL` streams with its defaults (--dtype
+    auto: a GGUF's quantized blocks, the CPU executor's repacked layouts and logits head)."""
+    from gpu_backend import cpu_kernels
+    from gpu_backend.executors.cpu import resolve_dtype
+    from gpu_backend.executors.cpu_linear import prepare_model
+    from gpu_backend.model.loader import load_model
+    loaded = load_model(model, dtype=resolve_dtype("auto"), quantized=True).model
+    return weight_bytes_per_token(prepare_model(loaded, cpu_kernels.load()))
+
+
+def probe(threads: int, model: str = "default") -> dict:
+    """The triad bandwidth with the server's threads and the served model's weight bytes a token."""
+    gb_s = triad_gb_s(threads)
+    weight_bytes = served_weight_bytes(model)
+    return {"triad_gb_s": gb_s, "threads": threads, "weight_bytes_per_token": weight_bytes,
+            "decode_bound_tok_s": gb_s * 1e9 / weight_bytes}
+
+
+def decode_fraction(bandwidth: dict, tpot_p50_ms: float) -> tuple[float, float]:
+    """(decode tok/s = 1000 / TPOT p50, that / the bandwidth bound) for one stream."""
+    tok_s = 1000.0 / tpot_p50_ms
+    return tok_s, tok_s / bandwidth["decode_bound_tok_s"]
 
 
 def main(argv=None) -> int:

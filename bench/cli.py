@@ -212,7 +212,14 @@ def run(args: argparse.Namespace) -> int:
         runner.prepare_workload()
     except WorkloadError as e:
         return _fail(str(e))
+    bandwidth = None
+    if "blink" in systems and args.model == "default" and not args.url:
+        # before the sweep, on the machine as the servers find it (the quiet check ran just now)
+        from .bandwidth import probe
+        bandwidth = probe(threads)
     results = runner.run()
+    if bandwidth is not None:
+        results["meta"]["bandwidth"] = bandwidth
     if not any(r["levels"] for r in results["runs"]):
         reasons = "; ".join(s["reason"].splitlines()[0] for s in results["skipped"]) or \
             "; ".join(r["error"] or "" for r in results["runs"])

@@ -197,6 +197,7 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
                 lines.append("")
                 lines.append(f"Not exposed by this server's /metrics: {', '.join(missing)}.")
             lines.append("")
+    lines += bandwidth_lines(results)
     for note in an.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
@@ -247,6 +248,26 @@ def degradation_lines(an: dict, unit: str) -> list[str]:
                          f"between them is within run-to-run noise.")
     lines.append("")
     return lines
+
+
+def bandwidth_lines(results: dict) -> list[str]:
+    """blink's 1-stream decode (isolated, 1 / TPOT p50) as a fraction of the triad bound, where the
+    run probed it (bench/bandwidth.py: blink on the default model)."""
+    from .bandwidth import decode_fraction
+    bw = results["meta"].get("bandwidth")
+    if not bw:
+        return []
+    lines = ["## Memory bandwidth", "",
+             f"Triad {bw['triad_gb_s']:.1f} GB/s with {bw['threads']} threads before the sweep; blink streams "
+             f"{bw['weight_bytes_per_token'] / 1e6:.1f} MB of weights a decode step, so one stream's bound is "
+             f"{bw['decode_bound_tok_s']:.0f} tok/s."]
+    for run in results["runs"]:
+        one = [lv for lv in run["levels"] if lv["offered"] == 1 and lv["summary"]["tpot"]["p50_ms"]]
+        if run["system"] == "blink" and not run.get("colocated") and one:
+            tok_s, frac = decode_fraction(bw, one[0]["summary"]["tpot"]["p50_ms"])
+            lines.append(f"blink's 1-stream decode (1 / TPOT p50, {run['condition']}) {tok_s:.1f} tok/s: "
+                         f"{frac:.2f} of the bound (issue 21 asks for >= 0.6).")
+    return lines + [""]
 
 
 def write_all(results: dict, out_dir: pathlib.Path, name: str, notes: str = "", plots: bool = True) -> list[pathlib.Path]:
