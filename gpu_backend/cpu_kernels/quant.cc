@@ -25,7 +25,8 @@
 //   0 scalar   plain C++, the reference the others are tested against
 //   1 avx2     AVX2 + FMA + F16C, 16 ymm registers: tiles of up to 4 x 2 / 1 x 4
 //   2 avx512   AVX512-VNNI on ymm (vpdpbusd: one instruction for maddubs + madd), 32 registers:
-//              tiles of up to 4 x 4; compiled only where -march=native has AVX512-VNNI + VL
+//              tiles of up to 4 x 4 (X8: 8 rows of x a group); compiled only where -march=native has
+//              AVX512-VNNI + VL
 // Integer sums are exact on every path and the activation codes are computed by one scalar
 // routine, so the paths differ only in the order of the float additions.
 #include <cmath>
@@ -684,13 +685,16 @@ void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threa
 // (c[q]: the rows' codes at k = 4q .. 4q+3, matching x's bytes 4q .. 4q+3), and per row of x 8
 // u8 x s8 pair products summed in int16 (|sum| <= 8 * 2 * 15 * 127 < 32768), one int32 pair sum,
 // one conversion and two FMAs (scale, offset) for the 8 rows.
-template <int T, int MR>
+// VNNI: vpdpbusd sums the four u8 x s8 products of each int32 lane and accumulates, one instruction for
+// AVX2's maddubs + add (and the final madd): the same integer sums, so the same floats; and 32 ymm
+// registers let a tile take 8 rows of x, unpacking each block's codes once for all of them.
+template <int T, int MR, bool VNNI>
 void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K, const Out& out, int64_t n0) {
     constexpr int64_t BB = x8_block_bytes<T>();
     constexpr int SB = scale_bytes(T);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
-    #pragma GCC unroll 4
+    #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = grp + b * BB;
@@ -705,15 +709,26 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
         const __m256 mw = base_type(T) == Q4_1
             ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)))
             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-        #pragma GCC unroll 4
+        #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
             const int8_t* xq = a.qs + (m0 + m) * K + b * QK;
             int32_t quad[8];
             std::memcpy(quad, xq, 32);
-            __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(quad[0]));
-            #pragma GCC unroll 8
-            for (int q = 1; q < 8; ++q) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[q], _mm256_set1_epi32(quad[q])));
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            __m256i sums;
+            if constexpr (VNNI) {
+#if BLINK_Q_AVX512
+                sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c[0], _mm256_set1_epi32(quad[0]));
+                #pragma GCC unroll 8
+                for (int q = 1; q < 8; ++q) sums = _mm256_dpbusd_epi32(sums, c[q], _mm256_set1_epi32(quad[q]));
+#endif
+            } else {
+                __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(quad[0]));
+                #pragma GCC unroll 8
+                for (int q = 1; q < 8; ++q)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[q], _mm256_set1_epi32(quad[q])));
+                sums = _mm256_madd_epi16(s16, ones);
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(sums);
             const __m256 dx = _mm256_broadcast_ss(a.d + (m0 + m) * nb + b);
             acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, dx), acc[m]);
             acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(a.s + (m0 + m) * nb + b), acc[m]);
@@ -726,20 +741,25 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
     }
 }
 
-template <int T>
+template <int T, bool VNNI>
 void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK, groups = N / 8, chunk = chunk_rows(K);
+    constexpr int MR = VNNI ? 8 : 4;                         // rows of x a tile (16 ymm on AVX2, 32 with VL)
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {              // rows of x whose codes stay in L1
         const int64_t c1 = M - c0 < chunk ? M : c0 + chunk;
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const uint8_t* grp = w + g * 8 * rb;
             int64_t m = c0;
-            for (; m + 4 <= c1; m += 4) x8_tile<T, 4>(grp, a, m, nb, K, out, 8 * g);
+            for (; m + MR <= c1; m += MR) x8_tile<T, MR, VNNI>(grp, a, m, nb, K, out, 8 * g);
             switch (c1 - m) {
-                case 3: x8_tile<T, 3>(grp, a, m, nb, K, out, 8 * g); break;
-                case 2: x8_tile<T, 2>(grp, a, m, nb, K, out, 8 * g); break;
-                case 1: x8_tile<T, 1>(grp, a, m, nb, K, out, 8 * g); break;
+                case 7: x8_tile<T, VNNI ? 7 : 1, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 6: x8_tile<T, VNNI ? 6 : 1, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 5: x8_tile<T, VNNI ? 5 : 1, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 4: x8_tile<T, 4, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 3: x8_tile<T, 3, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 2: x8_tile<T, 2, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
+                case 1: x8_tile<T, 1, VNNI>(grp, a, m, nb, K, out, 8 * g); break;
                 default: break;
             }
         }
@@ -750,8 +770,11 @@ void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, 
 template <int T>
 void matmul_x8(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t rb = row_bytes(T, K);
+#if BLINK_Q_AVX512
+    if (isa >= 2) return matmul_x8_simd<T, true>(w, rb, a, out, M, N, K);
+#endif
 #if BLINK_Q_AVX2
-    if (isa >= 1) return matmul_x8_simd<T>(w, rb, a, out, M, N, K);
+    if (isa >= 1) return matmul_x8_simd<T, false>(w, rb, a, out, M, N, K);
 #endif
     (void)isa;
     matmul_x8_scalar<T>(w, rb, a, out, M, N, K);

@@ -153,6 +153,21 @@ def test_x8_rows_compute_the_same_products(wtype, m, isa):
     assert odd == cpu_kernels.SPLIT | int(wtype)
 
 
+@pytest.mark.skipif(KERNELS is None or KERNELS.quant_isa_max < 2, reason="no AVX512-VNNI path on this CPU")
+@pytest.mark.parametrize("wtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_x8_vnni_gives_the_avx2_paths_bits(wtype):
+    """The X8 VNNI tiles (vpdpbusd, 8 rows of x) sum the same integers as AVX2's maddubs tiles (4 rows)
+    and scale them in the same order: equal outputs at every row count, remainders included."""
+    n, k = 64, 576
+    blocks = random_blocks(wtype, n, k, seed=7)
+    x8, packed = KERNELS.repack(int(wtype), blocks, k)
+    for m in (1, 3, 4, 7, 8, 9, 15, 16, 28, 29, 32, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(KERNELS.quant_linear(x, x8, packed, isa=2, out_dtype=out_dtype),
+                               KERNELS.quant_linear(x, x8, packed, isa=1, out_dtype=out_dtype)), (m, out_dtype)
+
+
 def test_q4_k_has_no_split_layout_and_stays_as_it_is():
     blocks = random_blocks(Q.Q4_K, 3, 256, seed=1)
     wtype, same = KERNELS.repack(int(Q.Q4_K), blocks, 256)
