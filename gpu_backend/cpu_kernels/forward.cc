@@ -17,8 +17,8 @@
 // its barrier: ~1 us). That is how llama.cpp's graph runs, one thread pool and a barrier between ops.
 //
 // Applies to decode rows only (one query row per sequence; prefill chunks keep the per-call loop and
-// its prefill attention kernel) with every projection on quant.cc's int8 matmul (rows <= the
-// projections' block-matmul limit); the descriptors are built once per model by KernelForward.
+// its prefill attention kernel) with every projection on quant.cc's int8 matmul, at any batch size
+// (executors/cpu_decode.py says why); the descriptors are built once per model by KernelForward.
 #include <cstdint>
 
 namespace blink_team {     // kernels.cc and quant.cc

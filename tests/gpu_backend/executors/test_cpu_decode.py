@@ -1,8 +1,9 @@
 """FusedDecode (forward.cc: a quantized model's decoder stack for a step of decode rows in one
 call) computes exactly what KernelForward's per-call loop computes: the same hidden states and
 the same KV pool bytes, on every block type and layout quant.cc serves, with biases, in float32
-and bfloat16, on every ISA path of this machine, with one thread and with several; steps it does
-not take (prefill rows, too many rows, unquantized models) keep the loop."""
+and bfloat16, on every ISA path of this machine, with one thread and with several, and past the
+prompts' 32-row limit on the blocks; steps it does not take (prefill rows, unquantized models)
+keep the loop."""
 from __future__ import annotations
 
 import pathlib
@@ -14,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu_backend import cpu_kernels
 from gpu_backend.executors import cpu_linear
-from gpu_backend.executors.cpu_decode import FusedDecode
+from gpu_backend.executors.cpu_decode import MAX_DECODE_ROWS, FusedDecode
 from gpu_backend.executors.cpu_forward import KernelForward
 from gpu_backend.executors.cpu_linear import prepare_model
 from gpu_backend.kv_pool import KVCacheConfig, KVPool
@@ -108,10 +109,22 @@ def test_every_isa_and_thread_count_gives_the_same_bits(isa, threads):
 
 def test_biases_and_the_largest_row_count_the_blocks_take():
     model = served("q4_1-x8", torch.float32, dict(arch="qwen2", attention_bias=True))
-    fast = KernelForward(model, pool_for(model), KERNELS)
-    rows = fast.fused.max_rows
-    assert rows == cpu_linear.QUANT_X8_MAX_ROWS
-    assert_same(*both(model, *decode_step(model, rows, seed=7), threads=2))
+    assert_same(*both(model, *decode_step(model, cpu_linear.QUANT_X8_MAX_ROWS, seed=7), threads=2))
+
+
+def test_decode_steps_past_the_prompt_row_limit_stay_on_the_blocks(monkeypatch):
+    """Past QuantKernelLinear's 32 rows (a limit for prompts) decode rows stay on the int8 blocks: the
+    bits of the per-call loop with that limit lifted, and each row's hidden state the same as in a
+    smaller batch (its activation codes are its own)."""
+    model = served("mixed-segments", torch.bfloat16)
+    rows = cpu_linear.QUANT_X8_MAX_ROWS + 9
+    ids, pos, batch = decode_step(model, rows, seed=11)
+    monkeypatch.setattr(cpu_linear, "QUANT_X8_MAX_ROWS", 4096)
+    monkeypatch.setattr(cpu_linear, "QUANT_MAX_ROWS", 4096)
+    calls, fused = both(model, ids, pos, batch, threads=2)
+    assert_same(calls, fused)
+    head = decode_step(model, 5, seed=11)                 # the same first 5 rows alone
+    assert torch.equal(both(model, *head)[1][0], fused[0][:5])
 
 
 def test_steps_it_does_not_take_keep_the_per_call_loop(monkeypatch):
@@ -122,10 +135,10 @@ def test_steps_it_does_not_take_keep_the_per_call_loop(monkeypatch):
     with torch.inference_mode():
         # a prefill chunk beside a decode row
         fast(torch.tensor([1, 2, 3]), torch.tensor([4, 0, 1]), PagedBatch.build([(4, 1, [0]), (0, 2, [1])], BLOCK))
-        ids, pos, batch = decode_step(model, fast.fused.max_rows + 1)     # past the blocks' row limit
-        fast(ids, pos, batch)
     assert calls == []
     assert fast.fused.takes(1, 1) and not fast.fused.takes(3, 1) and not fast.fused.takes(0, 0)
+    assert fast.fused.takes(MAX_DECODE_ROWS, MAX_DECODE_ROWS) and not fast.fused.takes(MAX_DECODE_ROWS + 1,
+                                                                                     MAX_DECODE_ROWS + 1)
 
 
 def test_models_off_the_int8_blocks_have_no_fused_decode():
