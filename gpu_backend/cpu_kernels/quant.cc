@@ -374,15 +374,16 @@ void tile_rows(const uint8_t* const* rows, const float* wd, const float* wm, con
     }
 }
 
-// Rows of x per pass over W: their codes (rows x K bytes) stay in L1 (32 KiB on every x86 core
-// since 2011; half of it for them) while every tile of W passes. 64 rows of 576 (36 KiB) ran at
-// half the speed of 32 rows (Zen 3, Q4_1 3072 x 576): x then streamed from L2 for every tile.
 // How far ahead of the tile being multiplied for_each_tile asks for the lines of W (software prefetch).
 // Row-major layouts (SPLIT, GGUF) stream a tile's rows side by side, which the hardware prefetchers
 // followed poorly: the tied Q8_0 head of SmolLM2 (49152 x 576, 30 MB, from DRAM), one row of x, one
 // thread, AVX512 EPYC: 5.3 ms without, 1.7 ms with (17 GB/s), about the same from 0 to 8 KiB ahead
 // (4 KiB best by a hair, 16 KiB worse). The X8 layout is one sequential stream and gained nothing.
 constexpr int64_t kPrefetchBytes = 4096;
+
+// Rows of x per pass over W: their codes (rows x K bytes) stay in L1 (32 KiB on every x86 core
+// since 2011; half of it for them) while every tile of W passes. 64 rows of 576 (36 KiB) ran at
+// half the speed of 32 rows (Zen 3, Q4_1 3072 x 576): x then streamed from L2 for every tile.
 inline int64_t chunk_rows(int64_t K) {
     const int64_t rows = 16384 / K / 4 * 4;
     return rows < 4 ? 4 : rows;

@@ -72,7 +72,6 @@ class FusedDecode:
         """forward: a KernelForward whose plans pass `fits`; kernels: the loaded CpuKernels."""
         plans = forward.plans
         mats = [[p.qkv.quant, p.o.quant, p.gate_up.quant, p.down.quant] for p in plans]
-        self.max_rows = MAX_DECODE_ROWS
         self._fn = kernels.raw("forward_decode")
         self.hidden, self.inter = forward.hidden, mats[0][2].out_features // 2
         self.heads, self.kv_heads, self.head_dim = forward.num_heads, forward.num_kv_heads, forward.head_dim
@@ -105,7 +104,7 @@ class FusedDecode:
 
     def takes(self, tokens: int, num_decode: int) -> bool:
         """Whether a step of `tokens` rows, the first `num_decode` of them decode rows, runs here."""
-        return 0 < tokens == num_decode and tokens <= self.max_rows
+        return 0 < tokens == num_decode <= MAX_DECODE_ROWS
 
     def _buffers(self, t: int) -> dict[str, torch.Tensor]:
         if self._scratch is None or self._scratch[0] != t:
