@@ -10,8 +10,13 @@
              policy's max_prefill_tokens, every kernel call timed -> CPU-ms per component
              (attention, matmuls, rope/norms/silu, other) for each length
 
+    peers:   --peer vllm / --peer llamaserver (bench.servers, installed by bench/peers/): each peer
+             alone after the checkouts, default settings, the same prompts' lengths and the same
+             request, so blink's TTFT stands beside what users would run instead
+
     python -m bench.prefill serve --checkout before=/tmp/blink-base --checkout after=. \\
         --lengths 360,1600,3500 --repeats 3 --out bench/results/<date>-<machine>-prefill
+    python -m bench.prefill serve --checkout blink=. --peer vllm --lengths 1600,3500 --out ...
     python -m bench.prefill profile --lengths 360,1600,3500
 
 The exponent is what survives a loaded machine: other tenants slow every length by about the
@@ -128,7 +133,9 @@ def _commit_of(path: pathlib.Path) -> str:
     if marker.is_file():
         return marker.read_text().strip()
     out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return (out.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
 def serve_sweep(checkouts: dict[str, pathlib.Path], lengths: list[int], repeats: int, log_dir: pathlib.Path) -> dict:
@@ -184,6 +191,40 @@ def serve_sweep(checkouts: dict[str, pathlib.Path], lengths: list[int], repeats:
     return out
 
 
+def peer_sweep(systems: list[str], lengths: list[int], repeats: int, log_dir: pathlib.Path) -> dict:
+    """TTFT of one prompt per length through each peer server (bench.servers: default settings, the
+    machine's cores as threads), each alone: started, warmed up, measured, stopped, then the next."""
+    from bench.servers import SERVED_NAME, server_spec, start_server, wait_ready
+    from bench.workload import PromptMaker, load_tokenizer
+    import numpy as np
+    maker = PromptMaker(load_tokenizer("default"))
+    rng = np.random.default_rng(1)
+    context = max(4096, 1024 * math.ceil((max(lengths) + 256) / 1024))
+    out = {}
+    for system in systems:
+        spec = server_spec(system, model="default", cpus=None, threads=os.cpu_count() or 1, max_model_len=context)
+        server = start_server(spec, log_dir / f"prefill-peer-{os.getpid()}-{system}.log")
+        try:
+            ready = wait_ready(server, spec.base_url, spec.model_name, timeout_s=900.0, health_path=spec.health_path)
+            _ttft(spec.base_url, spec.model_name, maker.make(16, rng)[0])
+            runs, tokens = {n: [] for n in lengths}, {}
+            for _ in range(repeats):
+                for n in lengths:
+                    text, tokens[n] = maker.make(n, rng)
+                    runs[n].append(_ttft(spec.base_url, spec.model_name, text))
+                    print(f"{system}: {tokens[n]} tokens, TTFT {runs[n][-1] * 1e3:.0f} ms", flush=True)
+        finally:
+            server.stop()
+        best = {n: min(v) for n, v in runs.items()}
+        out[system] = {"checkout": spec.version, "command": " ".join(spec.argv), "env": dict(spec.env),
+                       "ready_s": ready, "prompt_tokens": {str(n): tokens[n] for n in lengths},
+                       "ttft_s": {str(n): best[n] for n in lengths},
+                       "ttft_all_s": {str(n): runs[n] for n in lengths},
+                       "exponent": scaling_exponent([tokens[n] for n in lengths], [best[n] for n in lengths])}
+        print(f"{system}: ready in {ready:.1f} s, exponent {out[system]['exponent']:.2f}", flush=True)
+    return out
+
+
 def write_serve_results(result: dict, out: pathlib.Path, argv: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -196,12 +237,20 @@ def write_serve_results(result: dict, out: pathlib.Path, argv: list[str]) -> Non
              "Command: `" + " ".join(argv) + "`", "",
              "Default settings (`blink serve --model default`), the servers of both checkouts up for the "
              "whole sweep, one streamed /v1/completions request at a time alternating between them "
-             "(an idle server waits passively), max_tokens 1; the minimum over the repeats.", "",
+             "(an idle server waits passively), max_tokens 1; the minimum over the repeats. Peers (if any) "
+             "ran after them, each alone, with bench.servers' default command (in the JSON).", "",
              "| checkout | " + " | ".join(f"{n} tok" for n in result["runs"][next(iter(result["runs"]))]["prompt_tokens"].values())
              + " | exponent | ready (s) |", "|---|" + "---|" * (len(result["lengths"]) + 2)]
     for label, r in result["runs"].items():
         lines.append(f"| {label} ({r['checkout']}) | " + " | ".join(f"{v * 1e3:,.0f} ms" for v in r["ttft_s"].values())
                      + f" | {r['exponent']:.2f} | {r['ready_s']:.1f} |")
+    labels = [k for k in result["runs"] if k not in result.get("peers", ())]
+    for peer in result.get("peers", ()):
+        theirs = result["runs"][peer]["ttft_s"]
+        for label in labels:
+            mine = result["runs"][label]["ttft_s"]
+            lines += ["", f"TTFT of {label} / {peer}: " + ", ".join(
+                f"{mine[n] / theirs[n]:.2f}x at {n}" for n in theirs if n in mine) + " (below 1: faster)"]
     if result.get("notes"):
         lines += ["", *result["notes"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -218,6 +267,8 @@ def main(argv=None) -> None:
     sp = sub.add_parser("serve", help="TTFT through blink serve from one or more checkouts")
     sp.add_argument("--checkout", action="append", required=True, metavar="LABEL=PATH",
                     help="a source tree to serve from (git archive of a commit, or this repo)")
+    sp.add_argument("--peer", action="append", default=[], choices=("vllm", "llamaserver", "llamacpp"),
+                    help="a peer server measured alone after the checkouts (bench/peers/ installs them)")
     sp.add_argument("--lengths", default="360,1600,3500")
     sp.add_argument("--repeats", type=int, default=2)
     sp.add_argument("--out", required=True, help="results path without suffix (.json and .md are written)")
@@ -229,11 +280,12 @@ def main(argv=None) -> None:
         lengths = [int(x) for x in args.lengths.split(",")]
         load_start = os.getloadavg()
         runs = serve_sweep(checkouts, lengths, args.repeats, pathlib.Path(tempfile.gettempdir()))   # server logs
+        runs.update(peer_sweep(args.peer, lengths, args.repeats, pathlib.Path(tempfile.gettempdir())))
         kernels = cpu_kernels.load()
         cpu = dict(cpu_description(), attention_isa=cpu_kernels.ISA_NAMES[kernels.attention_isa] if kernels else None)
         result = {"date": datetime.date.today().isoformat(), "cpu": cpu, "lengths": lengths, "repeats": args.repeats,
                   "loadavg_start": [round(x, 2) for x in load_start],
-                  "loadavg_end": [round(x, 2) for x in os.getloadavg()], "runs": runs}
+                  "loadavg_end": [round(x, 2) for x in os.getloadavg()], "runs": runs, "peers": args.peer}
         write_serve_results(result, pathlib.Path(args.out), ["python", "-m", "bench.prefill", *(argv or sys.argv[1:])])
         return
     if args.cmd == "profile":

@@ -114,6 +114,41 @@ def test_large_batches_take_the_dequantized_gemm_and_agree(monkeypatch):
     torch.testing.assert_close(layer(x), gemm, rtol=0.05, atol=0.05 * float(gemm.abs().max()))
 
 
+def _bf16_quantized(variant: dict) -> LlamaModel:
+    return quantize_model(tiny(variant).to(torch.bfloat16), {}, Q.Q4_1)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(arch="qwen2", attention_bias=True)], ids=["llama", "qwen2-bias"])
+def test_bf16_prompts_multiply_the_bf16_dequantized_weight(variant):
+    """A bf16 model's prompts (rows above max_rows): the weight dequantized and rounded to bf16,
+    float32 sums; the packed copy and the per-call bf16 slices give the same values."""
+    copies = prepare_model(_bf16_quantized(variant), KERNELS)
+    slices = prepare_model(_bf16_quantized(variant), KERNELS)
+    cpu_linear.prefill_copies(copies, budget_bytes=float("inf"))
+    assert not cpu_linear.prefill_copies(slices, budget_bytes=0)
+    x = torch.randn(cpu_linear.QUANT_X8_MAX_ROWS + 7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for name in ("qkv_proj", "o_proj"):
+        a, b = getattr(copies.layers[0].self_attn, name), getattr(slices.layers[0].self_attn, name)
+        assert a._prefill is not None and b._prefill is None and b.bf16_prefill
+        w = torch.cat([KERNELS.dequantize(t, blk, a.in_features) for t, blk in a._blocks]).bfloat16().double()
+        want = x.double() @ w.t() + (0 if a.bias is None else a.bias.double())
+        for got in (a(x), b(x)):
+            assert got.dtype == torch.bfloat16
+            # float32 sums of exact products, one rounding to bf16 (and the bias's, on the copy)
+            torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-2 * float(want.abs().max()))
+        # decode-sized batches stay on the blocks (int8 codes): not the bf16 weights
+        assert a(x[:3]).dtype == torch.bfloat16 and a.max_rows() >= 3
+
+
+def test_a_bf16_model_keeps_prefill_copies_where_the_cpu_has_bf16_math():
+    model = prepare_model(_bf16_quantized({}), KERNELS)
+    layer = model.layers[0].mlp.down_proj
+    native = KERNELS.has_bf16_linear and cpu_linear.packing_available()
+    assert (layer._prefill is not None) == native and layer.bf16_prefill == native
+    f32 = prepare_model(quantize_model(tiny({}), {}, Q.Q4_1), KERNELS)      # float32 models: float32 slices
+    assert f32.layers[0].mlp.down_proj._prefill is None and not f32.layers[0].mlp.down_proj.bf16_prefill
+
+
 def test_without_kernels_quantized_weights_are_dequantized_once(caplog):
     model = quantize_model(tiny(dict(tie_word_embeddings=True)), {}, Q.Q8_0)
     want = QuantLinear.dequantize(model.layers[1].mlp.down_proj)
@@ -163,8 +198,8 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     cfg = served.config
 
     def runner(model):
-        return CpuRunner(model, KVPool(KVCacheConfig(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)),
-                         KERNELS)
+        return CpuRunner(model, KVPool(KVCacheConfig(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                                       dtype=model.dtype), KERNELS)
 
     chats = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
     prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
@@ -175,6 +210,14 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     picks, ref = [t for s in forced for t in s], [t for s in want for t in s]
     assert sum(a == b for a, b in zip(picks, ref)) >= 0.9 * len(ref)
     assert "Paris" in tok.decode(greedy_batch(runner(served), prompts[:1], 12)[0])
+
+    # bf16 activations, as the executor serves it where the CPU has bf16 math: prompts on the packed
+    # bf16 copies (there), decode rows on the blocks
+    bf16 = prepare_model(load_model("default", quantized=True, dtype=torch.bfloat16).model, KERNELS)
+    assert bf16.layers[0].mlp.down_proj.bf16_prefill == (KERNELS.has_bf16_linear and cpu_linear.packing_available())
+    forced = greedy_batch(runner(bf16), prompts, 24, forced=want)
+    assert sum(a == b for a, b in zip([t for s in forced for t in s], ref)) >= 0.9 * len(ref)
+    assert "Paris" in tok.decode(greedy_batch(runner(bf16), prompts[:1], 12)[0])
 
     ids = tok.encode(TEXT).ids
     assert 250 <= len(ids) <= 400
