@@ -4,7 +4,8 @@
         NAME.json  everything, NaN as null
         NAME.csv   system, condition, offered load, throughput, latency percentiles, stages
         NAME.md    setup, Table 6/7-style summary with colocated/isolated ratios, their spread
-                   over repeats (--repeats), per-level tables
+                   over repeats (--repeats), per-level tables, memory bandwidth, each server's
+                   peak resident memory (memory.py)
         NAME-latency.png, NAME-throughput.png  (plots.py)
 """
 from __future__ import annotations
@@ -198,6 +199,7 @@ def markdown(results: dict, name: str, notes: str = "") -> str:
                 lines.append(f"Not exposed by this server's /metrics: {', '.join(missing)}.")
             lines.append("")
     lines += bandwidth_lines(results)
+    lines += memory_lines(results)
     for note in an.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
@@ -267,6 +269,57 @@ def bandwidth_lines(results: dict) -> list[str]:
             tok_s, frac = decode_fraction(bw, one[0]["summary"]["tpot"]["p50_ms"])
             lines.append(f"blink's 1-stream decode (1 / TPOT p50, {run['condition']}) {tok_s:.1f} tok/s: "
                          f"{frac:.2f} of the bound (issue 21 asks for >= 0.6).")
+    return lines + [""]
+
+
+PEER_NAMES = {"vllm": "vLLM", "llamaserver": "llama-server", "llamacpp": "llama-cpp-python"}
+
+
+def memory_lines(results: dict) -> list[str]:
+    """Each server's peak summed RSS over its life (bench/memory.py: run["memory"], the same dict
+    in each of a system's runs), the processes at that peak, the sum of their VmHWM, and blink's
+    peak as a fraction of each peer's. Nothing for results from before the measurement; a system
+    without it (--url, or an older run merged in) gets a note instead of a row."""
+    runs = results.get("runs") or []
+    if not any("memory" in r for r in runs):
+        return []
+    mems: dict[str, dict | None] = {}
+    why: dict[str, str] = {}
+    for run in runs:
+        mem = run.get("memory")
+        if mem and mem.get("peak_rss_mib") is not None:
+            mems.setdefault(run["system"], mem)
+        elif run["system"] not in why:
+            why[run["system"]] = ("not measured: bench did not start this server (--url)" if "memory" in run
+                                  else "not recorded (results from before the memory measurement)")
+    period = next((m.get("period_s") for m in mems.values()), 0.5)
+    lines = ["## Memory", "",
+             f"Peak of the summed resident memory (VmRSS) of every process of the server (its session and "
+             f"their descendants), sampled every {period:g} s from its start to its stop (loading and every "
+             f"sweep); pages shared between its processes count once per process that has them resident. "
+             f"Sum of VmHWM: each process's own peak, reached at different times, so an upper bound of the "
+             f"peak.", ""]
+    if mems:
+        lines += ["| system | peak RSS (MiB) | at (s after start) | processes at the peak (MiB) | when ready (MiB) "
+                  "| sum of VmHWM (MiB) |", "|---|---:|---:|---|---:|---:|"]
+        for system, m in mems.items():
+            procs = ", ".join(f"{p['name']} {p['rss_mib']:.1f}" for p in m.get("processes_at_peak") or [])
+            ready = ((m.get("marks") or {}).get("ready") or {}).get("rss_mib")
+            lines.append(f"| {system} | {_f(m['peak_rss_mib'])} | {_f(m.get('peak_at_s'))} | {procs or '-'} "
+                         f"| {_f(ready)} | {_f(m.get('hwm_sum_mib'))} |")
+        lines.append("")
+    for system, reason in why.items():
+        if system not in mems:
+            lines.append(f"- {system}: {reason}.")
+    blink = mems.get("blink")
+    if blink:
+        for system, m in mems.items():
+            if system == "blink" or not m["peak_rss_mib"]:
+                continue
+            hwm = (f" (sum of VmHWM: {blink['hwm_sum_mib'] / m['hwm_sum_mib']:.2f})"
+                   if blink.get("hwm_sum_mib") and m.get("hwm_sum_mib") else "")
+            lines.append(f"- blink peak RSS / {PEER_NAMES.get(system, system)}'s: "
+                         f"{blink['peak_rss_mib'] / m['peak_rss_mib']:.2f}{hwm}")
     return lines + [""]
 
 

@@ -1,7 +1,8 @@
 """One benchmark run: every system, isolated and under each interference condition.
 
     BenchPlan (systems, conditions, load, workload, placement)
-      for each system: start its server pinned to the server CPUs -> ready
+      for each system: start its server pinned to the server CPUs -> ready (its processes'
+        summed RSS is sampled from start to stop: memory.py, each run's "memory")
         for each repeat (--repeats): for each condition (isolated first): start the
           interferer(s) pinned to their CPUs
           warm-up -> for each offered level: scrape /metrics, sample per-core
@@ -38,6 +39,7 @@ from .interference import (ALL_CPUS, InterferenceError, InterfererSpec, format_c
                            start_interferer)
 from .load import LoadConfig, LevelResult, new_session, run_level, warm_up
 from .machine import cpu_busy, cpu_times, machine_info, wait_quiet
+from .memory import RssSampler, summary as memory_summary
 from .metrics import RequestRecord, Slo, summarize
 from .progress import Progress
 from .servers import RunningServer, ServerError, ServerSpec, http_get, server_spec, start_server, wait_ready
@@ -188,6 +190,8 @@ class Runner:
 
     def _run_system(self, spec: ServerSpec, conditions: list[Condition], skipped: list) -> list[dict]:
         server: RunningServer | None = None
+        sampler: RssSampler | None = None
+        mem = None                 # stays None for --url: no server process of ours to sample
         runs = []
         quiet = self._wait_quiet()
         # Every system sees the same prompt sequence, each prompt once (isolated and colocated
@@ -200,8 +204,12 @@ class Runner:
                 self.log(f"starting {spec.system} ({spec.version}) on CPUs {format_cpus(spec.cpus)}: "
                          f"{' '.join(spec.argv)}")
                 server = start_server(spec, log_path)
+                # Summed RSS of the server's processes from its start (loading counts) to just
+                # before it is stopped: bench/memory.py.
+                sampler = RssSampler(server.proc.pid).start()
                 server.ready_s = wait_ready(server, spec.base_url, spec.model_name, self.plan.ready_timeout_s,
                                             spec.health_path)
+                sampler.mark("ready")
                 self.log(f"{spec.system} ready after {server.ready_s:.1f} s")
             for rep in range(self.plan.repeats):
                 for cond in conditions:
@@ -218,8 +226,13 @@ class Runner:
             self.log(f"SKIPPED system {spec.system}: {e}")
             skipped.append({"system": spec.system, "reason": str(e)})
         finally:
+            if sampler is not None:
+                mem = sampler.stop()
+                self.log(f"{spec.system}: {memory_summary(mem)}")
             if server is not None:
                 server.stop()
+            for r in runs:         # the server's whole life: the same dict in each of its runs
+                r["memory"] = mem
         return runs
 
     def _run_condition(self, spec: ServerSpec, server: RunningServer | None, cond: Condition) -> dict:
