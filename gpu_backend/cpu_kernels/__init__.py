@@ -13,10 +13,10 @@ once with g++ and called by ctypes.
        (forward.cc over the team bodies of the others; executors/cpu_decode.py builds its
        descriptors)
 
-quant.cc has a scalar, an AVX2 and an AVX512-VNNI path, attention.cc a scalar, an AVX2 and an
-AVX512F path; `isa` picks one per call, and BLINK_CPU_ISA=scalar|avx2|avx512 (read here, once)
-narrows the defaults (quant_isa, attention_isa), so each path can be tested on a machine that
-has a wider one.
+quant.cc has a scalar, an AVX2 and an AVX512-VNNI path, attention.cc a scalar, an AVX2, an
+AVX512F and (prefill of bf16 data) an AVX512-BF16 path; `isa` picks one per call, and
+BLINK_CPU_ISA=scalar|avx2|avx512|avx512bf16 (read here, once) narrows the defaults (quant_isa,
+attention_isa), so each path can be tested on a machine that has a wider one.
 
 -march=native is why the CPU's flags are part of the cache key: a cache shared between
 machines never hands one CPU another's build. No compiler, or a failed build, makes
@@ -74,7 +74,8 @@ SPLIT = 0x100           # | a type id: its rows repacked by CpuKernels.repack (f
 X8 = 0x200              # | Q4_0 / Q4_1: groups of 8 rows interleaved block by block (CpuKernels.repack)
 QUANT_TYPES.update({SPLIT | t: f"{QUANT_TYPES[t]}(split)" for t in (2, 3, 8)})
 QUANT_TYPES.update({X8 | t: f"{QUANT_TYPES[t]}(x8)" for t in (2, 3)})
-ISA_NAMES = ("scalar", "avx2", "avx512")                         # quant.cc's paths, narrowest first
+# The kernels' paths, narrowest first (quant.cc's go to avx512, attention.cc's to avx512bf16).
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 ISA_ENV = "BLINK_CPU_ISA"
 
 
@@ -229,7 +230,8 @@ class CpuKernels:
         after the step): rows first .. first + n - 1 are positions c - n .. c - 1 and attend to keys
         0 .. their position through block_tables[s] [S, max_blocks] -> the spans' rows of out
         [T, H, D] (a new tensor when not given; other rows untouched). isa: 0 scalar, 1 avx2,
-        2 avx512 (default self.attention_isa; clamped to attention_isa_max)."""
+        2 avx512, 3 avx512bf16 (bf16 data with d % 32 == 0: vdpbf16ps, P rounded to bf16; else as 2)
+        (default self.attention_isa; clamped to attention_isa_max)."""
         t, heads_total, d = qkv.shape
         kvh, num_blocks, bs, _ = kc.shape
         _check(qkv, kc, vc)
@@ -397,7 +399,7 @@ def _check(*tensors: torch.Tensor | None) -> None:
 
 
 def requested_isa(available: int) -> int:
-    """quant.cc's path: BLINK_CPU_ISA (scalar | avx2 | avx512) where set, never wider than
+    """A kernel's path: BLINK_CPU_ISA (one of ISA_NAMES) where set, never wider than
     `available`; unset, the widest available. An unknown name is logged and ignored."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if not name:
@@ -406,7 +408,7 @@ def requested_isa(available: int) -> int:
         log.warning("%s=%s is not one of %s; using %s", ISA_ENV, name, "|".join(ISA_NAMES), ISA_NAMES[available])
         return available
     want = ISA_NAMES.index(name)
-    if want > available:
+    if want > available and want < len(ISA_NAMES) - 1:      # avx512bf16 is attention's alone: no warning
         log.warning("%s=%s: this CPU or build has at most %s; using it", ISA_ENV, name, ISA_NAMES[available])
     return min(want, available)
 

@@ -38,6 +38,11 @@
 #else
 #define BLINK_A_AVX512 0
 #endif
+#if BLINK_A_AVX512 && defined(__AVX512BF16__)
+#define BLINK_A_BF16 1
+#else
+#define BLINK_A_BF16 0
+#endif
 
 namespace {
 
@@ -359,6 +364,194 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
     }
 }
 
+#if BLINK_A_BF16
+// The avx512bf16 path (bf16 data, d % 32 == 0): the two GEMMs of a tile on vdpbf16ps, which multiplies
+// pairs of bf16 values exactly and adds them into float32 lanes: twice the multiply-adds of an
+// fp32 FMA per instruction, and no conversion of K/V to float.
+//
+//   pack (once a call, per span x kv head x key tile of KT keys, in parallel): K as bf16 pairs
+//   transposed, kp[i'][j] = (k[j][2i'], k[j][2i'+1]) (a score vector: 16 keys of one pair of dims),
+//   V as pairs of keys, vp[j'][i] = (v[2j'][i], v[2j'+1][i]) (an output vector: 16 dims of one pair
+//   of keys); keys past the context are zero
+//   -> per item, as the float path: S = Q . K^T (q's bf16 pairs broadcast, float32 sums, times the
+//   scale), the same online softmax in float32, P rounded to bf16 pairs, O += P . V in float32
+//
+// Against the float path: the scores are the same products in another summation order (q is not
+// pre-scaled, so not rounded there); P is rounded to bf16 (2^-9 relative), as GPU flash attention
+// rounds it; the running sums l add the unrounded p. K/V are read once a call in packed form, not
+// converted to float once per query tile.
+constexpr int KP = KT / 2;       // key pairs a tile
+
+inline uint32_t word(const uint16_t* p, int64_t i) {
+    uint32_t w;
+    std::memcpy(&w, p + 2 * i, 4);
+    return w;
+}
+
+// s[r, j0 .. j0 + 16 NV) = scale * q[r] . k[j] for MR rows: MR x NV accumulators, each K vector loaded
+// once per pair of dims for all MR rows.
+template <int MR, int NV>
+inline void scores_bf16(const uint32_t* qp, int64_t dp, const uint32_t* kp, float scale, float* s) {
+    __m512 acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < NV; ++c) acc[m][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dp; ++i) {
+        __m512i k[NV];
+        for (int c = 0; c < NV; ++c) k[c] = _mm512_loadu_si512(kp + i * KT + 16 * c);
+        for (int m = 0; m < MR; ++m) {
+            const __m512i qb = _mm512_set1_epi32(int(qp[m * dp + i]));
+            for (int c = 0; c < NV; ++c)
+                acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)qb, (__m512bh)k[c]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(s + m * KT + 16 * c, _mm512_mul_ps(acc[m][c], sc));
+}
+
+// o[r, i0 .. i0 + 16 NC) += p[r] . v over the tile's key pairs 0 .. np for MR rows.
+template <int MR, int NC>
+inline void pv_bf16(const uint32_t* pp, const uint32_t* vp, int64_t np, int64_t d, int64_t i0, float* o) {
+    __m512 acc[MR][NC];
+    for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_loadu_ps(o + m * d + i0 + 16 * c);
+    for (int64_t j = 0; j < np; ++j) {
+        __m512i v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_si512(vp + j * d + i0 + 16 * c);
+        for (int m = 0; m < MR; ++m) {
+            const __m512i pb = _mm512_set1_epi32(int(pp[m * KP + j]));
+            for (int c = 0; c < NC; ++c)
+                acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)pb, (__m512bh)v[c]);
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + m * d + i0 + 16 * c, acc[m][c]);
+}
+
+template <int MR>
+inline void pv_bf16_rows(const uint32_t* pp, const uint32_t* vp, int64_t np, int64_t d, float* o) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= d; i0 += 64) pv_bf16<MR, 4>(pp, vp, np, d, i0, o);
+    for (; i0 < d; i0 += 32) pv_bf16<MR, 2>(pp, vp, np, d, i0, o);          // d % 32 == 0 (the dispatch's)
+}
+
+void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc,
+                               const int64_t* tables, int64_t max_blocks, const int64_t* spans, int64_t num_spans,
+                               uint16_t* out, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks,
+                               int64_t bs, float scale, int threads) {
+    const int64_t group = heads / kv_heads, pool_slots = num_blocks * bs, dp = d / 2;
+    const int64_t tile_words = dp * KT;                      // a packed K tile; a packed V tile is as large
+    // packed tiles: (span, kv head) -> first tile; a tile's K then its V
+    std::vector<int64_t> first_tile(num_spans * kv_heads + 1, 0);
+    for (int64_t s = 0; s < num_spans; ++s)
+        for (int64_t g = 0; g < kv_heads; ++g)
+            first_tile[s * kv_heads + g + 1] = first_tile[s * kv_heads + g] + (spans[3 * s + 2] + KT - 1) / KT;
+    const int64_t total_tiles = first_tile.back();
+    static thread_local std::vector<uint32_t> packed;
+    if (int64_t(packed.size()) < 2 * total_tiles * tile_words) packed.resize(2 * total_tiles * tile_words);
+    uint32_t* const pk = packed.data();
+    std::vector<Item> items;
+    for (int64_t s = 0; s < num_spans; ++s) {
+        const int64_t n = spans[3 * s + 1], ctx = spans[3 * s + 2];
+        for (int64_t t0 = 0; t0 < n; t0 += QT)
+            for (int64_t g = 0; g < kv_heads; ++g)
+                items.push_back({s, g, t0, ctx - n + std::min(t0 + QT, n)});
+    }
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    const int64_t max_rows = QT * group;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < total_tiles; ++tile) {
+            const int64_t sg = std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1;
+            const int64_t s = sg / kv_heads, g = sg % kv_heads, k0 = (tile - first_tile[sg]) * KT;
+            const int64_t nk = std::min<int64_t>(KT, spans[3 * s + 2] - k0);
+            const int64_t* table = tables + s * max_blocks;
+            uint32_t* kt = pk + 2 * tile * tile_words;
+            uint32_t* vt = kt + tile_words;
+            const uint16_t* kbase = kc + g * pool_slots * d;
+            const uint16_t* vbase = vc + g * pool_slots * d;
+            for (int64_t j = 0; j < KT; ++j) {
+                const int64_t kp = k0 + j;
+                if (j < nk) {
+                    const uint16_t* kr = kbase + (table[kp / bs] * bs + kp % bs) * d;
+                    for (int64_t i = 0; i < dp; ++i) kt[i * KT + j] = word(kr, i);
+                } else {
+                    for (int64_t i = 0; i < dp; ++i) kt[i * KT + j] = 0;
+                }
+            }
+            for (int64_t j = 0; j < KP; ++j) {
+                const int64_t ka = k0 + 2 * j, kb = ka + 1;
+                const uint16_t* va = 2 * j < nk ? vbase + (table[ka / bs] * bs + ka % bs) * d : nullptr;
+                const uint16_t* vb = 2 * j + 1 < nk ? vbase + (table[kb / bs] * bs + kb % bs) * d : nullptr;
+                for (int64_t i = 0; i < d; ++i)
+                    vt[j * d + i] = uint32_t(va ? va[i] : 0) | uint32_t(vb ? vb[i] : 0) << 16;
+            }
+        }
+        std::vector<uint32_t> qp(max_rows * dp), pp(max_rows * KP);
+        std::vector<float> of(max_rows * d), sc(max_rows * KT), mrow(max_rows), lrow(max_rows);
+        std::vector<int64_t> pos(max_rows);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < int64_t(items.size()); ++it) {
+            const Item& w = items[it];
+            const int64_t row0 = spans[3 * w.span], n = spans[3 * w.span + 1], ctx = spans[3 * w.span + 2];
+            const int64_t tokens = std::min<int64_t>(QT, n - w.t0), rows = tokens * group;
+            const int64_t first_pos = ctx - n + w.t0, kmax = first_pos + tokens;
+            for (int64_t t = 0; t < tokens; ++t) {
+                const uint16_t* qt = q + (row0 + w.t0 + t) * q_stride + w.kv_head * group * d;
+                for (int64_t j = 0; j < group; ++j) {
+                    const int64_t r = t * group + j;
+                    for (int64_t i = 0; i < dp; ++i) qp[r * dp + i] = word(qt + j * d, i);
+                    pos[r] = first_pos + t;
+                }
+            }
+            std::fill(of.begin(), of.begin() + rows * d, 0.f);
+            std::fill(mrow.begin(), mrow.begin() + rows, -INFINITY);
+            std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
+            const uint32_t* tiles = pk + 2 * first_tile[w.span * kv_heads + w.kv_head] * tile_words;
+            for (int64_t k0 = 0; k0 < kmax; k0 += KT) {
+                const int64_t nk = std::min<int64_t>(KT, kmax - k0);
+                const uint32_t* kt = tiles + 2 * (k0 / KT) * tile_words;
+                const uint32_t* vt = kt + tile_words;
+                for (int64_t j0 = 0; j0 < nk; j0 += 32) {                 // scores, 32 keys (or 16) at a time
+                    const bool two = j0 + 16 < nk;
+                    int64_t r = 0;
+                    for (; r + 12 <= rows; r += 12)
+                        two ? scores_bf16<12, 2>(qp.data() + r * dp, dp, kt + j0, scale, sc.data() + r * KT + j0)
+                            : scores_bf16<12, 1>(qp.data() + r * dp, dp, kt + j0, scale, sc.data() + r * KT + j0);
+                    for (; r < rows; ++r)
+                        two ? scores_bf16<1, 2>(qp.data() + r * dp, dp, kt + j0, scale, sc.data() + r * KT + j0)
+                            : scores_bf16<1, 1>(qp.data() + r * dp, dp, kt + j0, scale, sc.data() + r * KT + j0);
+                }
+                const bool diagonal = k0 + nk - 1 > first_pos;
+                for (int64_t r = 0; r < rows; ++r) {
+                    float* sr = sc.data() + r * KT;
+                    const int64_t visible = std::max<int64_t>(0, diagonal ? std::min(nk, pos[r] - k0 + 1) : nk);
+                    for (int64_t j = visible; j < KT; ++j) sr[j] = -INFINITY;
+                    softmax_step<Avx512>(sr, &mrow[r], &lrow[r], of.data() + r * d, d);
+                    for (int64_t j = visible; j < KT; ++j) sr[j] = 0.f;
+                    for (int64_t j = 0; j < KT; j += 32)                   // p as bf16 pairs (RNE)
+                        _mm512_storeu_si512(pp.data() + r * KP + j / 2, (__m512i)_mm512_cvtne2ps_pbh(
+                                                _mm512_loadu_ps(sr + j + 16), _mm512_loadu_ps(sr + j)));
+                }
+                const int64_t np = (nk + 1) / 2;
+                int64_t r = 0;
+                for (; r + 6 <= rows; r += 6) pv_bf16_rows<6>(pp.data() + r * KP, vt, np, d, of.data() + r * d);
+                for (; r < rows; ++r) pv_bf16_rows<1>(pp.data() + r * KP, vt, np, d, of.data() + r * d);
+            }
+            for (int64_t t = 0; t < tokens; ++t) {
+                uint16_t* ot = out + ((row0 + w.t0 + t) * heads + w.kv_head * group) * d;
+                for (int64_t j = 0; j < group; ++j) {
+                    const int64_t r = t * group + j;
+                    const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+                    for (int64_t i = 0; i < d; ++i) ot[j * d + i] = BF16In::store(of[r * d + i] * inv);
+                }
+            }
+        }
+    }
+}
+#endif
+
 template <class P>
 void prefill_attention(int isa, const void* q, int64_t q_stride, const void* kc, const void* vc,
                        const int64_t* tables, int64_t max_blocks, const int64_t* spans, int64_t num_spans, void* o,
@@ -369,6 +562,11 @@ void prefill_attention(int isa, const void* q, int64_t q_stride, const void* kc,
         impl(static_cast<const T*>(q), q_stride, static_cast<const T*>(kc), static_cast<const T*>(vc), tables,
              max_blocks, spans, num_spans, static_cast<T*>(o), heads, kv_heads, d, num_blocks, bs, scale, threads);
     };
+#if BLINK_A_BF16
+    if constexpr (sizeof(T) == 2) {
+        if (isa >= 3 && d % 32 == 0) return run(prefill_attention_bf16dot);
+    }
+#endif
 #if BLINK_A_AVX512
     if (isa >= 2 && d % 16 == 0) return run(prefill_attention_impl<P, Avx512>);
 #endif
@@ -382,8 +580,11 @@ void prefill_attention(int isa, const void* q, int64_t q_stride, const void* kc,
 }  // namespace
 
 // C ABI for ctypes (gpu_backend/cpu_kernels/__init__.py checks shapes and types).
-// The widest path this build has: 2 avx512, 1 avx2, 0 scalar only.
-extern "C" int blink_attention_isa_max() { return BLINK_A_AVX512 ? 2 : (BLINK_A_AVX2 ? 1 : 0); }
+// The widest path this build has: 3 avx512bf16 (bf16 data; f32 data takes avx512), 2 avx512, 1 avx2,
+// 0 scalar only.
+extern "C" int blink_attention_isa_max() {
+    return BLINK_A_BF16 ? 3 : (BLINK_A_AVX512 ? 2 : (BLINK_A_AVX2 ? 1 : 0));
+}
 
 // Causal attention of prefill spans over the pool: span s (spans[3s .. 3s+2] = first row in q,
 // tokens n, context length c after this step) has query rows first .. first + n - 1 at positions

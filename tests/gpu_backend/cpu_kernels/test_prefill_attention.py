@@ -1,5 +1,5 @@
 """attention.cc's prefill attention (causal, flash-attention style over the paged pool) on every
-path this machine has (scalar, avx2, avx512; BLINK_CPU_ISA narrows the default), against a
+path this machine has (scalar, avx2, avx512, avx512bf16; BLINK_CPU_ISA narrows the default), against a
 float64 softmax(q k^T / sqrt(d)) v computed here from the same blocks: fresh prompts, chunks
 continuing over cached blocks, single-token spans, contexts longer than a key tile, tiles of
 query tokens that end mid-tile, block sizes that split key tiles, GQA groups, bf16 and f32."""
@@ -87,6 +87,22 @@ def test_the_paths_agree_with_each_other():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not KERNELS or KERNELS.attention_isa_max < 3, reason="no AVX512-BF16 path on this CPU")
+@pytest.mark.parametrize("d", [64, 32, 128])
+def test_the_bf16_dot_path_agrees_with_the_float_path(d):
+    """bf16 data: vdpbf16ps (P rounded to bf16) against the avx512 float32 path, within bf16 rounding;
+    head dims that are no multiple of 32 take the float path (the same bits)."""
+    qkv, kc, vc, tables, spans = case([(0, 100, 260), (100, 67, 67), (167, 1, 90)], 9, 3, d, 16, torch.bfloat16,
+                                      seed=5)
+    rows = 168
+    fast = KERNELS.prefill_attention(qkv, 9, kc, vc, tables, spans, isa=3)[:rows].double()
+    slow = KERNELS.prefill_attention(qkv, 9, kc, vc, tables, spans, isa=2)[:rows].double()
+    torch.testing.assert_close(fast, slow, rtol=8e-3, atol=8e-3)
+    qkv, kc, vc, tables, spans = case([(0, 40, 90)], 4, 2, 48, 16, torch.bfloat16, seed=6)
+    assert torch.equal(KERNELS.prefill_attention(qkv, 4, kc, vc, tables, spans, isa=3)[:40],     # span rows
+                       KERNELS.prefill_attention(qkv, 4, kc, vc, tables, spans, isa=2)[:40])
+
+
 def test_the_switch_narrows_the_default_path(monkeypatch):
     lib = ctypes.CDLL(str(cpu_kernels.build()))
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "scalar")
@@ -105,9 +121,10 @@ def test_spans_outside_their_rows_or_tables_are_refused():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
-@pytest.mark.parametrize("march", ["icelake-server", "haswell"])
+@pytest.mark.parametrize("march", ["cooperlake", "icelake-server", "haswell"])
 def test_every_path_compiles(march):
-    """The paths this machine may lack still build (AVX512F on icelake-server, AVX2 on haswell)."""
+    """The paths this machine may lack still build (AVX512-BF16 on cooperlake, AVX512F without it on
+    icelake-server, AVX2 on haswell)."""
     src = cpu_kernels.SOURCE.with_name("attention.cc")
     r = subprocess.run(["g++", "-std=c++17", "-O1", f"-march={march}", "-fopenmp", "-Wall", "-Wextra", "-Werror",
                         "-fsyntax-only", str(src)], capture_output=True, text=True)
