@@ -1,7 +1,8 @@
 """Outputs of a run: JSON (every request), CSV (one row per level), markdown summary, PNG plots.
 
     results dict (sweep.Runner.run) -> write_all(results, out_dir, name)
-        NAME.json  everything, NaN as null
+        NAME.json.gz  everything, NaN as null (gzip: every request's record, ~10x smaller; results
+                   are committed and the tree travels to a lent GPU machine within 64 MiB)
         NAME.csv   system, condition, offered load, throughput, latency percentiles, stages
         NAME.md    setup, Table 6/7-style summary with colocated/isolated ratios, their spread
                    over repeats (--repeats), per-level tables, memory bandwidth, each server's
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import pathlib
@@ -326,8 +328,10 @@ def memory_lines(results: dict) -> list[str]:
 def write_all(results: dict, out_dir: pathlib.Path, name: str, notes: str = "", plots: bool = True) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    jp = out_dir / f"{name}.json"
-    jp.write_text(json.dumps(nan_to_none(results), indent=1, allow_nan=False) + "\n")
+    jp = out_dir / f"{name}.json.gz"
+    text = json.dumps(nan_to_none(results), indent=1, allow_nan=False) + "\n"
+    with open(jp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(text.encode())
     paths.append(jp)
     cp = out_dir / f"{name}.csv"
     write_csv(results, cp)

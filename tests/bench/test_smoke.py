@@ -4,6 +4,7 @@ A few seconds of load (two concurrency levels, then Poisson under a pure-Python
 interferer), through the real CLI in a subprocess, as a user would run it.
 """
 import csv
+import gzip
 import json
 import subprocess
 import sys
@@ -25,8 +26,8 @@ def test_smoke_run_against_blink_serve_null(tmp_path):
                "--out", str(out), "--name", "smoke")
     assert p.returncode == 0, p.stderr[-3000:]
     names = {f.name for f in out.iterdir()}
-    assert {"smoke.json", "smoke.csv", "smoke.md", "smoke-latency.png", "smoke-throughput.png"} <= names
-    res = json.loads((out / "smoke.json").read_text())
+    assert {"smoke.json.gz", "smoke.csv", "smoke.md", "smoke-latency.png", "smoke-throughput.png"} <= names
+    res = json.loads(gzip.decompress((out / "smoke.json.gz").read_bytes()))
     runs = {r["condition"]: r for r in res["runs"]}
     assert set(runs) == {"isolated", "colocated:pyhogx1@cpuall"}
     iso = runs["isolated"]
@@ -69,7 +70,7 @@ def test_repeats_alternate_the_conditions_on_one_server_and_report_the_spread(tm
     p = _blink("--preset", "smoke", "--model", "null", "--levels", "1,2", "--duration-s", "1",
                "--interferer", "pyhog:1", "--repeats", "2", "--out", str(out), "--name", "rep")
     assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads((out / "rep.json").read_text())
+    res = json.loads(gzip.decompress((out / "rep.json.gz").read_bytes()))
     order = [(r["repeat"], r["condition"]) for r in res["runs"]]
     assert order == [(0, "isolated"), (0, "colocated:pyhogx1@cpuall"), (1, "isolated"), (1, "colocated:pyhogx1@cpuall")]
     assert len({r["server"]["ready_s"] for r in res["runs"]}) == 1   # one server for every sweep
@@ -100,4 +101,4 @@ def test_missing_peer_is_reported_and_skipped(tmp_path, monkeypatch):
     p = _blink("--preset", "smoke", "--systems", "vllm", "--out", str(out), "--name", "x", timeout_s=60)
     assert p.returncode == 1
     assert "SKIPPED system vllm" in p.stderr and "not installed" in p.stderr
-    assert json.loads((out / "x.json").read_text())["skipped"][0]["system"] == "vllm"
+    assert json.loads(gzip.decompress((out / "x.json.gz").read_bytes()))["skipped"][0]["system"] == "vllm"
