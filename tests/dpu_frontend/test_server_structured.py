@@ -161,8 +161,11 @@ def test_forced_tool_call(client):
 
 
 def test_tool_round_trip(client):
+    # one call: with parallel calls allowed, greedy SmolLM2 may repeat the call until max_tokens cuts
+    # the array (it did once prompts moved to bf16 weights), and a cut structure carries no calls
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                       max_tokens=100, temperature=0)
+                                       parallel_tool_calls=False, max_tokens=100, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
     call = r.choices[0].message.tool_calls[0]
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
