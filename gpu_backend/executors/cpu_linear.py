@@ -120,7 +120,8 @@ DEQUANT_ROWS = 256          # 256 x 576 floats: 576 KiB
 # at load, prefills SmolLM2 (in process, 2 threads, Zen 4) 128 / 512 / 1600 tokens in 88 / 361 / 1565 ms
 # against 204 / 728 / 2800 for the float32 slices and 129 / 415 / 1689 for bf16 slices dequantized per
 # call; it costs 2 bytes a weight (SmolLM2: 212 MB), so all copies together stay within this fraction
-# of physical memory, and larger models dequantize bf16 slices per call instead.
+# of the memory the process may use (physical, or a container's cgroup limit), and larger models
+# dequantize bf16 slices per call instead.
 PREFILL_COPY_MAX_FRACTION = 0.125
 
 
@@ -320,8 +321,22 @@ def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) ->
     return count
 
 
-def _physical_memory() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+# A container's memory limit (cgroup v2, then v1): "max" or a huge number where there is none.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _physical_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
+    """The memory this process may use: physical memory, or a smaller cgroup limit (a container's)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in limits:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(total, int(text))
+    return total
 
 
 def prefill_copies(model: nn.Module, budget_bytes: float) -> bool:

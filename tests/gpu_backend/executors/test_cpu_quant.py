@@ -156,6 +156,16 @@ def test_a_bf16_model_keeps_prefill_copies_where_the_cpu_has_bf16_math():
     assert f32.layers[0].mlp.down_proj._prefill is None and not f32.layers[0].mlp.down_proj.bf16_prefill
 
 
+def test_the_copies_budget_takes_a_containers_memory_limit(tmp_path):
+    physical = cpu_linear._physical_memory(limits=())
+    limit, unlimited = tmp_path / "memory.max", tmp_path / "v2-none"
+    limit.write_text(f"{physical // 4}\n")
+    unlimited.write_text("max\n")
+    assert cpu_linear._physical_memory(limits=(str(limit),)) == physical // 4
+    assert cpu_linear._physical_memory(limits=(str(unlimited), str(tmp_path / "absent"))) == physical
+    assert 0 < cpu_linear._physical_memory() <= physical
+
+
 def test_without_kernels_quantized_weights_are_dequantized_once(caplog):
     model = quantize_model(tiny(dict(tie_word_embeddings=True)), {}, Q.Q8_0)
     want = QuantLinear.dequantize(model.layers[1].mlp.down_proj)
