@@ -279,12 +279,8 @@ struct Item {                // one unit of work: a tile of one span's queries f
     int64_t span, kv_head, t0, cost;
 };
 
-template <class P, class V>
-void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                            const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
-                            const int64_t* spans, int64_t num_spans, typename P::T* out, int64_t heads,
-                            int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale, int threads) {
-    const int64_t group = heads / kv_heads, pool_slots = num_blocks * bs;
+// Every (span, query tile, kv head) of the call, the costliest (latest: most keys) first.
+std::vector<Item> work_items(const int64_t* spans, int64_t num_spans, int64_t kv_heads) {
     std::vector<Item> items;
     for (int64_t s = 0; s < num_spans; ++s) {
         const int64_t n = spans[3 * s + 1], ctx = spans[3 * s + 2];
@@ -293,6 +289,41 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
                 items.push_back({s, g, t0, ctx - n + std::min(t0 + QT, n)});   // keys the tile reads
     }
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    return items;
+}
+
+// One row's scores of the key tile at k0 (nk keys) -> p in place: keys past the row's position
+// (diagonal tiles) and the padding masked, the online-softmax step, the masked entries zeroed.
+template <class V>
+inline void masked_softmax(float* sr, bool diagonal, int64_t pos, int64_t k0, int64_t nk, float* m, float* l,
+                           float* o, int64_t d) {
+    const int64_t visible = std::max<int64_t>(0, diagonal ? std::min(nk, pos - k0 + 1) : nk);
+    for (int64_t j = visible; j < KT; ++j) sr[j] = -INFINITY;   // later keys, padding
+    softmax_step<V>(sr, m, l, o, d);
+    for (int64_t j = visible; j < KT; ++j) sr[j] = 0.f;         // exp's clamp leaves ~1e-38
+}
+
+// A tile's rows O / l into out [T, H, D] (tokens t0 .. of the span from row0; G query heads a kv head).
+template <class P>
+inline void store_rows(const float* of, const float* lrow, typename P::T* out, int64_t row0, int64_t t0,
+                       int64_t tokens, int64_t heads, int64_t kv_head, int64_t group, int64_t d) {
+    for (int64_t t = 0; t < tokens; ++t) {
+        typename P::T* ot = out + ((row0 + t0 + t) * heads + kv_head * group) * d;
+        for (int64_t j = 0; j < group; ++j) {
+            const int64_t r = t * group + j;
+            const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+            for (int64_t i = 0; i < d; ++i) ot[j * d + i] = P::store(of[r * d + i] * inv);
+        }
+    }
+}
+
+template <class P, class V>
+void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
+                            const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
+                            const int64_t* spans, int64_t num_spans, typename P::T* out, int64_t heads,
+                            int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale, int threads) {
+    const int64_t group = heads / kv_heads, pool_slots = num_blocks * bs;
+    const std::vector<Item> items = work_items(spans, num_spans, kv_heads);
     const int64_t max_rows = QT * group;
     #pragma omp parallel num_threads(threads) if (threads > 1 && items.size() > 1)
     {
@@ -330,13 +361,9 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
                     for (int64_t i = 0; i < d; ++i) kt[i * KT + j] = 0.f;
                 scores<V>(qf.data(), rows, d, kt.data(), nk, sc.data());
                 const bool diagonal = k0 + nk - 1 > first_pos;             // some row sees only part
-                for (int64_t r = 0; r < rows; ++r) {
-                    float* sr = sc.data() + r * KT;
-                    const int64_t visible = std::max<int64_t>(0, diagonal ? std::min(nk, pos[r] - k0 + 1) : nk);
-                    for (int64_t j = visible; j < KT; ++j) sr[j] = -INFINITY;   // later keys, padding
-                    softmax_step<V>(sr, &mrow[r], &lrow[r], of.data() + r * d, d);
-                    for (int64_t j = visible; j < KT; ++j) sr[j] = 0.f;         // exp's clamp leaves ~1e-38
-                }
+                for (int64_t r = 0; r < rows; ++r)
+                    masked_softmax<V>(sc.data() + r * KT, diagonal, pos[r], k0, nk, &mrow[r], &lrow[r],
+                                      of.data() + r * d, d);
                 // O += P . V over the tile's keys, one run of consecutive slots (a block) at a time
                 for (int64_t j0 = 0; j0 < nk;) {
                     const int64_t kp = k0 + j0, run = std::min(nk - j0, bs - kp % bs);
@@ -352,14 +379,7 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
                     j0 += run;
                 }
             }
-            for (int64_t t = 0; t < tokens; ++t) {
-                typename P::T* ot = out + ((row0 + w.t0 + t) * heads + w.kv_head * group) * d;
-                for (int64_t j = 0; j < group; ++j) {
-                    const int64_t r = t * group + j;
-                    const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
-                    for (int64_t i = 0; i < d; ++i) ot[j * d + i] = P::store(of[r * d + i] * inv);
-                }
-            }
+            store_rows<P>(of.data(), lrow.data(), out, row0, w.t0, tokens, heads, w.kv_head, group, d);
         }
     }
 }
@@ -450,14 +470,7 @@ void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16
     static thread_local std::vector<uint32_t> packed;
     if (int64_t(packed.size()) < 2 * total_tiles * tile_words) packed.resize(2 * total_tiles * tile_words);
     uint32_t* const pk = packed.data();
-    std::vector<Item> items;
-    for (int64_t s = 0; s < num_spans; ++s) {
-        const int64_t n = spans[3 * s + 1], ctx = spans[3 * s + 2];
-        for (int64_t t0 = 0; t0 < n; t0 += QT)
-            for (int64_t g = 0; g < kv_heads; ++g)
-                items.push_back({s, g, t0, ctx - n + std::min(t0 + QT, n)});
-    }
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    const std::vector<Item> items = work_items(spans, num_spans, kv_heads);
     const int64_t max_rows = QT * group;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -526,10 +539,7 @@ void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16
                 const bool diagonal = k0 + nk - 1 > first_pos;
                 for (int64_t r = 0; r < rows; ++r) {
                     float* sr = sc.data() + r * KT;
-                    const int64_t visible = std::max<int64_t>(0, diagonal ? std::min(nk, pos[r] - k0 + 1) : nk);
-                    for (int64_t j = visible; j < KT; ++j) sr[j] = -INFINITY;
-                    softmax_step<Avx512>(sr, &mrow[r], &lrow[r], of.data() + r * d, d);
-                    for (int64_t j = visible; j < KT; ++j) sr[j] = 0.f;
+                    masked_softmax<Avx512>(sr, diagonal, pos[r], k0, nk, &mrow[r], &lrow[r], of.data() + r * d, d);
                     for (int64_t j = 0; j < KT; j += 32)                   // p as bf16 pairs (RNE)
                         _mm512_storeu_si512(pp.data() + r * KP + j / 2, (__m512i)_mm512_cvtne2ps_pbh(
                                                 _mm512_loadu_ps(sr + j + 16), _mm512_loadu_ps(sr + j)));
@@ -539,14 +549,7 @@ void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16
                 for (; r + 6 <= rows; r += 6) pv_bf16_rows<6>(pp.data() + r * KP, vt, np, d, of.data() + r * d);
                 for (; r < rows; ++r) pv_bf16_rows<1>(pp.data() + r * KP, vt, np, d, of.data() + r * d);
             }
-            for (int64_t t = 0; t < tokens; ++t) {
-                uint16_t* ot = out + ((row0 + w.t0 + t) * heads + w.kv_head * group) * d;
-                for (int64_t j = 0; j < group; ++j) {
-                    const int64_t r = t * group + j;
-                    const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
-                    for (int64_t i = 0; i < d; ++i) ot[j * d + i] = BF16In::store(of[r * d + i] * inv);
-                }
-            }
+            store_rows<BF16In>(of.data(), lrow.data(), out, row0, w.t0, tokens, heads, w.kv_head, group, d);
         }
     }
 }
