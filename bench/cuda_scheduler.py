@@ -216,6 +216,7 @@ class Bench:
             "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
             "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
             "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
+            **_phases(c, steps),
             "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
             "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3),
             "launch_retries": c["launch_retries"]}
@@ -263,12 +264,18 @@ class Bench:
         res = {"makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps,
                "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
                "scheduler_overhead_us_per_step": round((s.scan_ns + s.publish_ns + s.plan_ns) / 1e3 / steps, 3),
+               **_phases({k: getattr(s, k) for k in ("scan_ns", "publish_ns", "plan_ns")}, steps),
                "wait_us_per_step": round(s.wait_ns / 1e3 / steps, 3)}
         del ring, tw
         for b in bufs.values():
             b.close()
         mem.close()
         return res
+
+
+def _phases(c, steps: int) -> dict:
+    """The overhead's parts per step: the slot scan, publish, the schedule phase (its launch included)."""
+    return {f"{k}_us_per_step": round(c[f"{k}_ns"] / 1e3 / steps, 3) for k in ("scan", "publish", "plan")}
 
 
 def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
@@ -297,6 +304,12 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         lines.append(f"| {w['batch']} | {w['requests']} x {w['tokens_per_request']} | {p['makespan_ms']} | "
                      f"{p['us_per_step']} | {p['scheduler_overhead_us_per_step']} | {h['makespan_ms']} | "
                      f"{h['us_per_step']} | {w['ratio_makespan_host_over_persistent']}x |")
+    lines += ["", "Overhead per step by phase, us (slot scan / publish / schedule phase, its launch included):", "",
+              "| batch | persistent scan | publish | plan | host loop scan | publish | plan |", "|---|---|---|---|---|---|---|"]
+    for w in results["workloads"]:
+        p, h = w["persistent"], w["host_loop"]
+        lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
+                                                      for k in ("scan", "publish", "plan")) + " |")
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler --machine h100`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem

@@ -15,7 +15,10 @@
  *                        priority, arrival, SLOs), queue them by seq
  *   wait     (thread 0)  poll the flag the step graph's last kernel writes
  *   publish  (all)       token, fence, count; a structured output's automaton steps over the
- *                        token; finish (STOP / LENGTH) -> DECODE_COMPLETED
+ *                        token; finish (STOP / LENGTH) -> DECODE_COMPLETED; the keys of the
+ *                        blocks it filled (ring reads, in parallel across requests)
+ *   prepare  (all)       flags for the schedule phase: anything to reap, drop or commit; the
+ *                        waiting requests' prefix-hit fields cleared
  *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
@@ -55,6 +58,9 @@ typedef struct blink_sched_shared {
     uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
     int64_t now_us;          /* the control phase's clock: arrivals of this iteration's intake */
     int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
+    uint32_t reap_waiting;   /* blink_phase_prepare: a waiting request is marked aborted */
+    uint32_t reap_running;   /* ... a running request finished or is marked aborted */
+    uint32_t commit;         /* ... a running request has full blocks to commit to the prefix cache */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -130,12 +136,27 @@ BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uin
     const uint32_t bs = p->policy.block_size;
     for (uint32_t j = r->n_keys; j < n && j < p->kv_max_blocks; ++j) {
         uint64_t h = blink_kv_mix64((j ? keys[j - 1] : BLINK_KV_ROOT_HASH) + 0x9E3779B97F4A7C15ull);
-        for (uint32_t i = 0; i < bs; ++i)
-            h = blink_kv_mix64((h ^ (uint64_t)(uint32_t)blink_req_token(plat, p, r, j * bs + i)) + 0x9E3779B97F4A7C15ull);
+        for (uint32_t i0 = 0; i0 < bs; i0 += 8) {   /* 8 loads in flight, then the hash: over PCIe each
+                                                       load is a round trip, so they must not wait in turn */
+            const uint32_t m = bs - i0 < 8 ? bs - i0 : 8;
+            uint32_t tok[8];
+            for (uint32_t q = 0; q < m; ++q) tok[q] = (uint32_t)blink_req_token(plat, p, r, j * bs + i0 + q);
+            for (uint32_t q = 0; q < m; ++q) h = blink_kv_mix64((h ^ (uint64_t)tok[q]) + 0x9E3779B97F4A7C15ull);
+        }
         keys[j] = h;
         r->n_keys = j + 1;
     }
     return keys;
+}
+
+/* The keys of every full block the request has computed (what blink_commit_blocks will commit),
+ * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
+ * across requests, and the serial schedule phase finds them done. */
+template <class P>
+BLINK_DEV void blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+    uint32_t full = r->num_computed / p->policy.block_size;
+    if (full > r->num_blocks) full = r->num_blocks;
+    if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
 }
 
 /* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
@@ -509,6 +530,9 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         }
         p->waiting[(st->w_head + st->w_count + rank) % p->slot_count] = slot;
         plat.add_shared(&sh->n_valid, 1);
+        /* its prompt's block keys, which the prefix-cache lookup at admission reads: here, one thread
+         * per arrival, rather than in the serial schedule phase */
+        if (p->prefix_caching) blink_keys(plat, p, slot, r, (r->prompt_len - 1) / p->policy.block_size);
     }
     plat.sync();
     if (tid == 0) {
@@ -559,6 +583,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
+        if (p->prefix_caching) blink_keys_ahead(plat, p, slot, r);
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
@@ -591,6 +616,35 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
     }
 }
 
+/* all threads, between publish and schedule: what the serial schedule phase would otherwise find
+ * by walking every waiting and running request (one thread, a dependent global load or two per
+ * request: the phase's cost at hundreds of requests), as flags it reads, and the waiting requests'
+ * prefix-hit fields cleared (the schedule phase looks up only those it may admit). The flags were
+ * cleared by the control phase; every thread that finds one sets it. */
+template <class P>
+BLINK_DEV void blink_phase_prepare(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                   unsigned nt) {
+    const blink_sched_state_t *st = p->state;
+    const uint64_t cap = p->slot_count;
+    const uint32_t bs = p->policy.block_size;
+    uint32_t reap_w = 0, reap_r = 0, commit = 0;
+    for (uint32_t k = tid; k < st->w_count; k += nt) {
+        blink_req_t *r = &p->reqs[p->waiting[(st->w_head + k) % cap]];
+        reap_w |= r->abort_finish != 0;
+        r->num_cached = r->cached_idle = 0;
+    }
+    for (uint32_t i = tid; i < st->n_running; i += nt) {
+        const blink_req_t *r = &p->reqs[p->running[i]];
+        reap_r |= r->status == BLINK_REQ_FINISHED || r->abort_finish != 0;
+        uint32_t full = r->num_computed / bs;
+        if (full > r->num_blocks) full = r->num_blocks;
+        commit |= full > r->num_committed;
+    }
+    if (reap_w) plat.add_shared(&sh->reap_waiting, 1);
+    if (reap_r) plat.add_shared(&sh->reap_running, 1);
+    if (commit) plat.add_shared(&sh->commit, 1);
+}
+
 /* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
 template <class P>
 BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
@@ -605,12 +659,13 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
-    if (p->prefix_caching)
+    if (p->prefix_caching && sh->commit)
         for (uint32_t i = 0; i < st->n_running; ++i) blink_commit_blocks(plat, p, p->running[i], &p->reqs[p->running[i]]);
 
-    /* engine._reap (waiting, then running) and the finished of the publish phase */
+    /* engine._reap (waiting, then running) and the finished of the publish phase: walked only where
+     * blink_phase_prepare found one */
     uint32_t kept = 0;
-    for (uint32_t k = 0; k < st->w_count; ++k) {
+    for (uint32_t k = 0; sh->reap_waiting && k < st->w_count; ++k) {
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
         blink_req_t *r = &p->reqs[slot];
         if (r->abort_finish) {
@@ -621,9 +676,9 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
             p->waiting[(st->w_head + kept++) % cap] = slot;
         }
     }
-    st->w_count = kept;
+    if (sh->reap_waiting) st->w_count = kept;
     kept = 0;
-    for (uint32_t i = 0; i < st->n_running; ++i) {
+    for (uint32_t i = 0; sh->reap_running && i < st->n_running; ++i) {
         const uint32_t slot = p->running[i];
         blink_req_t *r = &p->reqs[slot];
         if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {
@@ -638,7 +693,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
             p->running[kept++] = slot;
         }
     }
-    st->n_running = kept;
+    if (sh->reap_running) st->n_running = kept;
 
     blink_plan_t plan;
     uint32_t *scratch = p->plan_scratch;
@@ -657,11 +712,9 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     rules.now_us = (int64_t)(t0 / 1000);
     st->plan_stamp += 1;
     const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
-    for (uint32_t k = 0; k < st->w_count; ++k) {
+    for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {   /* the rest: cleared by blink_phase_prepare */
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
-        blink_req_t *r = &p->reqs[slot];
-        if (k < seats) blink_prefix_hit(plat, p, slot, r);
-        else r->num_cached = r->cached_idle = 0;
+        blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
     }
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
     blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count, (uint32_t)cap,
@@ -833,7 +886,10 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
     for (;;) {
         /* Every thread has read the previous iteration's exit flag before thread 0 may write it again. */
         plat.sync();
-        if (tid == 0) blink_phase_control(plat, p, sh);
+        if (tid == 0) {
+            sh->reap_waiting = sh->reap_running = sh->commit = 0;
+            blink_phase_control(plat, p, sh);
+        }
         plat.sync();
         if (sh->exit) break;
         const uint64_t t_scan = tid == 0 ? plat.now_ns(p) : 0;
@@ -851,8 +907,10 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
+        blink_phase_prepare(plat, p, sh, tid, nt);
+        plat.sync();
         if (tid == 0) {
-            p->stats->publish_ns += plat.now_ns(p) - t_pub;
+            p->stats->publish_ns += plat.now_ns(p) - t_pub;   /* publish and prepare */
             blink_phase_schedule(plat, p, sh);
         }
         plat.sync();

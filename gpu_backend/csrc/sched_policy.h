@@ -372,6 +372,11 @@ static inline BLINK_HD void blink_plan_step_policy(const blink_policy_config_t *
                                                    int64_t free_blocks, uint32_t prev_kind, blink_plan_t *plan,
                                                    uint32_t *w_out, uint32_t *r_out, uint32_t *victims,
                                                    int64_t *lkey, uint32_t *lid) {
+    if (ru->policy == BLINK_POLICY_FCFS) {   /* rule 0 keeps both orders: plan on the deque itself, no copies */
+        blink_plan_core(cfg, reqs, waiting, w_head, w_count, w_cap, running, n_running, victims, 0, free_blocks,
+                        prev_kind, plan, waiting, w_head, w_cap);
+        return;
+    }
     uint32_t n_victims = blink_order_requests(ru, cfg, reqs, times, waiting, w_head, w_count, w_cap, running,
                                               n_running, free_blocks, w_out, r_out, victims, lkey, lid);
     blink_plan_core(cfg, reqs, w_out, 0, w_count, w_count ? w_count : 1, r_out, n_running, victims, n_victims,

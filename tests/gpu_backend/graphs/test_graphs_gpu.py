@@ -229,7 +229,10 @@ def test_daemons_agree_with_the_cpu_reference(ring_name):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.choice([5, 60, 300]))] for _ in range(8)]
     greedy = [(p, dict(max_tokens=24, ignore_eos=True, temperature=0.0)) for p in prompts]
-    seeded = [(p, dict(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1000 + i))
+    # seeded draws with top_k: random weights give near-flat logits (a nucleus of ~25k of 49k tokens at
+    # top_p 0.9), where the float noise between batch shapes (cuda_again runs 8 rows, not 16) moves the
+    # inverse CDF across a token's boundary at most draws; 20 candidates keep the check on the seeds
+    seeded = [(p, dict(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=20, seed=1000 + i))
               for i, p in enumerate(prompts)]
     cuda = _daemon_tokens(ring_name, "cuda", greedy + seeded)
     host = _daemon_tokens(ring_name, "cuda-hostloop", greedy + seeded)

@@ -42,7 +42,8 @@ GPU_ATOL = 2e-3          # GPU vs CPU float32 (issue 18's bound for logprobs)
 
 
 def _to(p: sampler.RowParams, s: sampler.SeatState, device: str):
-    p2 = sampler.RowParams(*(getattr(p, f).to(device) for f in p.__dataclass_fields__))
+    p2 = sampler.RowParams(*(None if getattr(p, f) is None else getattr(p, f).to(device)   # automaton_* may be unset
+                             for f in p.__dataclass_fields__))
     s2 = sampler.SeatState(s.seats, s.vocab, device)
     for name, t in vars(s).items():
         if isinstance(t, torch.Tensor):
