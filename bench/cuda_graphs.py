@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from .machine_label import machine_label
+
 DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKLOADS = ((64, 128, 32), (64, 512, 128), (256, 128, 128))
@@ -353,14 +355,14 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
         lines.append(f"| {name} | {e['setup_s']} | {g.get('buckets', {}).get('graphs', '-')} | "
                      f"{round(tim.get('total_s', 0), 1)} | {round(mem.get('graph_cache_bytes', 0) / 2**20)} | "
                      f"{round(est.get('total_bytes', 0) / 2**20)} | {round(mem.get('kv_pool_bytes', 0) / 2**20)} |")
-    lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_graphs --machine h100`).", ""]
+    lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_graphs`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--machine", default="h100")
+    ap.add_argument("--machine", default="auto", help="result files' label; auto: the card's model (h100, h200)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
     ap.add_argument("--model", default="random:smollm2")
     ap.add_argument("--workloads", default=",".join(f"{n}x{i}x{o}" for n, i, o in WORKLOADS),
@@ -384,6 +386,7 @@ def main(argv=None) -> int:
     except BenchError as e:
         print(f"bench.cuda_graphs: {e}")
         return 2
+    args.machine = res["machine"] = machine_label(args.machine, res.get("device"))
     stem = write_results(res, pathlib.Path(args.out), args.machine)
     print(stem.with_suffix(".md").read_text())
     return 0

@@ -35,6 +35,8 @@ from gpu_backend.cuda.driver import bindings, check
 from gpu_backend.cuda.runtime import KernelArgs, Module, PinnedMapped, SchedulerRuntime, calibrate_clock
 from shared_layout import Ring, RingGeometry, SlotRequest, SlotState
 
+from .machine_label import machine_label
+
 DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
 
@@ -310,14 +312,14 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         p, h = w["persistent"], w["host_loop"]
         lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
                                                       for k in ("scan", "publish", "plan")) + " |")
-    lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler --machine h100`).", ""]
+    lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--machine", default="h100")
+    ap.add_argument("--machine", default="auto", help="result files' label; auto: the card's model (h100, h200)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(pathlib.Path(__file__).parent / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and workloads")
     args = ap.parse_args(argv)
@@ -326,6 +328,7 @@ def main(argv=None) -> int:
         print(f"bench.cuda_scheduler: needs a GPU of compute capability >= 9.0 ({why})")
         return 2
     b = Bench()
+    args.machine = machine_label(args.machine, b.device.name)
     results = {"date": DATE, "machine": args.machine, "device": b.device.name,
                "sms": b.device.multiprocessors}
     results["scan"] = b.scan(reps=200 if args.quick else 2000)
