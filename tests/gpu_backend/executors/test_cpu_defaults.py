@@ -35,3 +35,23 @@ def test_threads_default_to_every_core_with_passive_openmp_waits(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")         # so does a wait policy
     assert cli.run(args) == 2 and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_auto_dtype_follows_a_narrowed_isa(monkeypatch):
+    """--dtype auto picks bf16 only where the CPU has bf16 math and BLINK_CPU_ISA keeps it: the
+    switch narrowed to avx2 or avx512 serves as a CPU without it would (float32 activations)."""
+    import torch
+
+    from gpu_backend.executors import cpu
+    monkeypatch.setattr(cpu, "open", lambda *a, **k: __import__("io").StringIO("flags\t: fpu avx2 avx512_bf16\n"),
+                        raising=False)
+    monkeypatch.delenv("BLINK_CPU_ISA", raising=False)
+    assert cpu.cpu_has_native_bf16() and cpu.resolve_dtype("auto") == torch.bfloat16
+    for narrow in ("scalar", "avx2", "AVX512"):
+        monkeypatch.setenv("BLINK_CPU_ISA", narrow)
+        assert not cpu.cpu_has_native_bf16() and cpu.resolve_dtype("auto") == torch.float32
+    monkeypatch.setenv("BLINK_CPU_ISA", "avx512bf16")
+    assert cpu.resolve_dtype("auto") == torch.bfloat16
+    assert cpu.resolve_dtype("float32") == torch.float32             # an explicit dtype is never changed
+    monkeypatch.setattr(cpu, "open", lambda *a, **k: __import__("io").StringIO("flags\t: fpu avx2\n"), raising=False)
+    assert cpu.resolve_dtype("auto") == torch.float32
