@@ -1,22 +1,25 @@
 """CUDA graphs A/B benchmark (paper Fig. 3 style; needs a GPU of compute
 capability >= 9.0): the same captured model graphs served by the persistent
 GPU scheduler (`--executor cuda`) and by the host loop (`--executor
-cuda-hostloop`), on N x I -> O workloads, isolated and with every host core but
-the daemon's busy, in one run.
+cuda-hostloop`), on N x I -> O workloads, isolated, with every host core but
+the daemon's busy (memory and cache pressure only), and with every host core busy,
+the daemon's too (co-located tenants: the host loop's own thread is contended;
+the persistent scheduler's token path has no host thread), in one run.
 
     for executor in (cuda, cuda-hostloop):
       blink gpu-daemon --executor E --model M (pinned to one core) -> READY
         (setup time, and the graph cache's report: graphs, capture and
         instantiation time, memory, node types, read from its log)
       for condition in (isolated, interference: stress-ng / pbzip2 / make / a
-                        Python hog on every other core):
+                        Python hog on every other core, all_cores: the same on
+                        every core, the daemon's included):
         for N x I -> O in the workloads, `repeats` times:
           write N requests (I random prompt tokens, O output tokens, ignore_eos)
           into the ring, publish them all, wait for every slot to complete
           makespan = last backend t_last_ns - publish time (backend clocks: no
           client-side polling noise); tokens; GPU energy from NVML where readable
     -> ratios measured in this run: host-loop / persistent makespan per workload,
-       and each executor's interfered / isolated throughput
+       and each executor's interfered / isolated throughput under each condition
 
 Model: `random:smollm2` by default (SmolLM2-135M's shape with random weights and an
 untied head; the embedded GGUF is 98 MB, over what the lent GPU machine can be sent), float32.
@@ -49,6 +52,8 @@ INTERFERERS = ("stress-ng", "pbzip2", "compile", "pyhog")
 DAEMON_CPU = 0
 TARGET_SHORT_OUTPUT_RATIO = 1.3       # host-loop / persistent makespan on the short-output workload
 TARGET_RETENTION = 0.97               # persistent interfered / isolated throughput
+CONDITIONS = ("isolated", "interference", "all_cores")
+INTERFERED = CONDITIONS[1:]
 
 
 class BenchError(RuntimeError):
@@ -249,13 +254,14 @@ def run(args) -> dict:
                      "runs": {}}
             print(f"   READY after {daemon.setup_s:.1f} s", flush=True)
             try:
-                for condition in ("isolated", "interference"):
+                for condition in CONDITIONS:
                     hog = None
-                    if condition == "interference":
+                    if condition in INTERFERED:
                         if kind is None:
                             entry["runs"][condition] = {"skipped": why_not}
                             continue
-                        hog = start_interferer(InterfererSpec(kind, len(others), others), pathlib.Path(work))
+                        on = others if condition == "interference" else tuple(cpus)
+                        hog = start_interferer(InterfererSpec(kind, len(on), on), pathlib.Path(work))
                         time.sleep(args.settle_s)
                     runs = {}
                     try:
@@ -290,29 +296,35 @@ def ratios(res: dict, workloads) -> dict:
     for n, i, o in workloads:
         name = f"{n}x{i}->{o}"
         r = {}
-        for cond in ("isolated", "interference"):
+        for cond in CONDITIONS:
             try:
                 r[f"hostloop_over_persistent_{cond}"] = round(
                     ex["cuda-hostloop"]["runs"][cond][name]["makespan_ms"] / ex["cuda"]["runs"][cond][name]["makespan_ms"], 3)
             except (KeyError, ZeroDivisionError):
                 pass
         for e in ("cuda", "cuda-hostloop"):
-            try:
-                r[f"{e}_retention"] = round(ex[e]["runs"]["isolated"][name]["makespan_ms"]
-                                            / ex[e]["runs"]["interference"][name]["makespan_ms"], 3)
-            except (KeyError, ZeroDivisionError):
-                pass
+            for cond in INTERFERED:
+                suffix = "" if cond == "interference" else f"_{cond}"
+                try:
+                    r[f"{e}_retention{suffix}"] = round(ex[e]["runs"]["isolated"][name]["makespan_ms"]
+                                                        / ex[e]["runs"][cond][name]["makespan_ms"], 3)
+                except (KeyError, ZeroDivisionError):
+                    pass
         out[name] = r
     short = min(workloads, key=lambda w: w[2])
     sname = f"{short[0]}x{short[1]}->{short[2]}"
     ratio = out.get(sname, {}).get("hostloop_over_persistent_isolated")
-    retention = [out[k].get("cuda_retention") for k in out if out[k].get("cuda_retention") is not None]
+    retention = [out[k][f"cuda_retention{sfx}"] for k in out for sfx in ("", "_all_cores")
+                 if out[k].get(f"cuda_retention{sfx}") is not None]
+    host_all = [out[k]["cuda-hostloop_retention_all_cores"] for k in out
+                if out[k].get("cuda-hostloop_retention_all_cores") is not None]
     out["targets"] = {"short_output_workload": sname,
                       "hostloop_over_persistent": ratio, "target": TARGET_SHORT_OUTPUT_RATIO,
                       "met": ratio is not None and ratio >= TARGET_SHORT_OUTPUT_RATIO,
                       "persistent_min_retention": min(retention) if retention else None,
                       "retention_target": TARGET_RETENTION,
-                      "retention_met": bool(retention) and min(retention) >= TARGET_RETENTION}
+                      "retention_met": bool(retention) and min(retention) >= TARGET_RETENTION,
+                      "hostloop_min_retention_all_cores": min(host_all) if host_all else None}
     return out
 
 
@@ -330,7 +342,7 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     for name, r in res["ratios"].items():
         if name == "targets":
             continue
-        for cond in ("isolated", "interference"):
+        for cond in CONDITIONS:
             p = ex.get("cuda", {}).get("runs", {}).get(cond, {}).get(name)
             h = ex.get("cuda-hostloop", {}).get("runs", {}).get(cond, {}).get(name)
             if not p or not h:
@@ -338,15 +350,20 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
             lines.append(f"| {name} | {cond} | {p['makespan_ms']} | {h['makespan_ms']} | "
                          f"{r.get(f'hostloop_over_persistent_{cond}', '-')}x | {p.get('j_per_token', '-')} | "
                          f"{h.get('j_per_token', '-')} |")
-    lines += ["", "| workload | persistent interfered/isolated throughput | host loop |", "|---|---|---|"]
+    lines += ["", "Interfered / isolated throughput (interference: every other core busy; all_cores: the daemon's "
+              "core too):", "",
+              "| workload | persistent, interference | host loop | persistent, all_cores | host loop |",
+              "|---|---|---|---|---|"]
     for name, r in res["ratios"].items():
         if name != "targets":
-            lines.append(f"| {name} | {r.get('cuda_retention', '-')} | {r.get('cuda-hostloop_retention', '-')} |")
+            lines.append(f"| {name} | {r.get('cuda_retention', '-')} | {r.get('cuda-hostloop_retention', '-')} | "
+                         f"{r.get('cuda_retention_all_cores', '-')} | {r.get('cuda-hostloop_retention_all_cores', '-')} |")
     t = res["ratios"]["targets"]
     lines += ["", f"Targets: host-loop/persistent makespan on {t['short_output_workload']} = "
                   f"{t['hostloop_over_persistent']} (target >= {t['target']}: {'met' if t['met'] else 'NOT met'}); "
                   f"persistent retention under interference min {t['persistent_min_retention']} (target >= "
-                  f"{t['retention_target']}: {'met' if t['retention_met'] else 'NOT met'}).", "",
+                  f"{t['retention_target']}: {'met' if t['retention_met'] else 'NOT met'}); the host loop's with every "
+                  f"core busy: {t.get('hostloop_min_retention_all_cores')}.", "",
               "| executor | setup s (spawn -> READY) | graphs | capture + instantiate s | graph cache MiB | "
               "estimate MiB | KV pool MiB |", "|---|---|---|---|---|---|---|"]
     for name, e in ex.items():

@@ -31,14 +31,18 @@ def test_workloads_through_a_real_daemon(tmp_path, ring_name):
     assert not pathlib.Path(f"/dev/shm/{ring_name}").exists()
 
 
-def _fake(p_iso, h_iso, p_int, h_int):
-    def runs(a, b):
-        return {"isolated": {"64x128->32": {"makespan_ms": a, "j_per_token": 0.5}},
-                "interference": {"64x128->32": {"makespan_ms": b}}}
+def _fake(p_iso, h_iso, p_int, h_int, p_all=None, h_all=None):
+    def runs(a, b, c):
+        out = {"isolated": {"64x128->32": {"makespan_ms": a, "j_per_token": 0.5}},
+               "interference": {"64x128->32": {"makespan_ms": b}}}
+        if c is not None:
+            out["all_cores"] = {"64x128->32": {"makespan_ms": c}}
+        return out
     return {"date": bench.DATE, "machine": "t", "model": "m", "dtype": "float32", "daemon_cpu": 0,
             "interferer_cpus": [1, 2], "interferer": "pyhog", "energy": "nvml", "config": {"repeats": 3},
-            "device": "x", "executors": {"cuda": {"setup_s": 1, "report": {}, "runs": runs(p_iso, p_int)},
-                                         "cuda-hostloop": {"setup_s": 1, "report": {}, "runs": runs(h_iso, h_int)}}}
+            "device": "x", "executors": {"cuda": {"setup_s": 1, "report": {}, "runs": runs(p_iso, p_int, p_all)},
+                                         "cuda-hostloop": {"setup_s": 1, "report": {},
+                                                           "runs": runs(h_iso, h_int, h_all)}}}
 
 
 def test_ratios_and_report(tmp_path):
@@ -50,6 +54,19 @@ def test_ratios_and_report(tmp_path):
     stem = bench.write_results(res, tmp_path, "t")
     md = stem.with_suffix(".md").read_text()
     assert "| 64x128->32 | isolated | 100.0 | 150.0 | 1.5x |" in md and "NOT met" in md
+
+
+def test_every_core_busy_is_its_own_condition(tmp_path):
+    """all_cores: the interferer on the daemon's core too; the persistent target takes the worse of the
+    two interfered conditions, and the host loop's own retention there is reported."""
+    res = _fake(100.0, 150.0, 101.0, 152.0, 99.0, 450.0)
+    res["ratios"] = bench.ratios(res, [(64, 128, 32)])
+    r, t = res["ratios"]["64x128->32"], res["ratios"]["targets"]
+    assert r["hostloop_over_persistent_all_cores"] == 4.545 and r["cuda-hostloop_retention_all_cores"] == 0.333
+    assert r["cuda_retention_all_cores"] == 1.01 and t["persistent_min_retention"] == 0.99 and t["retention_met"]
+    assert t["hostloop_min_retention_all_cores"] == 0.333
+    md = bench.write_results(res, tmp_path, "t").with_suffix(".md").read_text()
+    assert "| 64x128->32 | all_cores | 99.0 | 450.0 | 4.545x |" in md and "| 0.99 | 0.987 | 1.01 | 0.333 |" in md
 
 
 def test_refuses_in_one_line_without_a_gpu(capsys):
