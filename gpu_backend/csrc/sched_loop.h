@@ -17,8 +17,8 @@
  *   publish  (all)       token, fence, count; a structured output's automaton steps over the
  *                        token; finish (STOP / LENGTH) -> DECODE_COMPLETED; the keys of the
  *                        blocks it filled (ring reads, in parallel across requests)
- *   prepare  (all)       flags for the schedule phase: anything to reap, drop or commit; the
- *                        waiting requests' prefix-hit fields cleared
+ *                        (scan and publish raise flags where a request is to be reaped, dropped
+ *                        or committed, so the schedule phase walks its lists only then)
  *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
@@ -58,9 +58,9 @@ typedef struct blink_sched_shared {
     uint32_t in_flight;      /* copy of state->in_flight for the publish phase */
     int64_t now_us;          /* the control phase's clock: arrivals of this iteration's intake */
     int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
-    uint32_t reap_waiting;   /* blink_phase_prepare: a waiting request is marked aborted */
-    uint32_t reap_running;   /* ... a running request finished or is marked aborted */
-    uint32_t commit;         /* ... a running request has full blocks to commit to the prefix cache */
+    uint32_t reap_waiting;   /* the scan marked a waiting request aborted */
+    uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
+    uint32_t commit;         /* publish: a request has full blocks to commit to the prefix cache */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -151,12 +151,14 @@ BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uin
 
 /* The keys of every full block the request has computed (what blink_commit_blocks will commit),
  * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
- * across requests, and the serial schedule phase finds them done. */
+ * across requests, and the serial schedule phase finds them done. Returns 1 if it has blocks to
+ * commit (a request's full blocks change only where its chunk is published). */
 template <class P>
-BLINK_DEV void blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
     uint32_t full = r->num_computed / p->policy.block_size;
     if (full > r->num_blocks) full = r->num_blocks;
     if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
+    return full > r->num_committed;
 }
 
 /* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
@@ -333,6 +335,8 @@ BLINK_DEV void blink_scan_slot(P &plat, const blink_sched_params_t *p, blink_sch
             r->abort_error = BLINK_ERR_NONE;
             r->abort_finish = BLINK_FINISH_ABORT;
         }
+        if (r->abort_finish)   /* the schedule phase walks a list only where one of its requests is marked */
+            plat.add_shared(r->status == BLINK_REQ_WAITING ? &sh->reap_waiting : &sh->reap_running, 1);
     }
 }
 
@@ -583,7 +587,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        if (p->prefix_caching) blink_keys_ahead(plat, p, slot, r);
+        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r)) plat.add_shared(&sh->commit, 1);
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
@@ -608,41 +612,13 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
             r->status = BLINK_REQ_FINISHED;
             blink_complete_slot(plat, p, slot, finish, BLINK_ERR_NONE);
             plat.add_shared(&sh->n_completed, 1);
+            plat.add_shared(&sh->reap_running, 1);
         } else if (r->ring_state != BLINK_DECODE_PROCESSING) {
             /* No new payload since the fence above: the count is already ordered before this state. */
             plat.st32(&s->state, BLINK_DECODE_PROCESSING);
             r->ring_state = BLINK_DECODE_PROCESSING;
         }
     }
-}
-
-/* all threads, between publish and schedule: what the serial schedule phase would otherwise find
- * by walking every waiting and running request (one thread, a dependent global load or two per
- * request: the phase's cost at hundreds of requests), as flags it reads, and the waiting requests'
- * prefix-hit fields cleared (the schedule phase looks up only those it may admit). The flags were
- * cleared by the control phase; every thread that finds one sets it. */
-template <class P>
-BLINK_DEV void blink_phase_prepare(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
-                                   unsigned nt) {
-    const blink_sched_state_t *st = p->state;
-    const uint64_t cap = p->slot_count;
-    const uint32_t bs = p->policy.block_size;
-    uint32_t reap_w = 0, reap_r = 0, commit = 0;
-    for (uint32_t k = tid; k < st->w_count; k += nt) {
-        blink_req_t *r = &p->reqs[p->waiting[(st->w_head + k) % cap]];
-        reap_w |= r->abort_finish != 0;
-        r->num_cached = r->cached_idle = 0;
-    }
-    for (uint32_t i = tid; i < st->n_running; i += nt) {
-        const blink_req_t *r = &p->reqs[p->running[i]];
-        reap_r |= r->status == BLINK_REQ_FINISHED || r->abort_finish != 0;
-        uint32_t full = r->num_computed / bs;
-        if (full > r->num_blocks) full = r->num_blocks;
-        commit |= full > r->num_committed;
-    }
-    if (reap_w) plat.add_shared(&sh->reap_waiting, 1);
-    if (reap_r) plat.add_shared(&sh->reap_running, 1);
-    if (commit) plat.add_shared(&sh->commit, 1);
 }
 
 /* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
@@ -663,7 +639,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         for (uint32_t i = 0; i < st->n_running; ++i) blink_commit_blocks(plat, p, p->running[i], &p->reqs[p->running[i]]);
 
     /* engine._reap (waiting, then running) and the finished of the publish phase: walked only where
-     * blink_phase_prepare found one */
+     * the scan or publish flagged one */
     uint32_t kept = 0;
     for (uint32_t k = 0; sh->reap_waiting && k < st->w_count; ++k) {
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
@@ -712,7 +688,9 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     rules.now_us = (int64_t)(t0 / 1000);
     st->plan_stamp += 1;
     const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
-    for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {   /* the rest: cleared by blink_phase_prepare */
+    /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again before
+     * it is read (FCFS; under the other policies seats == w_count) */
+    for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {
         const uint32_t slot = p->waiting[(st->w_head + k) % cap];
         blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
     }
@@ -907,10 +885,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
-        blink_phase_prepare(plat, p, sh, tid, nt);
-        plat.sync();
         if (tid == 0) {
-            p->stats->publish_ns += plat.now_ns(p) - t_pub;   /* publish and prepare */
+            p->stats->publish_ns += plat.now_ns(p) - t_pub;
             blink_phase_schedule(plat, p, sh);
         }
         plat.sync();

@@ -316,6 +316,36 @@ def test_cancel_and_stale_epoch_end_requests_within_a_step(twin_lib, shm_ring):
         assert 0 < len(r.tokens) < 4000 and r.tokens == echo([3, 4, 5], len(r.tokens))
 
 
+def test_cancels_of_waiting_and_running_requests_are_reaped_and_the_rest_go_on(twin_lib, shm_ring):
+    """Two seats, six long requests: cancel two still waiting and one running. The schedule phase
+    walks its waiting and running lists only when the scan flags a cancel (sched_loop.h): each
+    cancelled one ends ABORT (a waiting one with no tokens), the others finish LENGTH with echoes."""
+    ring = shm_ring(GEOM)
+    tw = _slow_twin(ring, max_batch_size=2, max_model_len=8192).start()
+    fp = FrontendPlayer(ring)
+    slots = [fp.submit([7, 8, 9], 300) for _ in range(6)]
+    deadline = time.monotonic() + 10
+    while sum(ring.state[s] == SlotState.DECODE_PROCESSING for s in slots) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    running = [s for s in slots if ring.state[s] == SlotState.DECODE_PROCESSING]
+    waiting = [s for s in slots if s not in running]
+    cancelled = {running[0], waiting[-1], waiting[-2]}
+    for s in cancelled:
+        fp.cancel(s)
+    results = {r.slot: r for r in drain(fp, 30).values()}
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    for s in slots:
+        r = results[s]
+        if s in cancelled:
+            assert (r.finish, r.error) == (FinishReason.ABORT, ErrorCode.NONE), s
+            assert r.tokens == echo([7, 8, 9], len(r.tokens)) and len(r.tokens) < 300
+            if s in waiting[-2:]:
+                assert r.tokens == []
+        else:
+            assert r.finish == FinishReason.LENGTH and r.tokens == echo([7, 8, 9], 300), s
+
+
 def test_stop_drains_in_flight_within_the_grace_period(twin_lib, shm_ring):
     ring = shm_ring(GEOM)
     tw = _slow_twin(ring, grace_s=5.0).start()
