@@ -71,3 +71,22 @@ def test_the_draw_follows_the_probabilities_and_never_picks_a_zero():
     assert bool(((counts / n - probs.double()).abs() <= 4 * sd + 1e-12).all())
     last = torch.cumsum(torch.tensor([0.0, 0.0, 1.0, 0.0]), dim=-1)              # mass on one id
     assert {draw(last, g) for _ in range(200)} == {2}
+
+
+def test_nan_rows_from_the_argmax_match_the_full_check():
+    """nan_rows with the rows' argmax (argmax propagates NaN) finds the rows the full scan finds,
+    wherever the NaN sits, in float32 and bf16; sample() gives such a row -1 and the others argmax."""
+    from gpu_backend.sampling import nan_rows
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, 49152, generator=g).to(dtype)
+        x[1, 7] = float("nan")                    # before the max
+        x[3, 49151] = float("nan")                # last
+        x[4, x[4].float().argmax()] = float("nan")   # at the max
+        x[5, 0] = x[5, 100] = float("nan")        # two
+        want = [1, 3, 4, 5]
+        assert nan_rows(x) == want and nan_rows(x, x.argmax(dim=-1)) == want
+    logits = torch.randn(3, 50, generator=g)
+    logits[1, 10] = float("nan")
+    out = sample(logits, [seq(), seq(), seq()])
+    assert out[1] == -1 and [out[0], out[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
