@@ -22,7 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 PROMPT = [1000, 1001, 1002, 1003]
 STREAMS = 16
 PLAIN = 4          # non-streaming requests in flight beside the streams
-SERVE_ARGS = ("--max-batch-size", "16", "--heartbeat-timeout-s", "1", "--restart-backoff-s", "0.5")
+# --step-ms 2: the null model at 500 tokens/s a stream, so the 8,000-token streams are still running
+# when the kill comes; unpaced, they could all finish while a saturated frontend answered the
+# metrics poll that waits for every request in flight (seen once in a full-suite run)
+SERVE_ARGS = ("--max-batch-size", "16", "--heartbeat-timeout-s", "1", "--restart-backoff-s", "0.5",
+              "--step-ms", "2")
 
 
 async def stream(session: aiohttp.ClientSession, base: str, first: asyncio.Event) -> str:
