@@ -276,19 +276,25 @@ inline void softmax_step(float* s, float* m, float* l, float* o, int64_t d) {
 }
 
 struct Item {                // one unit of work: a tile of one span's queries for one kv head
-    int64_t span, kv_head, t0, cost;
+    int64_t span, kv_head, t0;
+    int64_t row0;                // the span's first row in q and out
+    int64_t tokens;              // the tile's query tokens (QT, or the span's rest)
+    int64_t first_pos;           // the position of its first query token
+    int64_t kmax;                // keys 0 .. kmax - 1 are read (first_pos + tokens): its cost
 };
 
 // Every (span, query tile, kv head) of the call, the costliest (latest: most keys) first.
 std::vector<Item> work_items(const int64_t* spans, int64_t num_spans, int64_t kv_heads) {
     std::vector<Item> items;
     for (int64_t s = 0; s < num_spans; ++s) {
-        const int64_t n = spans[3 * s + 1], ctx = spans[3 * s + 2];
-        for (int64_t t0 = 0; t0 < n; t0 += QT)
+        const int64_t row0 = spans[3 * s], n = spans[3 * s + 1], ctx = spans[3 * s + 2];
+        for (int64_t t0 = 0; t0 < n; t0 += QT) {
+            const int64_t tokens = std::min<int64_t>(QT, n - t0), first_pos = ctx - n + t0;
             for (int64_t g = 0; g < kv_heads; ++g)
-                items.push_back({s, g, t0, ctx - n + std::min(t0 + QT, n)});   // keys the tile reads
+                items.push_back({s, g, t0, row0, tokens, first_pos, first_pos + tokens});
+        }
     }
-    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.kmax > b.kmax; });
     return items;
 }
 
@@ -333,9 +339,8 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < int64_t(items.size()); ++it) {
             const Item& w = items[it];
-            const int64_t row0 = spans[3 * w.span], n = spans[3 * w.span + 1], ctx = spans[3 * w.span + 2];
-            const int64_t tokens = std::min<int64_t>(QT, n - w.t0), rows = tokens * group;
-            const int64_t first_pos = ctx - n + w.t0, kmax = first_pos + tokens;    // keys 0 .. kmax - 1
+            const int64_t row0 = w.row0, tokens = w.tokens, rows = tokens * group;
+            const int64_t first_pos = w.first_pos, kmax = w.kmax;
             const int64_t* table = tables + w.span * max_blocks;
             for (int64_t t = 0; t < tokens; ++t) {
                 const typename P::T* qt = q + (row0 + w.t0 + t) * q_stride + w.kv_head * group * d;
@@ -507,9 +512,8 @@ void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < int64_t(items.size()); ++it) {
             const Item& w = items[it];
-            const int64_t row0 = spans[3 * w.span], n = spans[3 * w.span + 1], ctx = spans[3 * w.span + 2];
-            const int64_t tokens = std::min<int64_t>(QT, n - w.t0), rows = tokens * group;
-            const int64_t first_pos = ctx - n + w.t0, kmax = first_pos + tokens;
+            const int64_t row0 = w.row0, tokens = w.tokens, rows = tokens * group;
+            const int64_t first_pos = w.first_pos, kmax = w.kmax;
             for (int64_t t = 0; t < tokens; ++t) {
                 const uint16_t* qt = q + (row0 + w.t0 + t) * q_stride + w.kv_head * group * d;
                 for (int64_t j = 0; j < group; ++j) {

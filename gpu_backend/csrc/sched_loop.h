@@ -149,14 +149,19 @@ BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uin
     return keys;
 }
 
+/* The request's blocks that are full and computed: what the prefix cache may hold of it. */
+static inline BLINK_HD uint32_t blink_full_blocks(const blink_sched_params_t *p, const blink_req_t *r) {
+    const uint32_t full = r->num_computed / p->policy.block_size;
+    return full < r->num_blocks ? full : r->num_blocks;
+}
+
 /* The keys of every full block the request has computed (what blink_commit_blocks will commit),
  * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
  * across requests, and the serial schedule phase finds them done. Returns 1 if it has blocks to
  * commit (a request's full blocks change only where its chunk is published). */
 template <class P>
 BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
-    uint32_t full = r->num_computed / p->policy.block_size;
-    if (full > r->num_blocks) full = r->num_blocks;
+    const uint32_t full = blink_full_blocks(p, r);
     if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
     return full > r->num_committed;
 }
@@ -164,8 +169,7 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
 /* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
 template <class P>
 BLINK_DEV void blink_commit_blocks(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
-    uint32_t full = r->num_computed / p->policy.block_size;
-    if (full > r->num_blocks) full = r->num_blocks;
+    const uint32_t full = blink_full_blocks(p, r);
     if (full <= r->num_committed) return;
     const uint64_t *keys = blink_keys(plat, p, slot, r, full);
     const uint32_t *table = blink_table(p, slot);

@@ -113,7 +113,8 @@ static inline BLINK_HD int blink_lvf_candidate(const blink_req_t *r, int64_t key
     return r->status == BLINK_REQ_RUNNING && key > 0 && (int64_t)blink_req_tokens(r) - r->num_computed == 1;
 }
 
-/* Rule 0 of policy.py (order_requests): w_out[w_count] and r_out[n_running] get the policy's
+/* Rule 0 of policy.py (order_requests) under PRIORITY or LVF (FCFS keeps both orders, so
+ * blink_plan_step_policy plans on the deque itself): w_out[w_count] and r_out[n_running] get the policy's
  * waiting and running orders, victims[] the ids preempted for waiting ones (worst first);
  * returns their count. Scratch: lkey and lid hold w_count + n_running entries. */
 static inline BLINK_HD uint32_t blink_order_requests(const blink_sched_rules_t *ru, const blink_policy_config_t *cfg,
@@ -124,7 +125,6 @@ static inline BLINK_HD uint32_t blink_order_requests(const blink_sched_rules_t *
                                                      uint32_t *victims, int64_t *lkey, uint32_t *lid) {
     for (uint32_t k = 0; k < w_count; ++k) w_out[k] = waiting[(w_head + k) % w_cap];
     for (uint32_t i = 0; i < n_running; ++i) r_out[i] = running[i];
-    if (ru->policy == BLINK_POLICY_FCFS) return 0;
     const int64_t free0 = free_blocks - blink_reserve(cfg, reqs, running, n_running);
     const int64_t seats0 = (int64_t)cfg->max_batch_size - n_running;
     uint32_t n_victims = 0;

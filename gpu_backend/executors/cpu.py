@@ -190,9 +190,8 @@ def cpu_has_native_bf16() -> bool:
     """The CPU's flags say bf16 math (AVX512-BF16 or AMX), and BLINK_CPU_ISA, where set, does not
     narrow the kernels below it: BLINK_CPU_ISA=avx2 on this CPU then serves as an AVX2-only CPU
     would (float32 activations on the quantized weights), which is what that switch is for."""
-    isa = os.environ.get(cpu_kernels.ISA_ENV, "").strip().lower()
-    names = cpu_kernels.ISA_NAMES
-    if isa in names and names.index(isa) < names.index("avx512bf16"):
+    bf16_isa = cpu_kernels.ISA_NAMES.index("avx512bf16")
+    if cpu_kernels.requested_isa(bf16_isa) < bf16_isa:
         return False
     try:
         with open("/proc/cpuinfo") as f:
