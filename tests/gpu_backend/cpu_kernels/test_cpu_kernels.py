@@ -143,6 +143,28 @@ def test_prefill_rows_through_a_shared_table_are_causal_attention(dtype, start):
                                  torch.arange(1, n + 1), table_index=torch.ones(n, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 1, 32, 4)])
+def test_long_contexts_attended_in_parts_give_the_same_bits_on_any_team(dtype, heads, kv_heads, d, block_size):
+    """Contexts longer than a part (256 positions) are attended part by part, the parts combined in
+    order: the work items a 1-stream decode spreads over the team. The output must be the bits one
+    thread computes alone, whatever the team, and still PagedAttention's result."""
+    before = torch.get_num_threads()
+    for contexts in ([192], [517], [300, 45], [256, 257, 1030]):
+        pool, batch, qkv = paged_case(dtype, heads, kv_heads, d, block_size, contexts, seed=sum(contexts) + d)
+        args = (qkv, heads, pool.k[0], pool.v[0], batch.decode_block_tables, batch.decode_context_lens)
+        try:
+            torch.set_num_threads(1)
+            alone = KERNELS.decode_attention(*args)
+            for threads in (2, 3, 4):
+                torch.set_num_threads(threads)
+                assert torch.equal(KERNELS.decode_attention(*args), alone), (contexts, threads)
+        finally:
+            torch.set_num_threads(before)
+        want = PagedAttention._decode(qkv[:, :heads], pool.k[0], pool.v[0], batch)   # the PyTorch decode
+        close(alone, want, dtype, bf16_tol=3e-2)
+
+
 def test_decode_attention_of_a_single_position_returns_its_value():
     pool, batch, qkv = paged_case(torch.bfloat16, 9, 3, 64, 16, [1, 1], seed=4)
     KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(2), 64, torch.bfloat16), batch.slot_mapping,
