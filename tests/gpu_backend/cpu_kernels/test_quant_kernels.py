@@ -90,7 +90,7 @@ def test_the_paths_agree_and_bf16_in_and_out_round_once(wtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 5, 9, 17])        # Q8_0 from 4 rows on avx512: zmm tiles of 8 rows
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 17])     # Q8_0 on avx512: zmm tiles of 1-3 rows, from 4 rows of 8
 def test_float_activation_matmul_is_the_float_matmul_of_the_dequantized_matrix(wtype, m, isa):
     """quant_linear_fx: no activation codes, so it equals x @ dequant(W)^T up to float32 summation
     order (the logits head's path: near-ties stay where the float model puts them)."""
