@@ -19,15 +19,11 @@
 // result), so the kernel path and the PyTorch path agree to the last bit in all but rare
 // reduction-order cases. Attention accumulates in float32 and rounds once.
 //
-// Threads: OpenMP over rows / (sequence, kv head, context part) items with the caller's thread count; the
+// Threads: OpenMP over rows / (sequence, kv head) pairs with the caller's thread count; the
 // process shares PyTorch's libgomp (same soname), so there is one OpenMP runtime.
-#include <omp.h>
-
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -214,116 +210,12 @@ static inline void prefetch_ahead(const void* base, const int64_t* table, int64_
     if (t0 + 2 * bs < len) prefetch_block(b + table[blk + 2] * bs * row_bytes, bs * row_bytes);
 }
 
-// The pieces of decode attention, shared by the two work splits below so that both give the same
-// bits: the reductions (the q . k dots, the softmax sums) run in one order whichever thread runs
-// them, and p . v accumulates each output element over the positions in order.
-
-// Raw scores q . k * scale of one block's n key rows for the group's query heads qh[j * d ..]:
-// out[j * stride + o]. qf: the queries in float32, pre-scaled (filled where there is no hardware dot).
-template <class P, int DC>
-static inline void qk_block(const typename P::T* qh, const float* qf, const typename P::T* kb, int64_t n,
-                            int64_t group, int64_t d, float scale, float* row, float* out, int64_t stride) {
-    int64_t o = 0;
-    if constexpr (kHardwareDot<P, DC>) {
-        for (; o + 4 <= n; o += 4)
-            for (int64_t j = 0; j < group; ++j) dot4_bf16<DC>(qh + j * d, kb + o * d, scale, out + j * stride + o);
-    }
-    for (; o < n; ++o) {
-        const typename P::T* __restrict k = kb + o * d;
-        if constexpr (kHardwareDot<P, DC>) {
-            for (int64_t j = 0; j < group; ++j) out[j * stride + o] = dot_bf16<DC>(qh + j * d, k) * scale;
-            continue;
-        }
-        float* __restrict r = row;
-        for (int64_t i = 0; i < d; ++i) r[i] = P::load(k[i]);
-        for (int64_t j = 0; j < group; ++j) {
-            const float* __restrict qj = qf + j * d;
-            float dot = 0.f;
-            #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qj[i] * r[i];
-            out[j * stride + o] = dot;
-        }
-    }
-}
-
-// The group's query heads in float32 times scale (the path without the hardware dot reads these).
-template <class P, int DC>
-static inline void scaled_queries(const typename P::T* qh, int64_t group, int64_t d, float scale,
-                                  std::vector<float>& qf) {
-    if constexpr (!kHardwareDot<P, DC>) {
-        qf.resize(group * d);
-        for (int64_t j = 0; j < group; ++j)
-            for (int64_t i = 0; i < d; ++i) qf[j * d + i] = P::load(qh[j * d + i]) * scale;
-    } else {
-        (void)qh, (void)group, (void)d, (void)scale, (void)qf;
-    }
-}
-
-// Each of `rows` rows of len scores: exp(s - max) in place; max[j] and sum[j] out. normalize: then
-// divided by the sum as well (a whole context), else left for the parts' combination.
-static inline void softmax_rows(float* scores, int64_t rows, int64_t len, bool normalize, float* max_out,
-                                float* sum_out) {
-    for (int64_t j = 0; j < rows; ++j) {
-        float* sj = scores + j * len;
-        float mx = -INFINITY;
-        #pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
-        float sum = 0.f;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sj[t] = vexp(sj[t] - mx);
-            sum += sj[t];
-        }
-        if (normalize) {
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
-        }
-        max_out[j] = mx;
-        sum_out[j] = sum;
-    }
-}
-
-// acc[j * d + i] += sum over the block's n positions o of p[j * len + o] * v[o][i]: the block's rows
-// converted once (into vf), then per query head an accumulator that stays in registers across the
-// block (a memory accumulator chains every position through store-to-load forwarding: 3x slower).
-template <class P, int DC>
-static inline void pv_block(const typename P::T* vb, int64_t n, int64_t d, const float* p, int64_t len,
-                            int64_t group, float* vf, float* acc) {
-    for (int64_t i = 0; i < n * d; ++i) vf[i] = P::load(vb[i]);
-    for (int64_t j = 0; j < group; ++j) {
-        const float* __restrict pj = p + j * len;
-        float* __restrict aj = acc + j * d;
-        if constexpr (DC > 0) {
-            float a[DC];
-            for (int64_t i = 0; i < DC; ++i) a[i] = aj[i];
-            for (int64_t o = 0; o < n; ++o)
-                for (int64_t i = 0; i < DC; ++i) a[i] += pj[o] * vf[o * DC + i];
-            for (int64_t i = 0; i < DC; ++i) aj[i] = a[i];
-        } else {
-            for (int64_t o = 0; o < n; ++o)
-                for (int64_t i = 0; i < d; ++i) aj[i] += pj[o] * vf[o * d + i];
-        }
-    }
-}
-
-// Positions in a part of a context (a whole number of blocks): a sequence longer than one part is
-// attended part by part, each part its own work item (its scores' max and exp sum, and p . v
-// unnormalized), the parts then combined in order, rescaled to the largest max (vLLM's paged
-// attention v2 and flash-decoding do the same). The parts depend only on the length, never on the
-// batch or the team, so a row's bits are the same in any batch on any number of threads; and a
-// 1-stream decode spreads over every thread (SmolLM2's 3 kv heads on 2 threads left one thread
-// twice the other's work). A context of at most one part is attended in one pass, as before.
-constexpr int64_t kPartPositions = 256;
-
-inline int64_t part_len(int64_t bs) { return bs >= kPartPositions ? bs : kPartPositions / bs * bs; }
-
 // One query row at a time: o[b, h] = softmax(q[b, h] . K^T * scale) V over the first
 // context_lens[b] cached positions of row b's sequence, found through block table
 // tables[table_index[b]] (tables[b] when table_index is null). A decode is one row; a prefill
 // chunk of n tokens ending at position c - 1 is n rows sharing one table, with lengths
 // c - n + 1 .. c: causal attention without a mask, and one work list for the whole step.
 // q rows are strided (q_stride elements between tokens: the fused qkv rows); o is [B, H, D].
-// Work items: (row, kv head, part), the GQA group's query heads sharing each K/V row.
 template <class P, int DC>
 void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
                            const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
@@ -333,88 +225,97 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
     const int64_t d = DC ? DC : d_rt;
     const int64_t group = heads / kv_heads;
     const int64_t pool_slots = num_blocks * bs;
-    const int64_t plen = part_len(bs);
-    // Every thread derives the same items: row b's are first[b] .. first[b + 1] - 1 (kv heads x parts),
-    // and its parts' partial results (if more than one) start at part_at[b] in `partial`.
-    std::vector<int64_t> first(batch + 1, 0), part_at(batch, 0);
-    int64_t split_parts = 0;
-    for (int64_t b = 0; b < batch; ++b) {
-        const int64_t parts = context_lens[b] > plen ? (context_lens[b] + plen - 1) / plen : 1;
-        first[b + 1] = first[b] + parts * kv_heads;
-        part_at[b] = split_parts;
-        if (parts > 1) split_parts += parts;
-    }
-    float* partial = nullptr;          // [split_parts, heads, 2 + d]: max, exp sum, unnormalized p . v
-    if (split_parts) {
-        #pragma omp single copyprivate(partial)
-        partial = static_cast<float*>(std::malloc(sizeof(float) * split_parts * heads * (d + 2)));
-    }
-    std::vector<float> qf, scores, acc, row, mx(group), sum(group);
-    #pragma omp for schedule(dynamic)
-    for (int64_t w = 0; w < first[batch]; ++w) {
-        int64_t b = 0;
-        while (first[b + 1] <= w) ++b;
-        const int64_t parts = (first[b + 1] - first[b]) / kv_heads;
-        const int64_t g = (w - first[b]) / parts, part = (w - first[b]) % parts;
-        const int64_t p0 = part * plen, rest = context_lens[b] - p0;
-        const int64_t len = parts > 1 && rest > plen ? plen : rest;
-        scores.resize(group * (len > 0 ? len : 1));
-        acc.assign(group * d, 0.f);
-        row.resize(bs * d);            // one block of K or V rows in float32
-        const typename P::T* qh = q + b * q_stride + g * group * d;      // this token's query heads of the group
-        scaled_queries<P, DC>(qh, group, d, scale, qf);
-        const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks + p0 / bs;
-        const typename P::T* kbase = kc + g * pool_slots * d;
-        const typename P::T* vbase = vc + g * pool_slots * d;
-        // Block by block through the table: no division per position.
-        for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
-            const int64_t n = len - t0 < bs ? len - t0 : bs;
-            prefetch_ahead(kbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
-            qk_block<P, DC>(qh, qf.data(), kbase + table[blk] * bs * d, n, group, d, scale, row.data(),
-                            scores.data() + t0, len);
-        }
-        softmax_rows(scores.data(), group, len, parts == 1, mx.data(), sum.data());
-        for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // o = p . v, a block at a time
-            const int64_t n = len - t0 < bs ? len - t0 : bs;
-            prefetch_ahead(vbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
-            pv_block<P, DC>(vbase + table[blk] * bs * d, n, d, scores.data() + t0, len, group, row.data(),
-                            acc.data());
-        }
-        for (int64_t j = 0; j < group; ++j) {
-            const int64_t h = g * group + j;
-            if (parts > 1) {
-                float* pj = partial + ((part_at[b] + part) * heads + h) * (d + 2);
-                pj[0] = mx[j];
-                pj[1] = sum[j];
-                std::memcpy(pj + 2, acc.data() + j * d, sizeof(float) * d);
-            } else {
-                for (int64_t i = 0; i < d; ++i) o[(b * heads + h) * d + i] = P::store(acc[j * d + i]);
+    {
+        std::vector<float> qf, scores, acc, row;
+        #pragma omp for schedule(dynamic)
+        for (int64_t w = 0; w < batch * kv_heads; ++w) {
+            const int64_t b = w / kv_heads, g = w % kv_heads;
+            const int64_t len = context_lens[b];
+            scores.resize(group * (len > 0 ? len : 1));
+            acc.assign(group * d, 0.f);
+            row.resize(bs * d);            // one block of K or V rows in float32
+            if constexpr (!kHardwareDot<P, DC>) {     // the hardware dot reads the bf16 query itself
+                qf.resize(group * d);
+                for (int64_t j = 0; j < group; ++j)
+                    for (int64_t i = 0; i < d; ++i)
+                        qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
             }
+            const typename P::T* qh = q + b * q_stride;                 // this token's query heads
+            const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks;
+            const typename P::T* kbase = kc + g * pool_slots * d;
+            const typename P::T* vbase = vc + g * pool_slots * d;
+            // Block by block through the table: no division per position.
+            for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
+                const int64_t n = len - t0 < bs ? len - t0 : bs;
+                const typename P::T* kb = kbase + table[blk] * bs * d;
+                prefetch_ahead(kbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
+                int64_t o = 0;
+                if constexpr (kHardwareDot<P, DC>) {
+                    for (; o + 4 <= n; o += 4)
+                        for (int64_t j = 0; j < group; ++j)
+                            dot4_bf16<DC>(qh + (g * group + j) * d, kb + o * d, scale, &scores[j * len + t0 + o]);
+                }
+                for (; o < n; ++o) {
+                    const typename P::T* __restrict k = kb + o * d;
+                    if constexpr (kHardwareDot<P, DC>) {
+                        for (int64_t j = 0; j < group; ++j)
+                            scores[j * len + t0 + o] = dot_bf16<DC>(qh + (g * group + j) * d, k) * scale;
+                        continue;
+                    }
+                    float* __restrict r = row.data();
+                    for (int64_t i = 0; i < d; ++i) r[i] = P::load(k[i]);
+                    for (int64_t j = 0; j < group; ++j) {
+                        const float* __restrict qj = qf.data() + j * d;
+                        float dot = 0.f;
+                        #pragma omp simd reduction(+ : dot)
+                        for (int64_t i = 0; i < d; ++i) dot += qj[i] * r[i];
+                        scores[j * len + t0 + o] = dot;
+                    }
+                }
+            }
+            for (int64_t j = 0; j < group; ++j) {        // softmax over the context
+                float* sj = scores.data() + j * len;
+                float mx = -INFINITY;
+                #pragma omp simd reduction(max : mx)
+                for (int64_t t = 0; t < len; ++t) mx = sj[t] > mx ? sj[t] : mx;
+                float sum = 0.f;
+                #pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < len; ++t) {
+                    sj[t] = vexp(sj[t] - mx);
+                    sum += sj[t];
+                }
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+            }
+            // o = p . v, a block at a time: its rows converted once, then per query head an
+            // accumulator that stays in registers across the block (a memory accumulator
+            // chains every position through store-to-load forwarding: 3x slower).
+            for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
+                const int64_t n = len - t0 < bs ? len - t0 : bs;
+                const typename P::T* __restrict vb = vbase + table[blk] * bs * d;
+                prefetch_ahead(vbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
+                float* __restrict vf = row.data();
+                for (int64_t i = 0; i < n * d; ++i) vf[i] = P::load(vb[i]);
+                for (int64_t j = 0; j < group; ++j) {
+                    const float* __restrict pj = scores.data() + j * len + t0;
+                    float* __restrict aj = acc.data() + j * d;
+                    if constexpr (DC > 0) {
+                        float a[DC];
+                        for (int64_t i = 0; i < DC; ++i) a[i] = aj[i];
+                        for (int64_t o = 0; o < n; ++o)
+                            for (int64_t i = 0; i < DC; ++i) a[i] += pj[o] * vf[o * DC + i];
+                        for (int64_t i = 0; i < DC; ++i) aj[i] = a[i];
+                    } else {
+                        for (int64_t o = 0; o < n; ++o)
+                            for (int64_t i = 0; i < d; ++i) aj[i] += pj[o] * vf[o * d + i];
+                    }
+                }
+            }
+            for (int64_t j = 0; j < group; ++j)
+                for (int64_t i = 0; i < d; ++i)
+                    o[(b * heads + g * group + j) * d + i] = P::store(acc[j * d + i]);
         }
     }
-    if (!split_parts) return;
-    acc.resize(group * d);                                 // a thread that ran no item above
-    #pragma omp for schedule(static)
-    for (int64_t w = 0; w < batch * heads; ++w) {          // the split rows' parts, combined in order
-        const int64_t b = w / heads, h = w % heads;
-        const int64_t parts = (first[b + 1] - first[b]) / kv_heads;
-        if (parts == 1) continue;
-        const int64_t stride = heads * (d + 2);
-        const float* base = partial + part_at[b] * stride + h * (d + 2);
-        float m = -INFINITY, total = 0.f;
-        for (int64_t c = 0; c < parts; ++c) m = base[c * stride] > m ? base[c * stride] : m;
-        std::fill(acc.begin(), acc.begin() + d, 0.f);
-        for (int64_t c = 0; c < parts; ++c) {
-            const float* pc = base + c * stride;
-            const float f = vexp(pc[0] - m);
-            total += f * pc[1];
-            for (int64_t i = 0; i < d; ++i) acc[i] += f * pc[2 + i];
-        }
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t i = 0; i < d; ++i) o[(b * heads + h) * d + i] = P::store(acc[i] * inv);
-    }
-    #pragma omp single nowait
-    std::free(partial);
 }
 
 template <class P>
@@ -605,7 +506,7 @@ BLINK_EXPORT(bf16, BF16)
 BLINK_EXPORT(f32, F32)
 
 // Team bodies for blink_forward (forward.cc), bf16 or float32 by `bf16`: called by every thread of
-// an OpenMP team, the rows (attention: sequence x kv head x part items) shared out with orphaned `omp for`
+// an OpenMP team, the rows (attention: sequence x kv head pairs) shared out with orphaned `omp for`
 // loops, each complete for every thread when it returns (the loops' implicit barriers).
 namespace blink_team {
 template <class Fn>
