@@ -13,18 +13,13 @@
 // a parallel region for each matmul and the attention: ~420 Python -> C crossings and ~150 fork/joins
 // whose waits a loaded 2-core machine stretches, where every byte of work is ~3 MB a layer of weight
 // streaming. Here the team is forked once; the phases are separated by the barriers of their `omp for`
-// loops. That is how llama.cpp's graph runs, one thread pool and a barrier between ops. A step of at
-// most kSoloRows rows runs its small phases (norms, activation codes, SiLU) on every thread over the
-// thread's own copies instead (small_step): 6 barriers a layer instead of 13.
+// loops (a 1-row phase, the norms and activation codes, runs on one thread while the others wait at
+// its barrier: ~1 us). That is how llama.cpp's graph runs, one thread pool and a barrier between ops.
 //
 // Applies to decode rows only (one query row per sequence; prefill chunks keep the per-call loop and
 // its prefill attention kernel) with every projection on quant.cc's int8 matmul, at any batch size
 // (executors/cpu_decode.py says why); the descriptors are built once per model by KernelForward.
 #include <cstdint>
-#include <cstring>
-#include <vector>
-
-#include <omp.h>
 
 namespace blink_team {     // kernels.cc and quant.cc
 void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
@@ -38,10 +33,6 @@ void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc
                       float scale);
 void silu_mul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n);
 void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s);
-void add_rms_norm_solo(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
-                       float eps);
-void silu_mul_solo(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n);
-void quantize_act_solo(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s);
 int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
                  void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa);
 }  // namespace blink_team
@@ -99,13 +90,11 @@ struct Step {
     float* s;
 };
 
-// y [T, n] = codes(x [T, k]) . W^T, segment by segment, in the model's dtype. The codes: shared out
-// among the team into st's scratch, or (solo) all of them by each thread into its own.
-inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, void* y, bool solo = false) {
+// y [T, n] = codes(x [T, k]) . W^T, segment by segment (shared codes), in the model's dtype.
+inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, void* y) {
     const int64_t t = st.tokens;
     const int bf16 = int(m.bf16);
-    if (solo) blink_team::quantize_act_solo(x, bf16, t, w.k, st.qs, st.d, st.s);
-    else blink_team::quantize_act(x, bf16, t, w.k, st.qs, st.d, st.s);
+    blink_team::quantize_act(x, bf16, t, w.k, st.qs, st.d, st.s);
     const int64_t esize = bf16 ? 2 : 4;
     int rc = 0;
     for (int64_t i = 0; i < w.nseg; ++i) {
@@ -113,54 +102,6 @@ inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, 
         rc |= blink_team::quant_matmul(int(w.wtype[i]), w.w[i], st.qs, st.d, st.s, bias,
                                        static_cast<char*>(y) + esize * w.col[i], bf16, w.n, t, w.rows[i], w.k,
                                        int(m.isa));
-    }
-    return rc;
-}
-
-// Steps of up to this many rows run the small phases (norms, activation codes, SiLU) on every thread
-// over private copies instead of sharing them out: the same functions on the same data, so the same
-// bits, and 13 barriers a layer become 6 (the matmuls, RoPE + KV write, attention). A 1-row phase
-// shared out ran on one thread while the others waited at its barrier. SmolLM2 at 1 row, 2 threads,
-// in process, 6 alternating runs of 300 steps: 2.394 -> 2.311 ms a step (the mean of the medians).
-constexpr int64_t kSoloRows = 4;
-
-// Called by every thread of the team: the residual stream, the norms' output, the SiLU output and
-// the activation codes private to the thread; the matmul, RoPE and attention outputs shared (each
-// written between two barriers every thread has passed since it last read it). Thread 0 writes the
-// residual and the final norm back.
-int small_step(const Model& m, const Step& st) {
-    const bool bf16 = m.bf16 != 0;
-    const int64_t t = st.tokens, h = m.heads, kvh = m.kv_heads, d = m.head_dim;
-    const int64_t heads_total = h + 2 * kvh, esize = bf16 ? 2 : 4;
-    int64_t kmax = m.hidden > h * d ? m.hidden : h * d;
-    kmax = kmax > m.inter ? kmax : m.inter;
-    std::vector<char> x(t * m.hidden * esize), normed(t * m.hidden * esize), act(t * m.inter * esize);
-    std::vector<int8_t> qs(t * kmax);
-    std::vector<float> dq(t * kmax / 32), sq(t * kmax / 32);
-    std::memcpy(x.data(), st.x, x.size());
-    Step own = st;
-    own.x = x.data(), own.normed = normed.data(), own.act = act.data();
-    own.qs = qs.data(), own.d = dq.data(), own.s = sq.data();
-    int rc = 0;
-    blink_team::add_rms_norm_solo(bf16, own.x, nullptr, m.first_w, own.normed, t, m.hidden, float(m.first_eps));
-    for (int64_t l = 0; l < m.layers; ++l) {
-        const Layer& p = m.layer[l];
-        rc |= matmul(m, own, p.qkv, own.normed, st.qkv, true);
-        blink_team::rope_cache(bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total, h + kvh, h, kvh,
-                               d, m.num_blocks * m.block_size);
-        blink_team::decode_attention(bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables, st.width,
-                                     st.context_lens, st.attn, t, h, kvh, d, m.num_blocks, m.block_size,
-                                     float(m.scale));
-        rc |= matmul(m, own, p.o, st.attn, st.proj, true);
-        blink_team::add_rms_norm_solo(bf16, own.x, st.proj, p.post_w, own.normed, t, m.hidden, float(p.post_eps));
-        rc |= matmul(m, own, p.gate_up, own.normed, st.gate_up, true);
-        blink_team::silu_mul_solo(bf16, st.gate_up, own.act, t, m.inter);
-        rc |= matmul(m, own, p.down, own.act, st.proj, true);
-        blink_team::add_rms_norm_solo(bf16, own.x, st.proj, p.next_w, own.normed, t, m.hidden, float(p.next_eps));
-    }
-    if (omp_get_thread_num() == 0) {
-        std::memcpy(st.x, x.data(), x.size());
-        std::memcpy(st.normed, normed.data(), normed.size());
     }
     return rc;
 }
@@ -177,9 +118,7 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
     const int64_t heads_total = h + 2 * kvh;
     int rc = 0;
     #pragma omp parallel num_threads(threads) reduction(| : rc)
-    if (t <= kSoloRows) {
-        rc |= small_step(m, st);
-    } else {
+    {
         blink_team::add_rms_norm(bf16, st.x, nullptr, m.first_w, st.normed, t, m.hidden, float(m.first_eps));
         for (int64_t l = 0; l < m.layers; ++l) {
             const Layer& p = m.layer[l];

@@ -91,27 +91,26 @@ static inline float vexp(float x) {
 // x [rows, n] -> out = weight * dtype(x * rsqrt(mean(x^2) + eps)); with delta, first
 // x = dtype(x + delta) in place (the residual stream), as `x + sublayer(x)` then the norm.
 template <class P>
-inline void add_rms_norm_row(typename P::T* xr, const typename P::T* dr, const typename P::T* weight,
-                             typename P::T* yr, int64_t n, float eps) {
-    if (dr)
-        for (int64_t i = 0; i < n; ++i) xr[i] = P::store(P::load(xr[i]) + P::load(dr[i]));
-    float ss = 0.f;
-    #pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) {
-        float v = P::load(xr[i]);
-        ss += v * v;
-    }
-    const float inv = 1.f / std::sqrt(ss / float(n) + eps);
-    for (int64_t i = 0; i < n; ++i)
-        yr[i] = P::store(P::load(weight[i]) * P::round(P::load(xr[i]) * inv));
-}
-
-template <class P>
 void add_rms_norm(typename P::T* x, const typename P::T* delta, const typename P::T* weight,
                   typename P::T* out, int64_t rows, int64_t n, float eps) {
     #pragma omp for
-    for (int64_t r = 0; r < rows; ++r)
-        add_rms_norm_row<P>(x + r * n, delta ? delta + r * n : nullptr, weight, out + r * n, n, eps);
+    for (int64_t r = 0; r < rows; ++r) {
+        typename P::T* xr = x + r * n;
+        typename P::T* yr = out + r * n;
+        if (delta) {
+            const typename P::T* dr = delta + r * n;
+            for (int64_t i = 0; i < n; ++i) xr[i] = P::store(P::load(xr[i]) + P::load(dr[i]));
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+            float v = P::load(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+        for (int64_t i = 0; i < n; ++i)
+            yr[i] = P::store(P::load(weight[i]) * P::round(P::load(xr[i]) * inv));
+    }
 }
 
 // RoPE on heads [0, rope_heads) of each qkv row, in place; then the row's k and v heads
@@ -336,19 +335,18 @@ void decode_attention(const typename P::T* q, int64_t q_stride, const typename P
 
 // gate_up [rows, 2n] (gate, then up) -> out [rows, n] = dtype(silu(gate)) * up, rounded.
 template <class P>
-inline void silu_mul_row(const typename P::T* gate, typename P::T* y, int64_t n) {
-    const typename P::T* up = gate + n;
-    #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-        const float x = P::load(gate[i]);
-        y[i] = P::store(P::round(x / (1.f + vexp(-x))) * P::load(up[i]));
-    }
-}
-
-template <class P>
 void silu_mul(const typename P::T* gate_up, typename P::T* out, int64_t rows, int64_t n) {
     #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) silu_mul_row<P>(gate_up + r * 2 * n, out + r * n, n);
+    for (int64_t r = 0; r < rows; ++r) {
+        const typename P::T* gate = gate_up + r * 2 * n;
+        const typename P::T* up = gate + n;
+        typename P::T* y = out + r * n;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = P::load(gate[i]);
+            y[i] = P::store(P::round(x / (1.f + vexp(-x))) * P::load(up[i]));
+        }
+    }
 }
 
 
@@ -551,27 +549,6 @@ void silu_mul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n
     by_dtype(bf16, [&](auto p) {
         using P = decltype(p);
         ::silu_mul<P>((const typename P::T*)gate_up, (typename P::T*)out, rows, n);
-    });
-}
-
-// The same two, every row by the calling thread alone (no work sharing, no barrier): forward.cc's
-// small decode steps run them on every thread of the team over private copies.
-void add_rms_norm_solo(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
-                       float eps) {
-    by_dtype(bf16, [&](auto p) {
-        using P = decltype(p);
-        using T = typename P::T;
-        for (int64_t r = 0; r < rows; ++r)
-            add_rms_norm_row<P>((T*)x + r * n, delta ? (const T*)delta + r * n : nullptr, (const T*)w,
-                                (T*)out + r * n, n, eps);
-    });
-}
-
-void silu_mul_solo(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n) {
-    by_dtype(bf16, [&](auto p) {
-        using P = decltype(p);
-        using T = typename P::T;
-        for (int64_t r = 0; r < rows; ++r) silu_mul_row<P>((const T*)gate_up + r * 2 * n, (T*)out + r * n, n);
     });
 }
 }  // namespace blink_team

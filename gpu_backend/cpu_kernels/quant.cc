@@ -31,7 +31,6 @@
 // routine, so the paths differ only in the order of the float additions.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -210,29 +209,26 @@ float load_x(const void* x, int bf16, int64_t i) {
     return f;
 }
 
-// Block i of x's M x K/32 blocks: its int8 codes (round half to even), scale d and d x (sum of codes).
-inline void quantize_block(const void* x, int bf16, int64_t i, int8_t* qs, float* d, float* s) {
-    float v[QK], amax = 0.f;
-    for (int j = 0; j < QK; ++j) {
-        v[j] = load_x(x, bf16, i * QK + j);
-        amax = std::fmax(amax, std::fabs(v[j]));
-    }
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int j = 0; j < QK; ++j) {
-        const int q = int(std::nearbyint(v[j] * id));        // round half to even, as vroundps
-        qs[i * QK + j] = int8_t(q < -127 ? -127 : (q > 127 ? 127 : q));
-        sum += qs[i * QK + j];
-    }
-    d[i] = amax / 127.f;
-    s[i] = d[i] * float(sum);
-}
-
 // A team body (see the C ABI's note on teams): the blocks are shared out among the team's threads.
 void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
     const int64_t nb = K / QK;
     #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * nb; ++i) quantize_block(x, bf16, i, qs, d, s);
+    for (int64_t i = 0; i < M * nb; ++i) {
+        float v[QK], amax = 0.f;
+        for (int j = 0; j < QK; ++j) {
+            v[j] = load_x(x, bf16, i * QK + j);
+            amax = std::fmax(amax, std::fabs(v[j]));
+        }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) {
+            const int q = int(std::nearbyint(v[j] * id));        // round half to even, as vroundps
+            qs[i * QK + j] = int8_t(q < -127 ? -127 : (q > 127 ? 127 : q));
+            sum += qs[i * QK + j];
+        }
+        d[i] = amax / 127.f;
+        s[i] = d[i] * float(sum);
+    }
 }
 
 struct Act {                 // quantized activations, row-major over blocks
@@ -1032,11 +1028,6 @@ extern "C" void blink_quantize_act(const void* x, int x_bf16, int64_t M, int64_t
 namespace blink_team {
 void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
     ::quantize_act(x, x_bf16, M, K, qs, d, s);
-}
-
-// Every block by the calling thread alone (forward.cc's small steps: each thread its own codes).
-void quantize_act_solo(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
-    for (int64_t i = 0; i < M * (K / QK); ++i) quantize_block(x, x_bf16, i, qs, d, s);
 }
 
 int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,

@@ -102,7 +102,7 @@ def test_fused_decode_equals_the_per_call_loop(types, dtype, rows):
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: cpu_kernels.ISA_NAMES[i])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 5])      # small steps' phases on every thread's own copies; shared out
+@pytest.mark.parametrize("rows", [1, 5])
 def test_every_isa_and_thread_count_gives_the_same_bits(isa, threads, rows):
     model = served("mixed-segments", torch.bfloat16, isa=isa)
     assert_same(*both(model, *decode_step(model, rows, seed=isa), threads=threads))
