@@ -680,9 +680,9 @@ void tile_fx512_rows(const uint8_t* const* rows, const float* wd, const float* x
         #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
             const uint8_t* q = codes_at<T>(rows[r], b, nb).qs;
-            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-            const __m512 w1 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+            const __m128i* q16 = reinterpret_cast<const __m128i*>(q);
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q16)));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q16 + 1)));
             const __m512 d = _mm512_set1_ps(wd[r * nb + b]);
             #pragma GCC unroll 3
             for (int m = 0; m < MR; ++m)
