@@ -579,14 +579,19 @@ void matmul_fx_scalar(const uint8_t* w, int64_t rb, const float* x, int64_t ldx,
 // and x from L2 once per super-tile.
 constexpr int64_t FX_SUPER = 32;
 
+template <int MR, int NR>
+inline void zero_tile(__m512 (&acc)[MR][NR]) {
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+}
+
 template <int T, int MR, int NR>
 void tile_fx512(const uint8_t* const* rows, const float* wd, int64_t nb, const float* x, int64_t ldx, int64_t m0,
                 const Out& out, int64_t n0) {
     __m512 acc[MR][NR];
-    #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 2
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t b = 0; b < nb; ++b) {
         __m512 wv[NR][2];
         #pragma GCC unroll 2
@@ -666,10 +671,7 @@ template <int T, int MR, int NR>
 void tile_fx512_rows(const uint8_t* const* rows, const float* wd, const float* x, int64_t ldx, int64_t m0,
                      int64_t nb, const Out& out, int64_t n0) {
     __m512 acc[MR][NR];
-    #pragma GCC unroll 3
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t b = 0; b < nb; ++b) {
         __m512 xv[MR][2];
         #pragma GCC unroll 3
