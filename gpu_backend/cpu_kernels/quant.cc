@@ -705,16 +705,15 @@ void matmul_fx512_rows(const uint8_t* w, int64_t rb, const float* x, int64_t ldx
         std::vector<float> wd(4 * nb), wm(4 * nb);
         for_each_tile<T>(w, rb, N, nb, 4, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
                                                                     int64_t n0) {
-            for (int r = 0; r < rows_here; ++r) {          // the last tile may be short: one row at a time
-                if (rows_here == 4 && r == 0) {
-                    if (M == 1) tile_fx512_rows<T, 1, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
-                    else if (M == 2) tile_fx512_rows<T, 2, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
-                    else tile_fx512_rows<T, 3, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
-                    break;
-                }
+            if (rows_here == 4) {
+                if (M == 1) tile_fx512_rows<T, 1, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
+                else if (M == 2) tile_fx512_rows<T, 2, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
+                else tile_fx512_rows<T, 3, 4>(rows, wd.data(), x, ldx, 0, nb, out, n0);
+                return;
+            }
+            for (int r = 0; r < rows_here; ++r)            // a short last tile: a row at a time
                 for (int64_t m = 0; m < M; ++m)
                     tile_fx512_rows<T, 1, 1>(rows + r, wd.data() + r * nb, x, ldx, m, nb, out, n0 + r);
-            }
         });
     }
 }
@@ -725,7 +724,7 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
                     int64_t K, int threads) {
     const int64_t rb = row_bytes(T, K);
 #if BLINK_Q_AVX512
-    if constexpr (base_type(T) == Q8_0) {      // a decode batch's rows: the zmm tiles (one row: memory-bound)
+    if constexpr (base_type(T) == Q8_0) {      // a decode batch's rows: the zmm tiles (8 rows of x, or 1-3)
         if (isa >= 2 && M >= 4) return matmul_fx512<T>(w, rb, x, ldx, out, M, N, K, threads);
         if (isa >= 2) return matmul_fx512_rows<T>(w, rb, x, ldx, out, M, N, K, threads);
     }
