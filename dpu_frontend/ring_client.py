@@ -7,6 +7,8 @@
         -> one RequestHandle per choice
     background loop: attach / reattach the ring -> TokenReader.poll -> handles get tokens
         -> completed slots reset -> wait queue moves; health, backend-lost, ring-replaced checks
+    doorbell (a daemon on this host, shm transport): its bell readable -> drain -> poll now; the
+        reader then sleeps until the next bell instead of waking around predicted steps
 
 Everything runs on the asyncio event loop that calls `start()`; the loop task
 yields after every poll. The ring is reached only through a Transport made by
@@ -28,6 +30,7 @@ import numpy as np
 
 from shared_layout import MAX_STOP_IDS, LayoutMismatch, SlotState, now_ns
 from shared_layout.automaton import MAX_AUTOMATON_WORDS
+from shared_layout.doorbell import BellListener
 from shared_layout.extra import MAX_ALLOWED_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_WORDS, MAX_LOGIT_BIAS
 from shared_layout.layout import MAX_LOGPROBS
 
@@ -118,6 +121,7 @@ class RingClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sleep_fut: asyncio.Future | None = None
         self._timer: WakeupTimer | None = None   # precise wake-ups between polls (Linux); else loop timers
+        self._bell: BellListener | None = None   # the attached ring's doorbell (same host), if bound
         self._loop_idle = False   # the last yield came straight back: nothing else was ready to run
         self._flush_handle: asyncio.Handle | None = None
         self._closed = False
@@ -154,6 +158,7 @@ class RingClient:
         if self._task is not None:
             await self._task
         self._drop_timer()
+        self._drop_bell()
         self._fail_waiters(BackendUnavailable("ring client closed"))
         s = self._session
         if s is not None:
@@ -520,6 +525,7 @@ class RingClient:
             transport.close()
             return
         self._session, self._health, self._reader = session, health, reader
+        self._listen_bell(transport)
         self._attaches += 1
         self._displaced = None
         self._lost = False
@@ -589,6 +595,7 @@ class RingClient:
     def _drop_session(self, message: str) -> None:
         s = self._session
         self._session = self._reader = None
+        self._drop_bell()
         self._down_message = message
         log.warning("detached from the ring: %s", message)
         self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
@@ -638,6 +645,31 @@ class RingClient:
             self._timer = None
         if self._reader is not None:
             self._reader.set_precise_wake(False)
+
+    def _listen_bell(self, transport) -> None:
+        """Bind the doorbell of a ring on this host (shares_clock: the shm transport); without it
+        (another frontend holds it, not Linux) the reader polls as it would for a remote ring."""
+        self._drop_bell()
+        if not getattr(transport, "shares_clock", False) or not getattr(transport, "name", None):
+            return
+        self._bell = BellListener.create(transport.name)
+        if self._bell is None:
+            log.info("ring %r: no doorbell (its address is taken or unsupported); polling on step predictions",
+                     transport.name)
+            return
+        self._loop.add_reader(self._bell.fileno(), self._on_bell)
+
+    def _drop_bell(self) -> None:
+        if self._bell is not None:
+            self._loop.remove_reader(self._bell.fileno())
+            self._bell.close()
+            self._bell = None
+
+    def _on_bell(self) -> None:
+        """The daemon rang: it wrote tokens or ended slots. Poll now."""
+        if self._bell is not None and self._bell.drain() and self._reader is not None:
+            self._reader.heard_bell(time.monotonic())
+            self._wake()
 
     def _on_timer(self) -> None:
         """The wake-up timer's fd is readable: end the wait it was armed for."""

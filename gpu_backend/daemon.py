@@ -69,7 +69,8 @@ def run_daemon(config: DaemonConfig) -> int:
     executor, rc = None, 0
     try:
         try:
-            executor = spec.create(config.options)
+            # A host loop rings the ring's doorbell for a frontend on this host (shared_layout.doorbell).
+            executor = spec.create(dataclasses.replace(config.options, doorbell=config.ring_name))
         except Exception as e:   # bad model path, unreadable file: one line, no traceback
             _say(f"cannot load model {config.options.model!r}: {e}")
             return 1

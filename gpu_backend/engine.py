@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from shared_layout import BackendPort, ErrorCode, FinishReason, IllegalTransition, Ring, SlotState
+from shared_layout.doorbell import Doorbell
 from shared_layout.layout import logprob_record_words
 from shared_layout.timers import fine_timer_slack
 
@@ -62,6 +63,8 @@ class EngineConfig:
     idle_fine_polls: int = 20        # 50 us apart after the last work before backing off (~1-2 ms)
     shutdown_grace_s: float = 2.0    # in-flight requests get this long to finish on stop
     prefix_caching: bool = True      # the scheduler shares cached KV blocks of a common prefix
+    doorbell: str | None = None      # ring name: after a step that published or ended requests, ring
+                                     # this ring's bell for a frontend on this host (shared_layout.doorbell)
 
 
 def _records_or_blank(records: np.ndarray | None, n: int, k: int) -> np.ndarray:
@@ -88,6 +91,8 @@ class Engine:
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
         self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
+        self.bell = Doorbell.create(config.doorbell) if config.doorbell else None
+        self._rung_writes = 0
         ring.set("kv_blocks_total", config.num_blocks)
         ring.set("prefix_caching", int(config.prefix_caching))
         self._publish_kv()
@@ -267,7 +272,9 @@ class Engine:
         fine_timer_slack()   # the idle back-off's 50 us sleeps, not 100+
         idle = 0
         while not stop.is_set():
-            if self._safe_step():
+            worked = self._safe_step()
+            self._ring_bell()
+            if worked:
                 idle = 0
             else:
                 # 50 us sleeps for the first idle_fine_polls (a closed-loop client's next request
@@ -278,9 +285,20 @@ class Engine:
         self.admitting = False
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.has_work() and time.monotonic() < deadline:
-            if not self._safe_step():
+            worked = self._safe_step()
+            self._ring_bell()
+            if not worked:
                 time.sleep(0.0005)
         self.abort_all(ErrorCode.BACKEND_SHUTDOWN)
+        self._ring_bell()
+        if self.bell is not None:
+            self.bell.close()
+
+    def _ring_bell(self) -> None:
+        """Ring the doorbell when the ring got tokens or ended slots since the last bell."""
+        if self.bell is not None and self.port.writes != self._rung_writes:
+            self._rung_writes = self.port.writes
+            self.bell.ring()
 
     def _safe_step(self) -> bool:
         """step(), with a last-resort net: an engine bug ends the requests in flight with

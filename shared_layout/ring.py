@@ -345,6 +345,7 @@ class BackendPort:
 
     def __init__(self, ring: Ring):
         self.ring = ring
+        self.writes = 0     # publish() and complete() calls: what a frontend waits for (the doorbell)
 
     def pending(self) -> np.ndarray:
         """Indices of slots in PREFILL_PENDING, lowest submit sequence first (FCFS)."""
@@ -384,6 +385,7 @@ class BackendPort:
         r["t_last_ns"] = t
         fence()  # tokens before the count that makes them visible
         r["generated"] = gen + tokens.size
+        self.writes += 1
 
     def publish_prompt_logprobs(self, slot: int, records: np.ndarray) -> None:
         """The prompt tokens' logprob records ([prompt_len - 1, stride] words), before the first
@@ -410,6 +412,7 @@ class BackendPort:
             r["t_last_ns"] = now_ns() if now is None else now
         fence()  # finish reason, error and last tokens before the state word
         self.ring.state[slot] = SlotState.DECODE_COMPLETED
+        self.writes += 1
 
     def beat(self) -> None:
         """Advance the heartbeat (the frontend's /health watches it)."""

@@ -56,6 +56,8 @@ class ExecutorOptions:
     scheduling_policy: str = "fcfs"     # fcfs | priority | lvf (engine executors and the device loop)
     ttft_slo_ms: int = 5000             # a request's TTFT target when it names none
     tbt_slo_ms: int = 100               # its time-between-tokens target when it names none
+    doorbell: str | None = None         # host-loop executors: ring this ring's bell after each step that
+                                        # published (the daemon sets the ring's name; shared_layout.doorbell)
 
     def sched(self, policy: PolicyConfig) -> PolicyConfig:
         """`policy` under the scheduling policy these options name."""

@@ -250,7 +250,8 @@ class CpuExecutor:
         return Engine(ring, runner,
                       EngineConfig(self.policy, self.pool.config.num_blocks,
                                    shutdown_grace_s=self.options.shutdown_grace_s,
-                                   prefix_caching=self.options.prefix_caching),
+                                   prefix_caching=self.options.prefix_caching,
+                                   doorbell=self.options.doorbell),
                       self.options.slo(IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids)),
                       scenario=scenario)
 

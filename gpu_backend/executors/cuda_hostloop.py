@@ -111,7 +111,8 @@ class CudaHostLoopExecutor:
             runner = HostLoopRunner(ring, self.block, self.launcher, self.table)
             engine = Engine(ring, runner, EngineConfig(self.options.sched(self.policy), self.num_blocks,
                                                        shutdown_grace_s=self.options.shutdown_grace_s,
-                                   prefix_caching=self.options.prefix_caching),
+                                   prefix_caching=self.options.prefix_caching,
+                                   doorbell=self.options.doorbell),
                             self.options.slo(IntakeConfig(self.vocab_size, self.max_model_len, self.eos_ids,
                                                           structured_outputs=False, prompt_logprobs=False)),
                             scenario=self.options.scenario(self.policy))

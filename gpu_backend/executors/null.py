@@ -75,7 +75,8 @@ class NullExecutor:
     def serve(self, ring: Ring, stop: threading.Event) -> None:
         engine = Engine(ring, EchoRunner(self.options.step_ms / 1e3),
                         EngineConfig(self.policy, self.num_blocks, shutdown_grace_s=self.options.shutdown_grace_s,
-                                   prefix_caching=self.options.prefix_caching),
+                                   prefix_caching=self.options.prefix_caching,
+                                   doorbell=self.options.doorbell),
                         self.options.slo(IntakeConfig(self.vocab_size, self.max_model_len, eos_ids=())),
                         scenario=self.options.scenario(self.policy))
         try:

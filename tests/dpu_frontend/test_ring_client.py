@@ -68,10 +68,10 @@ class DaemonBackend:
         self.name = name
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         blink = REPO / ".venv/bin/blink"
         cmd = [str(blink)] if blink.exists() else [sys.executable, "-m", "dpu_frontend.cli"]
-        self.proc = subprocess.Popen(cmd + ["gpu-daemon", "--model", "null", "--ring", self.name,
+        self.proc = subprocess.Popen(cmd + ["gpu-daemon", "--model", "null", "--ring", self.name, *extra,
                                             "--slots", str(SLOTS), "--prompt-arena-tokens", str(GEOM.prompt_arena_tokens),
                                             "--output-arena-tokens", str(GEOM.output_arena_tokens),
                                             "--log-level", "warning"], env=ENV)
@@ -516,3 +516,34 @@ async def test_a_slow_transport_open_does_not_block_the_event_loop(players):
         assert await h.result() == players.expected(h, prompt, 4)
     finally:
         await client.close()
+
+
+async def test_the_daemons_doorbell_wakes_the_reader_once_a_step(ring_name):
+    """A daemon on this host rings the ring's doorbell after each step: the frontend binds it on
+    attach and polls about once a step (a 5 ms null step), where waking around predicted
+    steps polled several times; a daemon killed and restarted rings the same bell again."""
+    from shared_layout import doorbell
+    if not doorbell.supported():
+        pytest.skip("abstract unix sockets are Linux-only")
+    b = DaemonBackend(ring_name)
+    b.start("--step-ms", "5")
+    try:
+        client = await started(ring_name)
+        assert client._bell is not None
+        for round_ in range(2):
+            polls0 = client._reader.polls
+            prompt = [5, 6, 7]
+            h = await client.submit(prompt, SamplingParams(max_tokens=100))
+            assert await asyncio.wait_for(h.result(), 30) == b.expected(h, prompt, 100)
+            polls = client._reader.polls - polls0
+            assert client._reader._bell_s > 0
+            assert polls <= 130, f"{polls} polls for 100 tokens in 100 steps"
+            if round_ == 0:
+                kill9(b)
+                b.start("--step-ms", "5")
+                await wait_until(lambda: client.health().healthy and client._bell is not None, 30,
+                                 lambda: client.health())
+        await client.close()
+        assert client._bell is None
+    finally:
+        b.stop()

@@ -413,3 +413,26 @@ def test_no_spin_after_a_complete_step_unless_a_first_token_is_due(ring_name):
     f3, _ = rig.submit([3], 100)                 # waits for its first token: urgent
     assert f3.slot in r.urgent
     assert r.next_interval_s(res) == 0.0
+
+
+def test_a_heard_doorbell_sleeps_until_the_next_one(ring_name):
+    """While the daemon's doorbell rings (a daemon on this host), the reader neither spins after
+    progress nor wakes around the predicted step: it waits for the bell, polling every
+    bell_fallback_s at most; a bell not heard for bell_trust_s hands back to step prediction."""
+    import time
+    rig = Rig(ring_name)
+    r = rig.reader = TokenReader(rig.session, rig.health, ReaderConfig(), precise_wake=True)
+    cfg = r.config
+    _steady_steps(rig)
+    res = r.poll()
+    r.heard_bell(time.monotonic())
+    assert r.next_interval_s(res) == cfg.bell_fallback_s and not r.fine
+    rig.submit([3], 100)                         # a first token due: the bell brings it too
+    assert r.next_interval_s(res) == cfg.bell_fallback_s
+    r._last_progress_s = 0.0
+    r.heard_bell(time.monotonic() - cfg.bell_trust_s - 0.01)   # the bell went quiet
+    assert r.next_interval_s(None) != cfg.bell_fallback_s
+    for f in list(rig.session.flights.values()):   # nothing in flight: the idle interval, bell or not
+        rig.session.retire(f.slot)
+    r.heard_bell(time.monotonic())
+    assert r.next_interval_s(None) == cfg.idle_interval_s
