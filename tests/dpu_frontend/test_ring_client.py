@@ -547,3 +547,26 @@ async def test_the_daemons_doorbell_wakes_the_reader_once_a_step(ring_name):
         assert client._bell is None
     finally:
         b.stop()
+
+
+async def test_a_frontend_that_displaces_another_takes_its_doorbell_over(ring_name):
+    """The bell's address is held by the first frontend when a second one attaches: the second polls
+    without it until the first, displaced, lets it go, then binds it at its next stale check."""
+    from shared_layout import doorbell
+    if not doorbell.supported():
+        pytest.skip("abstract unix sockets are Linux-only")
+    b = DaemonBackend(ring_name)
+    b.start("--step-ms", "5")
+    try:
+        first = await started(ring_name)
+        assert first._bell is not None
+        second = await started(ring_name)
+        await wait_until(lambda: second._bell is not None, 10, lambda: "the second frontend never bound the bell")
+        assert first._bell is None and not first.health().healthy
+        h = await second.submit([4, 5], SamplingParams(max_tokens=50))
+        assert await asyncio.wait_for(h.result(), 30) == b.expected(h, [4, 5], 50)
+        assert second._reader._bell_s > 0
+        await first.close()
+        await second.close()
+    finally:
+        b.stop()
