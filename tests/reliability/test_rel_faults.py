@@ -86,7 +86,7 @@ async def test_daemon_kill9_mid_stream_then_restart_is_picked_up(ring_name, tmp_
 
 class CompletionWatcher(threading.Thread):
     """Reads the ring every ~0.5 ms and records the error code of every completed slot it sees
-    (the new frontend resets them within ~100 ms, so they must be caught in flight)."""
+    (the new frontend resets them as soon as it reads them: the test holds it stopped until then)."""
 
     def __init__(self, ring_name: str):
         super().__init__(daemon=True)
@@ -137,7 +137,14 @@ async def test_frontend_kill9_stale_epoch_slots_freed_and_new_frontend_starts_cl
         assert in_ring(watcher.ring) == 6
 
         fe2 = Frontend(ring_name, tmp_path, name="frontend2")   # listening: it has attached (epoch 2)
+        # Hold the new frontend until the watcher has seen the six aborted: woken by the daemon's
+        # doorbell, it resets a completed slot within a step, faster than the watcher's reads.
+        os.kill(fe2.pid, signal.SIGSTOP)
         os.kill(daemon.pid, signal.SIGCONT)
+        try:
+            await asyncio.to_thread(wait_for, lambda: len(watcher.seen) >= 6, 20, "the stale epoch's six to end")
+        finally:
+            os.kill(fe2.pid, signal.SIGCONT)
         await asyncio.to_thread(wait_for, fe2.healthy, 30, "the new frontend to be healthy")
         await asyncio.to_thread(wait_for, fe2.settled, 10, "the stale epoch's slots to be freed")
         watcher.halt.set()
