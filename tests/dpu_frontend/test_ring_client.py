@@ -518,59 +518,57 @@ async def test_a_slow_transport_open_does_not_block_the_event_loop(players):
         await client.close()
 
 
-async def test_the_daemons_doorbell_wakes_the_reader_once_a_step(ring_name):
+@pytest.fixture
+def bell_daemon(ring_name):
+    """`blink gpu-daemon --model null --step-ms 5`, which rings the ring's doorbell after each step."""
+    from shared_layout import doorbell
+    if not doorbell.supported():
+        pytest.skip("abstract unix sockets are Linux-only")
+    b = DaemonBackend(ring_name)
+    b.start("--step-ms", "5")
+    yield b
+    b.stop()
+
+
+async def test_the_daemons_doorbell_wakes_the_reader_once_a_step(ring_name, bell_daemon):
     """A daemon on this host rings the ring's doorbell after each step: the frontend binds it on
     attach and polls about once a step (a 5 ms null step), where waking around predicted
     steps polled several times; a daemon killed and restarted rings the same bell again."""
-    from shared_layout import doorbell
-    if not doorbell.supported():
-        pytest.skip("abstract unix sockets are Linux-only")
-    b = DaemonBackend(ring_name)
-    b.start("--step-ms", "5")
-    try:
-        client = await started(ring_name)
-        assert client._bell is not None
-        for round_ in range(2):
-            prompt = [5, 6, 7]
-            h = await client.submit(prompt, SamplingParams(max_tokens=100))
-            got = await asyncio.wait_for(h.__anext__(), 30)     # the first token: the bell has rung
-            polls0 = client._reader.polls
-            assert client._reader._bell_s > 0
-            async for batch in h:
-                got += batch
-            assert got == b.expected(h, prompt, 100)
-            polls = client._reader.polls - polls0
-            # About one poll a step (and the 10 ms fallback's): waking around predicted steps, ~4 a step.
-            assert polls <= 150, f"{polls} polls for the last 99 tokens (99 steps)"
-            if round_ == 0:
-                kill9(b)
-                b.start("--step-ms", "5")
-                await wait_until(lambda: client.health().healthy and client._bell is not None, 30,
-                                 lambda: client.health())
-        await client.close()
-        assert client._bell is None
-    finally:
-        b.stop()
+    b = bell_daemon
+    client = await started(ring_name)
+    assert client._bell is not None
+    for round_ in range(2):
+        prompt = [5, 6, 7]
+        h = await client.submit(prompt, SamplingParams(max_tokens=100))
+        got = await asyncio.wait_for(h.__anext__(), 30)     # the first token: the bell has rung
+        polls0 = client._reader.polls
+        assert client._reader._bell_s > 0
+        async for batch in h:
+            got += batch
+        assert got == b.expected(h, prompt, 100)
+        polls = client._reader.polls - polls0
+        # About one poll a step (and the 10 ms fallback's): waking around predicted steps, ~4 a step.
+        assert polls <= 150, f"{polls} polls for the last 99 tokens (99 steps)"
+        if round_ == 0:
+            kill9(b)
+            b.start("--step-ms", "5")
+            await wait_until(lambda: client.health().healthy and client._bell is not None, 30,
+                             lambda: client.health())
+    await client.close()
+    assert client._bell is None
 
 
-async def test_a_frontend_that_displaces_another_takes_its_doorbell_over(ring_name):
+async def test_a_frontend_that_displaces_another_takes_its_doorbell_over(ring_name, bell_daemon):
     """The bell's address is held by the first frontend when a second one attaches: the second polls
     without it until the first, displaced, lets it go, then binds it at its next stale check."""
-    from shared_layout import doorbell
-    if not doorbell.supported():
-        pytest.skip("abstract unix sockets are Linux-only")
-    b = DaemonBackend(ring_name)
-    b.start("--step-ms", "5")
-    try:
-        first = await started(ring_name)
-        assert first._bell is not None
-        second = await started(ring_name)
-        await wait_until(lambda: second._bell is not None, 10, lambda: "the second frontend never bound the bell")
-        assert first._bell is None and not first.health().healthy
-        h = await second.submit([4, 5], SamplingParams(max_tokens=50))
-        assert await asyncio.wait_for(h.result(), 30) == b.expected(h, [4, 5], 50)
-        assert second._reader._bell_s > 0
-        await first.close()
-        await second.close()
-    finally:
-        b.stop()
+    b = bell_daemon
+    first = await started(ring_name)
+    assert first._bell is not None
+    second = await started(ring_name)
+    await wait_until(lambda: second._bell is not None, 10, lambda: "the second frontend never bound the bell")
+    assert first._bell is None and not first.health().healthy
+    h = await second.submit([4, 5], SamplingParams(max_tokens=50))
+    assert await asyncio.wait_for(h.result(), 30) == b.expected(h, [4, 5], 50)
+    assert second._reader._bell_s > 0
+    await first.close()
+    await second.close()
