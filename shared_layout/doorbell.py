@@ -18,7 +18,9 @@ the send fails at once (ECONNREFUSED) and the daemon tries again only after RETR
 daemon nobody listens to pays one failed syscall a quarter second.
 
 Linux's abstract socket namespace: nothing in the file system to clean up; the name goes with
-the listener's socket.
+the listener's socket. It has no permissions either: any process in the network namespace may
+ring (a spurious bell costs one poll) or bind the name first (the frontend then polls as above).
+Only a wake-up hint crosses it; requests, tokens and states stay in the 0600 ring file.
 """
 from __future__ import annotations
 
