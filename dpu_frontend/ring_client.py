@@ -122,7 +122,6 @@ class RingClient:
         self._sleep_fut: asyncio.Future | None = None
         self._timer: WakeupTimer | None = None   # precise wake-ups between polls (Linux); else loop timers
         self._bell: BellListener | None = None   # the attached ring's doorbell (same host), if bound
-        self._bell_wanted = False                # the attached ring is on this host: bind its bell when free
         self._loop_idle = False   # the last yield came straight back: nothing else was ready to run
         self._flush_handle: asyncio.Handle | None = None
         self._closed = False
@@ -576,8 +575,8 @@ class RingClient:
             if s.transport.stale():
                 self._drop_session("backend lost: the ring was replaced")
                 return
-            if self._bell is None and self._bell_wanted:
-                self._listen_bell(s.transport)   # a frontend we displaced has given the name back
+            if self._bell is None:
+                self._listen_bell(s.transport)   # a frontend we displaced may have given the name back
         if res.freed and self._waiters:
             self._flush()
 
@@ -599,7 +598,6 @@ class RingClient:
         s = self._session
         self._session = self._reader = None
         self._drop_bell()
-        self._bell_wanted = False
         self._down_message = message
         log.warning("detached from the ring: %s", message)
         self._next_attach_s = time.monotonic() + self.config.reattach_interval_s
@@ -654,8 +652,7 @@ class RingClient:
         """Bind the doorbell of a ring on this host (shares_clock: the shm transport); without it
         (another frontend holds it, not Linux) the reader polls as it would for a remote ring."""
         self._drop_bell()
-        self._bell_wanted = bool(getattr(transport, "shares_clock", False) and getattr(transport, "name", None))
-        if not self._bell_wanted:
+        if not getattr(transport, "shares_clock", False) or not getattr(transport, "name", None):
             return
         self._bell = BellListener.create(transport.name)
         if self._bell is None:   # taken (a frontend this one displaces): tried again every stale check

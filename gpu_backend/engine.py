@@ -272,9 +272,7 @@ class Engine:
         fine_timer_slack()   # the idle back-off's 50 us sleeps, not 100+
         idle = 0
         while not stop.is_set():
-            worked = self._safe_step()
-            self._ring_bell()
-            if worked:
+            if self._safe_step():
                 idle = 0
             else:
                 # 50 us sleeps for the first idle_fine_polls (a closed-loop client's next request
@@ -285,9 +283,7 @@ class Engine:
         self.admitting = False
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.has_work() and time.monotonic() < deadline:
-            worked = self._safe_step()
-            self._ring_bell()
-            if not worked:
+            if not self._safe_step():
                 time.sleep(0.0005)
         self.abort_all(ErrorCode.BACKEND_SHUTDOWN)
         self._ring_bell()
@@ -302,7 +298,8 @@ class Engine:
 
     def _safe_step(self) -> bool:
         """step(), with a last-resort net: an engine bug ends the requests in flight with
-        ERROR/INTERNAL and starts over from a clean pool instead of killing the daemon."""
+        ERROR/INTERNAL and starts over from a clean pool instead of killing the daemon. Either
+        way the doorbell rings after it when the step wrote tokens or ended slots."""
         try:
             return self.step()
         except Exception:
@@ -315,3 +312,5 @@ class Engine:
             self.owned.clear()
             self.scheduler.reset()
             return True
+        finally:
+            self._ring_bell()

@@ -68,10 +68,7 @@ class PagedBatch:
         for start, n, table in chunks:
             if (start + n + block_size - 1) // block_size > len(table):     # the kernels trust the tables
                 raise ValueError(f"positions {start}..{start + n - 1} outside a {len(table)}-block table")
-            if n == 1:
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:
-                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         dec = chunks[:num_decode]
         max_blocks = max((len(t) for _, _, t in dec), default=0)
         tables = np.zeros((num_decode, max_blocks), np.int64)                          # [Bd, max_blocks]
