@@ -17,7 +17,8 @@
 //   cos/sin [T, D]               HF rotate_half convention, in the model dtype
 // Rounding follows the PyTorch ops these replace, step by step (every bf16 op rounds its
 // result), so the kernel path and the PyTorch path agree to the last bit in all but rare
-// reduction-order cases. Attention accumulates in float32 and rounds once.
+// reduction-order cases. Attention accumulates in float32 and rounds once (with bf16 hardware dot
+// products, P . V multiplies P rounded to bf16, as PyTorch's bf16 matmul and GPU flash attention do).
 //
 // Threads: OpenMP over rows / (sequence, kv head) pairs with the caller's thread count; the
 // process shares PyTorch's libgomp (same soname), so there is one OpenMP runtime.
@@ -195,19 +196,86 @@ static inline void dot4_bf16(const uint16_t* q, const uint16_t* k, float scale, 
 #endif
 }
 
-// The next block of the table lives elsewhere in the pool, where the hardware prefetcher
-// (which follows addresses, not tables) cannot guess it: ask for its lines ahead of use.
+// A row's K and V blocks live wherever the table puts them, and a decode step reaches them cold
+// (the step's ~100 MB of weights streamed through the caches since the last step): waiting on
+// them one block at a time leaves the memory bus idle. So a (row, kv head) item asks for its
+// first kPrefetchBlocks blocks of K and of V into L2 when it starts, and for block blk + that
+// while its scores reach block blk: by the time the scores and P . V need a block it is near.
+#ifndef BLINK_PF_BLOCKS
+#define BLINK_PF_BLOCKS 4
+#endif
+constexpr int64_t kPrefetchBlocks = BLINK_PF_BLOCKS;
+
 static inline void prefetch_block(const void* p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
-// At block `blk` (positions t0..) of a table walk: blocks 1 and 2 when starting, else blk + 2.
-static inline void prefetch_ahead(const void* base, const int64_t* table, int64_t blk, int64_t t0, int64_t len,
-                                  int64_t bs, int64_t row_bytes) {
-    const char* b = static_cast<const char*>(base);
-    if (blk == 0 && bs < len) prefetch_block(b + table[1] * bs * row_bytes, bs * row_bytes);
-    if (t0 + 2 * bs < len) prefetch_block(b + table[blk + 2] * bs * row_bytes, bs * row_bytes);
+// Block blk's K and V (blk < 0: the first window, at the item's start).
+static inline void prefetch_kv(const void* kbase, const void* vbase, const int64_t* table, int64_t blk,
+                               int64_t blocks, int64_t block_bytes) {
+    const int64_t from = blk < 0 ? 0 : blk + kPrefetchBlocks;
+    const int64_t to = blk < 0 ? (blocks < kPrefetchBlocks ? blocks : kPrefetchBlocks) : (from < blocks ? from + 1 : 0);
+    for (int64_t i = from; i < to; ++i) {
+        prefetch_block(static_cast<const char*>(kbase) + table[i] * block_bytes, block_bytes);
+        prefetch_block(static_cast<const char*>(vbase) + table[i] * block_bytes, block_bytes);
+    }
 }
+
+#if BLINK_AVX512_BF16
+// o[j] = sum_t p[j][t] v[t] for heads j < group of one (row, kv head) item, on vdpbf16ps: two
+// positions at a time, their V rows interleaved as bf16 pairs (unpacklo/hi_epi16) against the
+// pair (p[t], p[t+1]) broadcast, so one instruction takes two positions of 16 dimensions and no V
+// row is converted to float32. P is rounded to bf16 first (pb), as GPU flash attention and
+// PyTorch's bf16 matmul do; the sums stay float32. Up to 256 / DC heads share each pass over V
+// (their accumulators stay in registers: 16 zmm), so the positions feed independent chains.
+// The interleave permutes dimensions within each 128-bit lane (lo: 0-3 of the lane's 8, hi: 4-7);
+// the stores put them back.
+template <int DC>
+static inline void pv_bf16(const uint16_t* pb, int64_t len, const uint16_t* vbase, const int64_t* table, int64_t bs,
+                           int64_t group, float* acc_out) {
+    constexpr int V = DC / 32;                    // zmm of bf16 per V row
+    constexpr int HC = DC <= 256 ? 256 / DC : 1;  // heads per pass
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t j0 = 0; j0 < group; j0 += HC) {
+        const int hc = int(group - j0 < HC ? group - j0 : HC);
+        __m512 lo[HC][V], hi[HC][V];
+        for (int h = 0; h < HC; ++h)
+            for (int v = 0; v < V; ++v) lo[h][v] = hi[h][v] = _mm512_setzero_ps();
+        for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
+            const int64_t n = len - t0 < bs ? len - t0 : bs;
+            const uint16_t* vb = vbase + table[blk] * bs * DC;
+            for (int64_t o = 0; o < n; o += 2) {
+                const bool pair = o + 1 < n;
+                __m512i il[V], ih[V];
+                for (int v = 0; v < V; ++v) {
+                    const __m512i r0 = _mm512_loadu_si512(vb + o * DC + 32 * v);
+                    const __m512i r1 = pair ? _mm512_loadu_si512(vb + (o + 1) * DC + 32 * v) : zero;
+                    il[v] = _mm512_unpacklo_epi16(r0, r1);
+                    ih[v] = _mm512_unpackhi_epi16(r0, r1);
+                }
+                for (int h = 0; h < HC; ++h) {
+                    if (h >= hc) break;
+                    const uint16_t* pj = pb + (j0 + h) * len + t0 + o;
+                    const uint32_t pp = uint32_t(pj[0]) | (pair ? uint32_t(pj[1]) << 16 : 0u);
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp));
+                    for (int v = 0; v < V; ++v) {
+                        lo[h][v] = _mm512_dpbf16_ps(lo[h][v], pv, (__m512bh)il[v]);
+                        hi[h][v] = _mm512_dpbf16_ps(hi[h][v], pv, (__m512bh)ih[v]);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < hc; ++h)
+            for (int v = 0; v < V; ++v) {      // lanes [lo.L0 lo.L1 hi.L0 hi.L1] -> [lo.L0 hi.L0 lo.L1 hi.L1]
+                const __m512 a = _mm512_shuffle_f32x4(lo[h][v], hi[h][v], 0x44);
+                const __m512 b = _mm512_shuffle_f32x4(lo[h][v], hi[h][v], 0xee);
+                float* out = acc_out + (j0 + h) * DC + 32 * v;
+                _mm512_storeu_ps(out, _mm512_shuffle_f32x4(a, a, 0xd8));
+                _mm512_storeu_ps(out + 16, _mm512_shuffle_f32x4(b, b, 0xd8));
+            }
+    }
+}
+#endif
 
 // One query row at a time: o[b, h] = softmax(q[b, h] . K^T * scale) V over the first
 // context_lens[b] cached positions of row b's sequence, found through block table
@@ -226,6 +294,7 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
     const int64_t pool_slots = num_blocks * bs;
     {
         std::vector<float> qf, scores, acc, row;
+        std::vector<uint16_t> pb;           // P in bf16 (the hardware-dot path)
         #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < batch * kv_heads; ++w) {
             const int64_t b = w / kv_heads, g = w % kv_heads;
@@ -243,11 +312,13 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
             const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks;
             const typename P::T* kbase = kc + g * pool_slots * d;
             const typename P::T* vbase = vc + g * pool_slots * d;
+            const int64_t blocks = (len + bs - 1) / bs;
+            prefetch_kv(kbase, vbase, table, -1, blocks, bs * d * int64_t(sizeof(typename P::T)));
             // Block by block through the table: no division per position.
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
                 const typename P::T* kb = kbase + table[blk] * bs * d;
-                prefetch_ahead(kbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
+                prefetch_kv(kbase, vbase, table, blk, blocks, bs * d * int64_t(sizeof(typename P::T)));
                 int64_t o = 0;
                 if constexpr (kHardwareDot<P, DC>) {
                     for (; o + 4 <= n; o += 4)
@@ -284,15 +355,25 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                     sum += sj[t];
                 }
                 const float inv = sum > 0.f ? 1.f / sum : 0.f;
-                for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+                if constexpr (kHardwareDot<P, DC>) {      // P . V on bf16 pairs: P rounded once
+                    pb.resize(group * len);
+                    uint16_t* pj = pb.data() + j * len;
+                    for (int64_t t = 0; t < len; ++t) pj[t] = BF16::store(sj[t] * inv);
+                } else {
+                    for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+                }
             }
+            if constexpr (kHardwareDot<P, DC>) {
+#if BLINK_AVX512_BF16
+                pv_bf16<DC>(pb.data(), len, vbase, table, bs, group, acc.data());
+#endif
+            } else
             // o = p . v, a block at a time: its rows converted once, then per query head an
             // accumulator that stays in registers across the block (a memory accumulator
             // chains every position through store-to-load forwarding: 3x slower).
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
                 const typename P::T* __restrict vb = vbase + table[blk] * bs * d;
-                prefetch_ahead(vbase, table, blk, t0, len, bs, d * sizeof(typename P::T));
                 float* __restrict vf = row.data();
                 for (int64_t i = 0; i < n * d; ++i) vf[i] = P::load(vb[i]);
                 for (int64_t j = 0; j < group; ++j) {
