@@ -4,8 +4,8 @@
 //   x [T, hidden] (the embedded tokens: the residual stream) -> first RMSNorm -> per layer:
 //     codes(normed) -> qkv blocks -> RoPE + k/v into the pool -> decode attention
 //     -> codes(attn) -> o blocks -> residual += o; RMSNorm
-//     -> codes(normed) -> gate|up blocks -> SiLU * up -> codes(act) -> down blocks
-//     -> residual += down; the next layer's RMSNorm (the final norm after the last)
+//     -> codes(normed) -> gate|up blocks -> SiLU * up + codes(act), one phase over column chunks
+//     -> down blocks -> residual += down; the next layer's RMSNorm (the final norm after the last)
 //   -> normed [T, hidden], as KernelForward's per-call loop returns it, bit for bit: the same
 //      kernels (the team bodies of kernels.cc and quant.cc) in the same order on the same data.
 //
@@ -31,7 +31,8 @@ void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc
                       const int64_t* tables, int64_t max_blocks, const int64_t* context_lens, void* o,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs,
                       float scale);
-void silu_mul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t n);
+void silu_mul_cols(bool bf16, const void* gate_up, void* out, int64_t r, int64_t c0, int64_t c1, int64_t n);
+void quantize_blocks(const void* x, int x_bf16, int64_t b0, int64_t b1, int8_t* qs, float* d, float* s);
 void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s);
 int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
                  void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa);
@@ -90,11 +91,14 @@ struct Step {
     float* s;
 };
 
-// y [T, n] = codes(x [T, k]) . W^T, segment by segment (shared codes), in the model's dtype.
-inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, void* y) {
+constexpr int64_t kQK = 32;             // values per activation-code block (quant.cc's QK)
+constexpr int64_t kSiluCols = 256;       // columns of one SiLU x up + codes item (8 code blocks)
+
+// y [T, n] = codes . W^T, segment by segment (shared codes, already in st.qs / d / s), in the
+// model's dtype.
+inline int matmul_coded(const Model& m, const Step& st, const QMat& w, void* y) {
     const int64_t t = st.tokens;
     const int bf16 = int(m.bf16);
-    blink_team::quantize_act(x, bf16, t, w.k, st.qs, st.d, st.s);
     const int64_t esize = bf16 ? 2 : 4;
     int rc = 0;
     for (int64_t i = 0; i < w.nseg; ++i) {
@@ -104,6 +108,24 @@ inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, 
                                        int(m.isa));
     }
     return rc;
+}
+
+// y = codes(x [T, k]) . W^T.
+inline int matmul(const Model& m, const Step& st, const QMat& w, const void* x, void* y) {
+    blink_team::quantize_act(x, int(m.bf16), st.tokens, w.k, st.qs, st.d, st.s);
+    return matmul_coded(m, st, w, y);
+}
+
+// SiLU(gate) x up and the product's codes, kSiluCols columns an item: both element-wise (codes per
+// 32 columns), so one row's work spreads over the team, in one phase where there were two.
+inline void silu_codes(const Model& m, const Step& st) {
+    const int64_t n = m.inter, chunks = (n + kSiluCols - 1) / kSiluCols, nb = n / kQK;
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < st.tokens * chunks; ++i) {
+        const int64_t r = i / chunks, c0 = i % chunks * kSiluCols, c1 = c0 + kSiluCols < n ? c0 + kSiluCols : n;
+        blink_team::silu_mul_cols(m.bf16 != 0, st.gate_up, st.act, r, c0, c1, n);
+        blink_team::quantize_blocks(st.act, int(m.bf16), r * nb + c0 / kQK, r * nb + c1 / kQK, st.qs, st.d, st.s);
+    }
 }
 
 }  // namespace
@@ -131,8 +153,8 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
             rc |= matmul(m, st, p.o, st.attn, st.proj);
             blink_team::add_rms_norm(bf16, st.x, st.proj, p.post_w, st.normed, t, m.hidden, float(p.post_eps));
             rc |= matmul(m, st, p.gate_up, st.normed, st.gate_up);
-            blink_team::silu_mul(bf16, st.gate_up, st.act, t, m.inter);
-            rc |= matmul(m, st, p.down, st.act, st.proj);
+            silu_codes(m, st);
+            rc |= matmul_coded(m, st, p.down, st.proj);
             blink_team::add_rms_norm(bf16, st.x, st.proj, p.next_w, st.normed, t, m.hidden, float(p.next_eps));
         }
     }

@@ -416,18 +416,21 @@ void decode_attention(const typename P::T* q, int64_t q_stride, const typename P
 
 // gate_up [rows, 2n] (gate, then up) -> out [rows, n] = dtype(silu(gate)) * up, rounded.
 template <class P>
+void silu_mul_cols(const typename P::T* gate_up, typename P::T* out, int64_t r, int64_t c0, int64_t c1, int64_t n) {
+    const typename P::T* gate = gate_up + r * 2 * n;
+    const typename P::T* up = gate + n;
+    typename P::T* y = out + r * n;
+    #pragma omp simd
+    for (int64_t i = c0; i < c1; ++i) {
+        const float x = P::load(gate[i]);
+        y[i] = P::store(P::round(x / (1.f + vexp(-x))) * P::load(up[i]));
+    }
+}
+
+template <class P>
 void silu_mul(const typename P::T* gate_up, typename P::T* out, int64_t rows, int64_t n) {
     #pragma omp for
-    for (int64_t r = 0; r < rows; ++r) {
-        const typename P::T* gate = gate_up + r * 2 * n;
-        const typename P::T* up = gate + n;
-        typename P::T* y = out + r * n;
-        #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            const float x = P::load(gate[i]);
-            y[i] = P::store(P::round(x / (1.f + vexp(-x))) * P::load(up[i]));
-        }
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_mul_cols<P>(gate_up, out, r, 0, n, n);
 }
 
 
@@ -623,6 +626,13 @@ void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc
         ::decode_attention<P>((const typename P::T*)q, q_stride, (const typename P::T*)kc,
                               (const typename P::T*)vc, tables, nullptr, max_blocks, context_lens,
                               (typename P::T*)o, batch, heads, kv_heads, d, num_blocks, bs, scale);
+    });
+}
+
+void silu_mul_cols(bool bf16, const void* gate_up, void* out, int64_t r, int64_t c0, int64_t c1, int64_t n) {
+    by_dtype(bf16, [&](auto p) {
+        using P = decltype(p);
+        ::silu_mul_cols<P>((const typename P::T*)gate_up, (typename P::T*)out, r, c0, c1, n);
     });
 }
 

@@ -210,14 +210,14 @@ float load_x(const void* x, int bf16, int64_t i) {
 }
 
 // A team body (see the C ABI's note on teams): the blocks are shared out among the team's threads.
-void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
-    const int64_t nb = K / QK;
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * nb; ++i) {
+// Blocks [b0, b1) of x's QK-value blocks (row-major over rows) -> their codes, d and d * sum.
+void quantize_blocks(const void* x, int bf16, int64_t b0, int64_t b1, int8_t* qs, float* d, float* s) {
+    for (int64_t i = b0; i < b1; ++i) {
         float v[QK], amax = 0.f;
         for (int j = 0; j < QK; ++j) {
             v[j] = load_x(x, bf16, i * QK + j);
-            amax = std::fmax(amax, std::fabs(v[j]));
+            const float a = std::fabs(v[j]);
+            amax = a > amax ? a : amax;                          // fmax without its call: NaN skipped alike
         }
         const float id = amax > 0.f ? 127.f / amax : 0.f;
         int sum = 0;
@@ -229,6 +229,12 @@ void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, flo
         d[i] = amax / 127.f;
         s[i] = d[i] * float(sum);
     }
+}
+
+void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
+    const int64_t nb = K / QK;
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * nb; ++i) quantize_blocks(x, bf16, i, i + 1, qs, d, s);
 }
 
 struct Act {                 // quantized activations, row-major over blocks
@@ -1029,6 +1035,10 @@ extern "C" void blink_quantize_act(const void* x, int x_bf16, int64_t M, int64_t
 namespace blink_team {
 void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
     ::quantize_act(x, x_bf16, M, K, qs, d, s);
+}
+
+void quantize_blocks(const void* x, int x_bf16, int64_t b0, int64_t b1, int8_t* qs, float* d, float* s) {
+    ::quantize_blocks(x, x_bf16, b0, b1, qs, d, s);
 }
 
 int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
