@@ -209,28 +209,81 @@ float load_x(const void* x, int bf16, int64_t i) {
     return f;
 }
 
-// A team body (see the C ABI's note on teams): the blocks are shared out among the team's threads.
+// One block of QK values -> its int8 codes (round half to even, within +-127), d = amax / 127
+// and s = d * the codes' sum, as ggml's q8_1. Scalar reference:
+static inline void quantize_block_scalar(const void* x, int bf16, int64_t i, int8_t* qs, float* d, float* s) {
+    float v[QK], amax = 0.f;
+    for (int j = 0; j < QK; ++j) {
+        v[j] = load_x(x, bf16, i * QK + j);
+        const float a = std::fabs(v[j]);
+        amax = a > amax ? a : amax;                          // fmax without its call: NaN skipped alike
+    }
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+        const int q = int(std::nearbyint(v[j] * id));        // round half to even, as vroundps
+        qs[i * QK + j] = int8_t(q < -127 ? -127 : (q > 127 ? 127 : q));
+        sum += qs[i * QK + j];
+    }
+    d[i] = amax / 127.f;
+    s[i] = d[i] * float(sum);
+}
+
+#if BLINK_Q_AVX2
+// The same block on 4 ymm, the same bits for finite values: the product v * id in float32, then
+// vcvtps2dq in the default rounding mode (to nearest, ties to even, as nearbyint), max / min as
+// the clamp, and the codes packed to int8 as ggml's quantize_row_q8_0 does. The scalar loop took
+// ~10% of a decode step at 8-16 rows (34 ns a block).
+static inline void quantize_block_avx2(const void* x, int bf16, int64_t i, int8_t* qs, float* d, float* s) {
+    __m256 v[4];
+    if (bf16) {
+        const uint16_t* p = static_cast<const uint16_t*>(x) + i * QK;
+        for (int k = 0; k < 4; ++k)
+            v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * k))), 16));
+    } else {
+        const float* p = static_cast<const float*>(x) + i * QK;
+        for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(p + 8 * k);
+    }
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    // max(a, m) keeps m where a is NaN, as the scalar loop skips NaNs
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);
+    __m128 h = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k)
+        q[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid)), hi), lo);
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    // packs interleave the 128-bit lanes; the permute puts the 32 codes back in order
+    const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i codes = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + i * QK), codes);
+    d[i] = amax / 127.f;
+    s[i] = d[i] * float(_mm_cvtsi128_si32(s4));
+}
+#endif
+
 // Blocks [b0, b1) of x's QK-value blocks (row-major over rows) -> their codes, d and d * sum.
 void quantize_blocks(const void* x, int bf16, int64_t b0, int64_t b1, int8_t* qs, float* d, float* s) {
     for (int64_t i = b0; i < b1; ++i) {
-        float v[QK], amax = 0.f;
-        for (int j = 0; j < QK; ++j) {
-            v[j] = load_x(x, bf16, i * QK + j);
-            const float a = std::fabs(v[j]);
-            amax = a > amax ? a : amax;                          // fmax without its call: NaN skipped alike
-        }
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int j = 0; j < QK; ++j) {
-            const int q = int(std::nearbyint(v[j] * id));        // round half to even, as vroundps
-            qs[i * QK + j] = int8_t(q < -127 ? -127 : (q > 127 ? 127 : q));
-            sum += qs[i * QK + j];
-        }
-        d[i] = amax / 127.f;
-        s[i] = d[i] * float(sum);
+#if BLINK_Q_AVX2
+        quantize_block_avx2(x, bf16, i, qs, d, s);
+#else
+        quantize_block_scalar(x, bf16, i, qs, d, s);
+#endif
     }
 }
 
+// A team body (see the C ABI's note on teams): the blocks are shared out among the team's threads.
 void quantize_act(const void* x, int bf16, int64_t M, int64_t K, int8_t* qs, float* d, float* s) {
     const int64_t nb = K / QK;
     #pragma omp for schedule(static)

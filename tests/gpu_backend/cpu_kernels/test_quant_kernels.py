@@ -55,6 +55,27 @@ def test_activation_codes_are_within_half_a_step_and_carry_their_sums():
     assert (bf16_codes.int() - KERNELS.quantize_activations(x.bfloat16().float())[0].int()).abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_codes_are_exactly_the_float32_rounding_of_x_over_its_step(dtype):
+    """Bit for bit what every path (scalar, the AVX2 block quantizer) must give: codes =
+    round-half-even(x * float32(127 / amax)) within +-127, d = amax / 127, s = d * sum(codes),
+    ties included (a block whose amax is 127 scales by exactly 1: 2.5 -> 2, -3.5 -> -4)."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 1536, generator=g) * torch.logspace(-3, 2, 7)[:, None]).to(dtype)
+    x[0, :32] = torch.tensor([127.0] + [v + 0.5 for v in range(-15, 16)]).to(dtype)
+    x[1, :32] = 0.0
+    qs, d, s = KERNELS.quantize_activations(x)
+    v = x.float().numpy().reshape(7, -1, 32)
+    amax = np.abs(v).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    want = np.clip(np.rint((v * inv).astype(np.float32)), -127, 127).astype(np.int8).reshape(7, -1)
+    assert np.array_equal(qs.numpy(), want)
+    want_d = (amax[..., 0] / np.float32(127)).astype(np.float32)
+    assert np.array_equal(d.numpy(), want_d)
+    assert np.array_equal(s.numpy(), (want_d * want.reshape(7, -1, 32).sum(-1).astype(np.float32)).astype(np.float32))
+    assert list(qs[0, 1:5]) == [-14, -14, -12, -12]                  # -14.5 -> -14, -13.5 -> -14, ...
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 37])
