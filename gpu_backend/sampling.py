@@ -79,7 +79,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     seqs[i].step_logprobs set for the sequences that ask for logprobs (None for the others)."""
     raw = logits.float()
     x = logits_processors.apply(raw, seqs)
-    picks = x.argmax(dim=-1)             # [N]
+    picks = argmax_rows(x)               # [N]
     out = picks.tolist()                 # host sync: tokens go to the ring
     rows = [i for i, s in enumerate(seqs) if s.params.temperature >= MIN_TEMPERATURE]
     if rows:
@@ -98,6 +98,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     for i in nan_rows(raw, picks if x is raw else None):
         out[i] = -1                      # NaN logits: no token; the engine ends this request alone
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, vocab] -> each row's argmax, int64 [N]: a row's first maximum, and its first NaN where it
+    holds one (nan_rows relies on that), as torch.argmax. For float32 on the CPU numpy's, whose SIMD
+    loop takes ~3 us over SmolLM2's 49152 logits where torch's reduction takes ~45 us (~1% of a
+    1-row decode step)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def nan_rows(raw: torch.Tensor, picks: torch.Tensor | None = None) -> list[int]:

@@ -1,7 +1,7 @@
 """sampling: temperature / top-k / top-p filters and per-request generators."""
 import torch
 
-from gpu_backend.sampling import draw, filter_logits, sample
+from gpu_backend.sampling import argmax_rows, draw, filter_logits, sample
 from gpu_backend.scheduler.sequence import SamplingParams, Sequence
 
 
@@ -90,3 +90,18 @@ def test_nan_rows_from_the_argmax_match_the_full_check():
     logits[1, 10] = float("nan")
     out = sample(logits, [seq(), seq(), seq()])
     assert out[1] == -1 and [out[0], out[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
+
+
+def test_argmax_rows_is_torch_argmax_first_maximum_and_first_nan():
+    """The numpy row argmax the CPU sampler takes returns what torch.argmax does: a row's first
+    maximum on ties, its first NaN where it has one (nan_rows reads the pick), strided rows too."""
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    x[1, 40] = x[1, 250] = float("nan")
+    x[2] = 1.0                                        # all tied: the first
+    x[3, 7] = x[3, 9] = float("inf")
+    with torch.inference_mode():
+        for rows in (x, x[:, ::3], x.clone().requires_grad_(False)[:, 10:]):
+            got = argmax_rows(rows)
+            assert got.dtype == torch.int64 and got.tolist() == rows.argmax(dim=-1).tolist()
+    assert argmax_rows(x)[1] == 40 and argmax_rows(x)[2] == 0 and argmax_rows(x)[3] == 7
+    assert argmax_rows(x.double()).tolist() == x.double().argmax(dim=-1).tolist()     # torch's own path
