@@ -262,21 +262,16 @@ static inline void pv_f32(const float*, int64_t, const float*, const int64_t*, i
 // them one block at a time leaves the memory bus idle. So a (row, kv head) item asks for its
 // first kPrefetchBlocks blocks of K and of V into L2 when it starts, and for block blk + that
 // while its scores reach block blk: by the time the scores and P . V need a block it is near.
-#ifndef BLINK_PF_BLOCKS
-#define BLINK_PF_BLOCKS 4
-#endif
-constexpr int64_t kPrefetchBlocks = BLINK_PF_BLOCKS;
+constexpr int64_t kPrefetchBlocks = 4;     // 8, 16 and 64 measured slower (the prefetches queue)
 
 static inline void prefetch_block(const void* p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
-// Block blk's K and V (blk < 0: the first window, at the item's start).
-static inline void prefetch_kv(const void* kbase, const void* vbase, const int64_t* table, int64_t blk,
+// K and V of the table's blocks [from, min(to, blocks)).
+static inline void prefetch_kv(const void* kbase, const void* vbase, const int64_t* table, int64_t from, int64_t to,
                                int64_t blocks, int64_t block_bytes) {
-    const int64_t from = blk < 0 ? 0 : blk + kPrefetchBlocks;
-    const int64_t to = blk < 0 ? (blocks < kPrefetchBlocks ? blocks : kPrefetchBlocks) : (from < blocks ? from + 1 : 0);
-    for (int64_t i = from; i < to; ++i) {
+    for (int64_t i = from; i < to && i < blocks; ++i) {
         prefetch_block(static_cast<const char*>(kbase) + table[i] * block_bytes, block_bytes);
         prefetch_block(static_cast<const char*>(vbase) + table[i] * block_bytes, block_bytes);
     }
@@ -374,12 +369,13 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
             const typename P::T* kbase = kc + g * pool_slots * d;
             const typename P::T* vbase = vc + g * pool_slots * d;
             const int64_t blocks = (len + bs - 1) / bs;
-            prefetch_kv(kbase, vbase, table, -1, blocks, bs * d * int64_t(sizeof(typename P::T)));
+            const int64_t block_bytes = bs * d * int64_t(sizeof(typename P::T));
+            prefetch_kv(kbase, vbase, table, 0, kPrefetchBlocks, blocks, block_bytes);
             // Block by block through the table: no division per position.
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
                 const typename P::T* kb = kbase + table[blk] * bs * d;
-                prefetch_kv(kbase, vbase, table, blk, blocks, bs * d * int64_t(sizeof(typename P::T)));
+                prefetch_kv(kbase, vbase, table, blk + kPrefetchBlocks, blk + kPrefetchBlocks + 1, blocks, block_bytes);
                 int64_t o = 0;
                 if constexpr (kHardwareDot<P, DC>) {
                     for (; o + 4 <= n; o += 4)
@@ -409,6 +405,7 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                     }
                 }
             }
+            if constexpr (kHardwareDot<P, DC>) pb.resize(group * len);
             for (int64_t j = 0; j < group; ++j) {        // softmax over the context
                 float* sj = scores.data() + j * len;
                 float mx = -INFINITY;
@@ -422,7 +419,6 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                 }
                 const float inv = sum > 0.f ? 1.f / sum : 0.f;
                 if constexpr (kHardwareDot<P, DC>) {      // P . V on bf16 pairs: P rounded once
-                    pb.resize(group * len);
                     uint16_t* pj = pb.data() + j * len;
                     for (int64_t t = 0; t < len; ++t) pj[t] = BF16::store(sj[t] * inv);
                 } else {
