@@ -84,7 +84,9 @@ run_call() {    # run_call NAME: every stage of one call of the plan
         eval "cmd=($argv)"
         [ "${cmd[0]}" = python3 ] && cmd[0]="$PY"      # the plan says python3: the image's, or $PYTHON
         if [ -n "${GPU_CHECK_DRY:-}" ]; then    # the rehearsal: runner, files and collection, no GPU
-            if [[ $flags == *pytest* ]]; then cmd+=(--collect-only -q); else cmd=(true); fi
+            if [[ $flags == *pytest* ]]; then cmd+=(--collect-only -q)
+            elif [[ $flags == *dry_cpu* ]]; then cmd+=(--device cpu --quick)    # its CPU twin, the same code
+            else cmd=(true); fi
         fi
         run_stage "$call" "$name" "$budget" "$flags" "${cmd[@]}"
     done <<< "$lines"

@@ -82,6 +82,7 @@ class Stage:
     pytest: bool = False      # a pytest run: junit file <call>-<stage>.xml, verdict from it
     may_skip: bool = False    # all-skipped is no failure (real weights before their parts arrived)
     outputs: tuple[str, ...] = ()   # files it writes into $OUT besides its junit file
+    dry_cpu: bool = False     # the rehearsal runs it on the CPU (argv + --device cpu --quick) instead of skipping it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,19 +156,25 @@ SAMPLER_T = "tests/gpu_backend/graphs/test_sampler_gpu.py"
 AUTOMATON_T = "tests/gpu_backend/cuda/test_automaton_twin.py"
 SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
 GGUF_COLLECT = Stage("gguf", 5, 40, (PY, "scripts/gguf_parts.py", "collect"))
+BENCH_SCHED = Stage("bench_sched", 30, 90, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
+                    outputs=("*-cuda_scheduler.json", "*-cuda_scheduler.md"))
 
 # Three calls, back to back, each carrying one part of the GGUF. Expected times are about twice what each
 # stage took on the first lent machine (NVIDIA H200, 2026-11-26: bench/results/2026-11-26-h200-gpu-check):
 # probe 0 s, build 7, sched_smoke 3, graph_smoke 9, sched 3, echo_10k 12, graphs_inproc 33, agreement 47,
 # frontend_1000 45, real_weights 25, bench_sched ~15, bench_graphs ~85 (~130 with its all_cores condition,
-# added after that run: 1.5x that here).
+# added after that run: 1.5x that here); step_profile (added after it, not yet run on a GPU: an estimate) is ~10 s on a CPU
+# with --quick. The H200 run answered tensorrt (not installed), so that stage gave its place to step_profile;
+# bench_sched moved into the first call, since the scheduler changed after that run (timed even on a short
+# lease), and echo_10k into the third (it passed there).
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
          "through many tail-launch windows from a host-mapped ring and from device memory; one model graph "
          "captures, instantiates for device launch and serves greedy tokens that agree with the CPU (near-tie "
          "rule); scheduler correctness: >= 5 roll-overs of the default window under load, the CPU engine's and "
-         "the Python policies' exact results, cancel / stale epoch / abort, 10,000 echo requests through the "
-         "daemon and the real RingClient over 4096 slots",
+         "the Python policies' exact results, cancel / stale epoch / abort; control-plane costs (scan, device "
+         "vs host launch, tail relaunch, scheduler overhead per step by phase: goal <= 5 us), measured first "
+         "because the scheduler changed after the last lent run and a short lease should still time it",
          (Stage("probe", 10, 40, (PY, "-m", "gpu_backend.cuda.probe")),
           GGUF_COLLECT,
           Stage("build", 30, 120, (PY, "-c", "from gpu_backend.cuda import build; "
@@ -176,7 +183,7 @@ CALLS: tuple[Call, ...] = (
           Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
           Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale"), pytest=True),
-          Stage("echo_10k", 30, 100, _pytest(CUDA_T, k="10k_requests"), pytest=True)),
+          BENCH_SCHED),
          gguf_part=1),
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "
          "rule) through preemption and split rows, seeded sampling reproduces; the in-graph sampling surface "
@@ -185,26 +192,28 @@ CALLS: tuple[Call, ...] = (
          "structured outputs (token automata) are masked and stepped on the device; through daemons and the "
          "real RingClient on SmolLM2's shape, cuda, cuda-hostloop and the CPU executor agree (near-tie rule) "
          "and seeded sampling reproduces; 1,000 requests with mixed lengths, seeds and cancellations through "
-         "the frontend's RingClient and the cuda daemon: nothing lost; whether TensorRT imports there",
+         "the frontend's RingClient and the cuda daemon: nothing lost; where a step graph's time goes, shape "
+         "by shape (forward, logits, sampling; one captured replay; the largest decode shape's top kernels): "
+         "the time the Fig. 3 ratio sets the host loop's per-step overhead against",
          (GGUF_COLLECT,
-          Stage("graphs_inproc", 70, 150, _pytest(GRAPH_T, SAMPLER_T, AUTOMATON_T,
+          Stage("graphs_inproc", 70, 130, _pytest(GRAPH_T, SAMPLER_T, AUTOMATON_T,
                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu "
                                                     "or structured_outputs_on_the_device"),
                 pytest=True),
-          Stage("agreement", 95, 160, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
+          Stage("agreement", 95, 150, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
           Stage("frontend_1000", 90, 160, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
-          Stage("tensorrt", 5, 30, (PY, "-m", "gpu_backend.graphs.tensorrt"))),
+          Stage("step_profile", 15, 60, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
+                outputs=("*-cuda_step_profile.json", "*-cuda_step_profile.md"), dry_cpu=True)),
          gguf_part=2),
     Call("bench", "the real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy "
-         "tokens on the cuda daemon; control-plane costs (scan, device vs host launch, tail relaunch, scheduler "
-         "overhead per step by phase: goal <= 5 us) and the paper's Fig. 3 A/B on SmolLM2 shapes with seeded "
+         "tokens on the cuda daemon; 10,000 echo requests through the daemon and the real RingClient over 4096 "
+         "slots; the paper's Fig. 3 A/B on SmolLM2 shapes with seeded "
          "random weights made on the device (host-loop / persistent makespan, goal >= 1.7x), isolated and with "
          "every host core but the daemon's busy and with every one busy, the daemon's too (persistent >= 0.97x of "
          "isolated; the host loop's own figure), NVML energy per token",
          (GGUF_COLLECT,
           Stage("real_weights", 50, 100, _pytest(REAL_T), pytest=True, may_skip=True),
-          Stage("bench_sched", 30, 90, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
-                outputs=("*-cuda_scheduler.json", "*-cuda_scheduler.md")),
+          Stage("echo_10k", 30, 100, _pytest(CUDA_T, k="10k_requests"), pytest=True),
           Stage("bench_graphs", 200, 320, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
                                            "--repeats", "1", "--buckets", SMOL_BUCKETS),
                 outputs=("*-cuda_graphs.json", "*-cuda_graphs.md"))),
@@ -360,7 +369,8 @@ def main(argv: list[str]) -> int:
     if cmd == "stages":       # stages CALL OUT -> NAME \t BUDGET \t FLAGS \t shell-quoted argv, one a line
         c, out = call(argv[1]), argv[2]
         for s in c.stages:
-            flags = ",".join(f for f, on in (("pytest", s.pytest), ("may_skip", s.may_skip)) if on) or "-"
+            flags = ",".join(f for f, on in (("pytest", s.pytest), ("may_skip", s.may_skip), ("dry_cpu", s.dry_cpu))
+                             if on) or "-"
             print(f"{s.name}\t{s.budget_s}\t{flags}\t{shlex.join(stage_argv(c, s, out))}")
         return 0
     if cmd == "calls":

@@ -71,22 +71,24 @@ def test_stage_lines_are_what_the_runner_reads():
 
 
 def test_benchmark_outputs_are_the_declared_files():
+    """Each benchmark stage's files, named as the benchmark names them on either card, are declared
+    by the call that runs it, and the stage writes them into $OUT."""
     import fnmatch
 
-    from bench import cuda_graphs, cuda_scheduler
-    bench = plan.call("bench")
+    from bench import cuda_graphs, cuda_scheduler, cuda_step_profile
     from bench.machine_label import machine_label
-    written = []
-    for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
-        m = machine_label("auto", card)
-        written += [f"{cuda_scheduler.DATE}-{m}-cuda_scheduler.json", f"{cuda_scheduler.DATE}-{m}-cuda_scheduler.md",
-                    f"{cuda_graphs.DATE}-{m}-cuda_graphs.json", f"{cuda_graphs.DATE}-{m}-cuda_graphs.md"]
-    declared = bench.out_files()
-    assert all(any(fnmatch.fnmatch(w, d) for d in declared) for w in written)
-    assert all(plan.check_out_name(w) is None for w in written)
-    benches = [s for s in bench.stages if s.outputs]
-    assert len(benches) == 2
-    assert all(("--out", "{out}") == s.argv[s.argv.index("--out"):s.argv.index("--out") + 2] for s in benches)
+    names = {"bench.cuda_scheduler": (cuda_scheduler.DATE, "cuda_scheduler"),
+             "bench.cuda_graphs": (cuda_graphs.DATE, "cuda_graphs"),
+             "bench.cuda_step_profile": (cuda_step_profile.DATE, "cuda_step_profile")}
+    benches = [(c, s) for c in plan.CALLS for s in c.stages if s.outputs]
+    assert sorted(s.argv[2] for _, s in benches) == sorted(names)
+    for c, s in benches:
+        date, stem = names[s.argv[2]]
+        written = [f"{date}-{machine_label('auto', card)}-{stem}.{ext}"
+                   for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for ext in ("json", "md")]
+        assert all(any(fnmatch.fnmatch(w, d) for d in c.out_files()) for w in written), (c.name, written)
+        assert all(plan.check_out_name(w) is None for w in written)
+        assert ("--out", "{out}") == s.argv[s.argv.index("--out"):s.argv.index("--out") + 2]
 
 
 def test_plan_prints_in_seconds():

@@ -1,0 +1,285 @@
+"""Where a step graph's time goes, shape by shape (issue 17: the Fig. 3 ratio is the host loop's
+per-step overhead against this time, so it is the number that decides it).
+
+    model (random:smollm2 by default: SmolLM2's shape, seeded random weights made where it runs)
+      + the graph cache's pieces for the chosen shapes: BucketTable, CapturePlan (attention row
+        groups), GraphKVPool, StaticBuffers, StepFunction (the code every step graph captures)
+      -> per shape (rows x len, ctx): the static buffers staged as a full step of that shape
+         would be (every row at the whole context: positions, distinct KV blocks, slot mapping,
+         greedy rows on the sink seat), then
+           parts (eager, synchronised, median of --runs): forward (embedding, layers with the
+             paged attention, final norm), logits (the head over each row's last token), sample
+             (sampler.sample_step: processors, filtering, draw, logprobs)
+           step (eager): StepFunction.run, what one graph replays
+           graph (CUDA only): torch.cuda.CUDAGraph of StepFunction.run replayed --runs times,
+             CUDA events: the device's own time of a step, no launch or scheduler in it
+      -> profile of one shape (--profile, default the largest decode shape): torch.profiler over
+         3 eager steps, the 15 largest operators by device time (CPU time on a CPU) and the
+         kernels a step launches
+      -> OUT/<date>-<machine>-cuda_step_profile.json + .md
+
+    python -m bench.cuda_step_profile [--out DIR] [--decode 1x256,128x1024] [--prefill 16x128x512]
+    python -m bench.cuda_step_profile --device cpu --quick     (the rehearsal's run, and CI's)
+
+On a CPU the same code runs eagerly (no graph column): that is how CI checks this script before a
+GPU ever runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+
+from .machine_label import machine_label
+
+DATE = time.strftime("%Y-%m-%d", time.gmtime())
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BLOCK = 16
+# bench.cuda_graphs' conditions: its buckets put 1-64 running rows on the 1 / 8 / 32 / 128-row
+# decode graphs at ctx 256, and contexts past 256 on the max context (--max-model-len 1024)
+DECODE = "1x256,8x256,32x256,128x256,64x1024,128x1024"
+PREFILL = "1x128x512,16x128x512"
+QUICK_DECODE, QUICK_PREFILL = "1x64,4x128", "2x32x64"
+TOP = 15
+
+
+def parse_shapes(text: str, kind: str) -> list[tuple[int, int, int]]:
+    """"RxC,..." (decode) or "RxSxC,..." (prefill) -> [(rows, len, ctx)]; ctx rounded up to whole blocks."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split("x")
+        want = 2 if kind == "decode" else 3
+        if len(parts) != want or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"bench.cuda_step_profile: bad {kind} shape {item!r} "
+                             f"({'RxC' if kind == 'decode' else 'RxSxC'}, positive integers)")
+        r, s, c = (int(parts[0]), 1, int(parts[1])) if kind == "decode" else tuple(map(int, parts))
+        c = -(-c // BLOCK) * BLOCK
+        if s > c:
+            raise SystemExit(f"bench.cuda_step_profile: prefill shape {item!r}: len above its context")
+        out.append((r, s, c))
+    return out
+
+
+class Profiler:
+    """The graph cache's pieces for a set of shapes, on one device."""
+
+    def __init__(self, model, config, decode, prefill, device: str):
+        from gpu_backend.graphs.buckets import BucketConfig, BucketTable
+        from gpu_backend.graphs.plan import CapturePlan
+        from gpu_backend.graphs.step import GraphKVPool, KVShape, StaticBuffers, StepFunction
+        self.model, self.config, self.device = model, config, device
+        rows = max(r for r, _, _ in decode + prefill)
+        ctx = max(c for _, _, c in decode + prefill)
+        tokens = max([r * s for r, s, _ in prefill] or [1])
+        buckets = BucketConfig(
+            max_batch_size=max(r for r, _, _ in decode) if decode else 1, max_prefill_tokens=max(tokens, BLOCK),
+            max_model_len=ctx, block_size=BLOCK, split_len=max([s for _, s, _ in prefill] or [BLOCK]),
+            len_granularity=BLOCK, prefill_rows=tuple(sorted({r for r, _, _ in prefill})) or (1,),
+            prefill_lens=tuple(sorted({s for _, s, _ in prefill})) or (BLOCK,),
+            prefill_ctxs=tuple(sorted({c for _, _, c in prefill})) or (ctx,),
+            decode_rows=tuple(sorted({r for r, _, _ in decode})) or (1,),
+            decode_ctxs=tuple(sorted({c for _, _, c in decode})) or (ctx,))
+        self.table = BucketTable(buckets)
+        by_key = {(g.kind, g.rows, g.len, g.ctx): g for g in self.table.shapes}
+        from gpu_backend.graphs.buckets import KIND_DECODE, KIND_PREFILL
+        self.shapes = [by_key[(KIND_DECODE, *k)] for k in decode] + [by_key[(KIND_PREFILL, *k)] for k in prefill]
+        self.num_blocks = rows * ctx // BLOCK                      # every row its own blocks
+        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        self.plan = CapturePlan(self.table, config, dtype_bytes=dtype_bytes)
+        self.pool = GraphKVPool(KVShape.of(config, self.num_blocks, BLOCK), model.dtype, device)
+        self.buffers = StaticBuffers(self.plan.static_sizes(), device)
+        self.step = StepFunction(model, self.pool, self.buffers, self.plan)
+        torch.manual_seed(0)
+        self.pool.k.normal_(0, 1)      # cached K/V of the contexts the rows attend over
+        self.pool.v.normal_(0, 1)
+
+    def stage(self, g) -> None:
+        """The buffers as the graph's first kernel leaves them for a step of shape g at full context."""
+        b, r, s, c = self.buffers, g.rows, g.len, g.ctx
+        per = c // BLOCK
+        tables = torch.arange(r * per, dtype=torch.int64).view(r, per)                    # [R, C/bs]
+        first = c - s                                                                      # the row's first query
+        pos = first + torch.arange(s, dtype=torch.int64).repeat(r, 1)                     # [R, S]
+        slots = tables.gather(1, pos // BLOCK) * BLOCK + pos % BLOCK                      # [R, S]
+        gen = torch.Generator().manual_seed(1)
+        b.input_ids[:r * s].copy_(torch.randint(0, self.config.vocab_size, (r * s,), generator=gen))
+        b.positions[:r * s].copy_(pos.reshape(-1))
+        b.slot_mapping[:r * s].copy_(slots.reshape(-1))
+        b.block_tables[:r * per].copy_(tables.reshape(-1))
+        b.q_lens[:r].fill_(s)
+        b.temperature[:r].zero_()                                                          # greedy
+        b.seat[:r].fill_(b.seats.sink)
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def _timed(self, fn, runs: int) -> float:
+        """Median ms of fn() over `runs` calls after one warm-up, synchronised around each."""
+        fn()
+        out = []
+        for _ in range(runs):
+            self._sync()
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(out)
+
+    @torch.inference_mode()
+    def parts(self, g, runs: int) -> dict:
+        from gpu_backend.graphs.sampler import sample_step
+        from gpu_backend.graphs.step import GraphAttention
+        b, r, s = self.buffers, g.rows, g.len
+        attn = GraphAttention(self.pool, b, g, self.plan.row_group(g))
+        last = torch.arange(r, device=self.device) * s + (b.q_lens[:r] - 1)
+        hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)
+        rows = hidden.index_select(0, last)
+        logits = self.model.compute_logits(rows)
+        return {"forward_ms": self._timed(lambda: self.model(b.input_ids[:r * s], b.positions[:r * s], attn), runs),
+                "logits_ms": self._timed(lambda: self.model.compute_logits(rows), runs),
+                "sample_ms": self._timed(lambda: sample_step(logits, b.row_params.view(r), b.seats), runs),
+                "step_ms": self._timed(lambda: self.step.run(g), runs),
+                "row_group": attn.group}
+
+    def graph_ms(self, g, runs: int) -> float | None:
+        """Median device ms of one replay of the captured step (CUDA events), or None on a CPU."""
+        if not self.device.startswith("cuda"):
+            return None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.step.run(g)               # warm-up outside the capture (cuBLAS, sort temporaries)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.step.run(g)
+        graph.replay()
+        out = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        del graph
+        torch.cuda.empty_cache()
+        return statistics.median(out)
+
+    @torch.inference_mode()
+    def profile(self, g, steps: int = 3) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+        cuda = self.device.startswith("cuda")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.step.run(g)
+        self._sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                self.step.run(g)
+            self._sync()
+        events = prof.key_averages()
+
+        def dev_us(e) -> float:
+            return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
+
+        key = dev_us if cuda else (lambda e: float(e.self_cpu_time_total))
+        top = sorted(events, key=key, reverse=True)[:TOP]
+        kernels = sum(e.count for e in events if cuda and dev_us(e) > 0 and not e.key.startswith(("aten::", "cuda")))
+        ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        return {"shape": str(g), "steps": steps, "clock": "device" if cuda else "cpu",
+                "kernels_per_step": round(kernels / steps, 1) if cuda else None,
+                "aten_ops_per_step": round(ops / steps, 1),
+                "top": [{"name": e.key[:90], "calls_per_step": round(e.count / steps, 1),
+                         "ms_per_step": round(key(e) / 1e3 / steps, 4)} for e in top]}
+
+
+def run(args) -> dict:
+    from gpu_backend.graphs.device import load_graph_model
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    decode = parse_shapes(QUICK_DECODE if args.quick and args.decode is None else args.decode or DECODE, "decode")
+    prefill = parse_shapes(QUICK_PREFILL if args.quick and args.prefill is None else
+                           (PREFILL if args.prefill is None else args.prefill), "prefill")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    t0 = time.perf_counter()
+    config, model = load_graph_model(args.model, dtype, device)
+    prof = Profiler(model, config, decode, prefill, device)
+    res = {"date": DATE, "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+           "model": args.model, "dtype": args.dtype, "runs": args.runs, "torch": torch.__version__,
+           "kv_pool_mib": round(prof.pool.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - t0, 1),
+           "shapes": []}
+    for g in prof.shapes:
+        prof.stage(g)
+        row = {"shape": str(g), "rows": g.rows, "len": g.len, "ctx": g.ctx, **prof.parts(g, args.runs)}
+        row["graph_ms"] = prof.graph_ms(g, args.runs)
+        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+        res["shapes"].append(row)
+        print(f"  {row['shape']:<28} step {row['step_ms']:9.3f} ms  graph {row['graph_ms']} ms  "
+              f"(forward {row['forward_ms']}, logits {row['logits_ms']}, sample {row['sample_ms']})", flush=True)
+    want = args.profile or str(max((g for g in prof.shapes if g.len == 1), key=lambda g: (g.rows, g.ctx),
+                                   default=prof.shapes[-1]))
+    target = next((g for g in prof.shapes if str(g) == want or f"{g.rows}x{g.ctx}" == want), None)
+    if target is None:
+        raise SystemExit(f"bench.cuda_step_profile: --profile {want!r} is not one of the shapes")
+    prof.stage(target)
+    res["profile"] = prof.profile(target)
+    return res
+
+
+def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{DATE}-{machine}-cuda_step_profile"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    p = res["profile"]
+    lines = [f"# Step graphs, shape by shape: {machine} ({res['device']})", "",
+             f"Model {res['model']} ({res['dtype']}), torch {res['torch']}, every row at its whole context, greedy; "
+             f"medians of {res['runs']} runs after a warm-up. Eager parts are synchronised around each call; "
+             f"`graph` is one replay of the captured step (CUDA events), the device's own time of a step.", "",
+             "| shape | graph ms | eager step ms | forward ms | logits ms | sample ms | attention row group |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["shapes"]:
+        lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['step_ms']} | "
+                     f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
+    lines += ["", f"Profile of {p['shape']} over {p['steps']} eager steps ({p['clock']} time): "
+              f"{p['kernels_per_step'] if p['kernels_per_step'] is not None else '-'} kernels, "
+              f"{p['aten_ops_per_step']} aten operators a step (nested ones included).", "",
+              "| operator | calls a step | ms a step |", "|---|---|---|"]
+    lines += [f"| `{t['name']}` | {t['calls_per_step']} | {t['ms_per_step']} |" for t in p["top"]]
+    lines += ["", "Reproduce: `python -m bench.cuda_step_profile` (on a CPU: `--device cpu --quick`)."]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--machine", default="auto", help="result files' label; auto: the card's model, or cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
+    ap.add_argument("--model", default="random:smollm2")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda where there is one)")
+    ap.add_argument("--decode", default=None, help=f"decode shapes RxC (default {DECODE})")
+    ap.add_argument("--prefill", default=None, help=f"prefill shapes RxSxC (default {PREFILL}; '' for none)")
+    ap.add_argument("--profile", default=None, help="the shape to profile (its printed name, or RxC of a decode "
+                                                    "shape); default the largest decode shape")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}), 3 runs")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.runs = min(args.runs, 3)
+    res = run(args)
+    machine = "cpu" if args.machine == "auto" and res["device"] == "cpu" else machine_label(args.machine, res["device"])
+    stem = write_results(res, pathlib.Path(args.out), machine)
+    print(stem.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
