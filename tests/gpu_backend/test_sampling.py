@@ -86,6 +86,9 @@ def test_nan_rows_from_the_argmax_match_the_full_check():
         x[5, 0] = x[5, 100] = float("nan")        # two
         want = [1, 3, 4, 5]
         assert nan_rows(x) == want and nan_rows(x, x.argmax(dim=-1)) == want
+        assert nan_rows(x, argmax_rows(x)) == want
+        strided = x[::2, 3:]                                  # rows 0, 2, 4: only row 4's NaN is in it
+        assert nan_rows(strided, argmax_rows(strided)) == [2] == nan_rows(strided)
     logits = torch.randn(3, 50, generator=g)
     logits[1, 10] = float("nan")
     out = sample(logits, [seq(), seq(), seq()])

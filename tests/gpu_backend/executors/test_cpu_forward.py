@@ -164,3 +164,23 @@ def test_not_applicable_where_the_kernels_do_not_cover_the_model():
     assert not KernelForward.applicable(prepare_model(unfused.to(torch.float16)), KERNELS)
     with pytest.raises(ValueError, match="fused model"):
         KernelForward(qk_norm, None, KERNELS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_come_from_a_table_with_the_models_values(dtype):
+    """KernelForward.rope: the rows of LlamaModel.rope, bit for bit, for any positions; the table
+    grows (to a power of two) when a position passes it, and follows the dtype asked for."""
+    model = prepare_model(LlamaModel.random(tiny_config(head_dim=64, hidden_size=128), seed=0).to(dtype), KERNELS)
+    cfg = model.config
+    pool = KVPool(KVCacheConfig(16, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), dtype=dtype)
+    fast = KernelForward(model, pool, KERNELS)
+    for positions in (torch.tensor([0]), torch.tensor([5, 3, 200, 7]), torch.tensor([1000, 999, 0]),
+                      torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(0))):
+        cos, sin = fast.rope(positions, dtype)
+        want_cos, want_sin = model.rope(positions, dtype)
+        assert cos.dtype == dtype and cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert fast._rope_cos.shape[0] >= int(positions.max()) + 1
+    assert fast._rope_cos.shape[0] == 4096                        # grew from 256 to the next power of two
+    cos, _ = fast.rope(torch.tensor([3]), torch.float32)          # another dtype: the table is made again
+    assert cos.dtype == torch.float32 and torch.equal(cos, model.rope(torch.tensor([3]), torch.float32)[0])
