@@ -14,8 +14,9 @@ per-step overhead against this time, so it is the number that decides it).
            graph (CUDA only): torch.cuda.CUDAGraph of StepFunction.run replayed --runs times,
              CUDA events: the device's own time of a step, no launch or scheduler in it
       -> profile of one shape (--profile, default the largest decode shape): torch.profiler over
-         3 eager steps, the 15 largest operators by device time (CPU time on a CPU) and the
-         kernels a step launches
+         3 eager steps, the 15 largest kernels by device time (on a CPU the operators by CPU
+         time) and the kernels a step launches; a capture or a profiler that fails costs its
+         column or table (the error is recorded), not the run
       -> OUT/<date>-<machine>-cuda_step_profile.json + .md
 
     python -m bench.cuda_step_profile [--out DIR] [--decode 1x256,128x1024] [--prefill 16x128x512]
@@ -189,9 +190,12 @@ class Profiler:
         def dev_us(e) -> float:
             return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
 
+        # on a GPU the kernels themselves (an operator's self device time is its kernels' again);
+        # on a CPU the operators by their own CPU time
+        kernel_events = [e for e in events if dev_us(e) > 0 and not e.key.startswith("aten::")] if cuda else []
         key = dev_us if cuda else (lambda e: float(e.self_cpu_time_total))
-        top = sorted(events, key=key, reverse=True)[:TOP]
-        kernels = sum(e.count for e in events if cuda and dev_us(e) > 0 and not e.key.startswith(("aten::", "cuda")))
+        top = sorted(kernel_events if cuda else events, key=key, reverse=True)[:TOP]
+        kernels = sum(e.count for e in kernel_events)
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         return {"shape": str(g), "steps": steps, "clock": "device" if cuda else "cpu",
                 "kernels_per_step": round(kernels / steps, 1) if cuda else None,
@@ -219,7 +223,10 @@ def run(args) -> dict:
     for g in prof.shapes:
         prof.stage(g)
         row = {"shape": str(g), "rows": g.rows, "len": g.len, "ctx": g.ctx, **prof.parts(g, args.runs)}
-        row["graph_ms"] = prof.graph_ms(g, args.runs)
+        try:                                   # a capture that fails costs this column, not the run
+            row["graph_ms"] = prof.graph_ms(g, args.runs)
+        except Exception as e:                 # noqa: BLE001 - recorded in the result
+            row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         res["shapes"].append(row)
         print(f"  {row['shape']:<28} step {row['step_ms']:9.3f} ms  graph {row['graph_ms']} ms  "
@@ -230,7 +237,10 @@ def run(args) -> dict:
     if target is None:
         raise SystemExit(f"bench.cuda_step_profile: --profile {want!r} is not one of the shapes")
     prof.stage(target)
-    res["profile"] = prof.profile(target)
+    try:                                       # the profiler (CUPTI on a GPU) failing costs its table only
+        res["profile"] = prof.profile(target)
+    except Exception as e:                     # noqa: BLE001 - recorded in the result
+        res["profile"] = {"shape": str(target), "error": f"{type(e).__name__}: {e}"[:300]}
     return res
 
 
@@ -248,11 +258,17 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     for r in res["shapes"]:
         lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['step_ms']} | "
                      f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
-    lines += ["", f"Profile of {p['shape']} over {p['steps']} eager steps ({p['clock']} time): "
-              f"{p['kernels_per_step'] if p['kernels_per_step'] is not None else '-'} kernels, "
-              f"{p['aten_ops_per_step']} aten operators a step (nested ones included).", "",
-              "| operator | calls a step | ms a step |", "|---|---|---|"]
-    lines += [f"| `{t['name']}` | {t['calls_per_step']} | {t['ms_per_step']} |" for t in p["top"]]
+    errors = [f"{r['shape']}: {r['graph_error']}" for r in res["shapes"] if r.get("graph_error")]
+    lines += ["", f"Capture failed: {'; '.join(errors)}"] if errors else []
+    if "error" in p:
+        lines += ["", f"Profile of {p['shape']} failed: {p['error']}"]
+    else:
+        cuda = p["clock"] == "device"
+        lines += ["", f"Profile of {p['shape']} over {p['steps']} eager steps ({p['clock']} time): "
+                  f"{p['kernels_per_step'] if cuda else '-'} kernels, "
+                  f"{p['aten_ops_per_step']} aten operators a step (nested ones included).", "",
+                  f"| {'kernel' if cuda else 'operator'} | calls a step | ms a step |", "|---|---|---|"]
+        lines += [f"| `{t['name']}` | {t['calls_per_step']} | {t['ms_per_step']} |" for t in p["top"]]
     lines += ["", "Reproduce: `python -m bench.cuda_step_profile` (on a CPU: `--device cpu --quick`)."]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return stem

@@ -82,3 +82,16 @@ def test_the_cpu_run_writes_the_files_the_plan_declares(tiny_folder, tmp_path, c
     assert len(names) == sp.TOP and any(n in ("aten::mm", "aten::addmm", "aten::bmm") for n in names)
     md = (tmp_path / files[1]).read_text()
     assert "| decode[3x1, ctx 64] | - |" in md and "Profile of decode[3x1, ctx 64]" in md
+
+
+def test_a_failing_profiler_costs_its_table_not_the_run(tiny_folder, tmp_path, monkeypatch, capsys):
+    def broken(self, g, steps=3):
+        raise RuntimeError("CUPTI unavailable")
+    monkeypatch.setattr(sp.Profiler, "profile", broken)
+    assert sp.main(["--device", "cpu", "--quick", "--model", f"random:{tiny_folder}", "--out", str(tmp_path),
+                    "--decode", "1x32", "--prefill", ""]) == 0
+    res = json.loads((tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.json").read_text())
+    assert res["profile"] == {"shape": "decode[1x1, ctx 32]", "error": "RuntimeError: CUPTI unavailable"}
+    assert len(res["shapes"]) == 1 and res["shapes"][0]["step_ms"] > 0
+    assert "Profile of decode[1x1, ctx 32] failed: RuntimeError: CUPTI unavailable" in \
+        (tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.md").read_text()
