@@ -11,7 +11,9 @@ counterpart measured in the same run.
     workload  the stand-in echo workload (R requests x T tokens, batch B) served by
               the persistent scheduler vs by a host-driven loop (the same C++ loop on
               a host thread that launches the same echo graph from the host each
-              step and waits for it): makespan, per-step time and scheduler overhead
+              step and waits for it): makespan, per-step time and scheduler overhead;
+              the persistent scheduler also over a ring in device memory (the DPU
+              deployment), whose slot scan and publish stay on the device
 
     python -m bench.cuda_scheduler [--machine h100] [--out DIR]
       -> DIR/<date>-<machine>-cuda_scheduler.json + .md (DIR: $OUT if set, else bench/results)
@@ -225,11 +227,61 @@ class Bench:
         del ring
         mem.close()
 
+        # the same over a ring in device memory (the DPU deployment); a failure costs these columns only
+        try:
+            out["persistent_device_ring"] = self._device_ring(geom, cfg, n_req, prompt_len, tokens)
+        except Exception as e:       # noqa: BLE001 - recorded in the result
+            out["persistent_device_ring"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+
         # host-driven loop: the same C++ loop on a host thread, the same echo graph launched by the host
         out["host_loop"] = self._host_loop(geom, cfg, n_req, prompt_len, tokens)
         out["ratio_makespan_host_over_persistent"] = round(
             out["host_loop"]["makespan_ms"] / out["persistent"]["makespan_ms"], 2)
         return out
+
+    def _device_ring(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
+        """The persistent scheduler over the ring in device memory, as the DPU deployment has it (the
+        NIC writes it; no slot word crosses PCIe for the kernel): the requests are formatted on the
+        host and copied in before the start, as a transport's writes would land; completion is
+        polled by copying the slots back every 200 us (the makespan's resolution)."""
+        d = self.d
+        host = np.zeros(geom.total_size, np.uint8)            # the host's mirror of the ring
+        ring = Ring.create(host, geom)
+        self._fill(ring, n_req, prompt_len, tokens)
+        dring = DeviceRing(geom)
+        try:
+            check(d.cuMemcpyHtoD(dring.device_addr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD(ring)")
+            rt = SchedulerRuntime(self.device, cfg, geom, dring.device_addr, self.module)
+            off, nbytes = geom.slots_offset, n_req * (geom.slot_offset(1) - geom.slot_offset(0))
+            t0 = time.monotonic_ns()
+            rt.start()
+            deadline = time.monotonic() + 120
+            while True:
+                check(d.cuMemcpyDtoH(host.ctypes.data + off, dring.device_addr + off, nbytes), "cuMemcpyDtoH(slots)")
+                if (ring.state[:n_req] == SlotState.DECODE_COMPLETED).all():
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("workload did not complete (device ring)")
+                time.sleep(0.0002)
+            t1 = time.monotonic_ns()
+            rt.request_stop()
+            rt.wait(30)
+            c = rt.stats().counters
+            rt.close()
+            o_off = geom.output_arena_offset
+            check(d.cuMemcpyDtoH(host.ctypes.data + o_off, dring.device_addr + o_off, n_req * tokens * 4),
+                  "cuMemcpyDtoH(outputs)")
+            self._check(ring, n_req, prompt_len, tokens)
+        finally:
+            dring.close()
+        steps = c["steps_prefill"] + c["steps_decode"]
+        return {"makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps, "windows": c["windows"],
+                "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
+                "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
+                "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
+                **_phases(c, steps),
+                "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
+                "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
     def _host_loop(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
         from gpu_backend.cuda.twin import TwinScheduler
@@ -312,6 +364,18 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         p, h = w["persistent"], w["host_loop"]
         lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
                                                       for k in ("scan", "publish", "plan")) + " |")
+    lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
+              "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
+              "| batch | us/step | overhead us/step | scan | publish | plan | host-mapped overhead us/step |",
+              "|---|---|---|---|---|---|---|"]
+    for w in results["workloads"]:
+        dv, p = w.get("persistent_device_ring", {"error": "not run"}), w["persistent"]
+        if "error" in dv:
+            lines.append(f"| {w['batch']} | failed: {dv['error']} | | | | | {p['scheduler_overhead_us_per_step']} |")
+        else:
+            lines.append(f"| {w['batch']} | {dv['us_per_step']} | {dv['scheduler_overhead_us_per_step']} | "
+                         f"{dv['scan_us_per_step']} | {dv['publish_us_per_step']} | {dv['plan_us_per_step']} | "
+                         f"{p['scheduler_overhead_us_per_step']} |")
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem
