@@ -69,6 +69,29 @@ print(n - f - e - k, f, e, k)' "$OUT_DIR/$call-$name.xml")
     SUMMARY+=("$line")
 }
 
+# A daemon or frontend a stage left running (a test stopped at its budget, a failed teardown) keeps
+# its CUDA context, and a spinning persistent kernel in another context time-slices the GPU: the
+# next stage's host-launched steps then wait ~1-2 ms each for their slice (the H200 run's call 4
+# host loop read 1.4 ms a step, 70x its call-1 figure, after the daemon tests). So after every
+# stage on the device: stop what is left (in this call's session: a test's children keep it), and
+# log the GPU's compute processes.
+LEFTOVER='dpu_frontend[.]cli (gpu-daemon|frontend|serve)|blink (gpu-daemon|frontend|serve)'
+reap_leftovers() {
+    local pids
+    pids=$(pgrep -s 0 -f -- "$LEFTOVER" | grep -vx "$$" || true)     # this call's session only
+    if [ -n "$pids" ]; then
+        echo "=== leftover after $1, stopped: $(ps -o pid=,args= -p $pids | cut -c1-160 | tr '\n' ';')" | tee -a "$LOG"
+        kill -INT $pids 2> /dev/null || true
+        sleep 3
+        kill -KILL $pids 2> /dev/null || true
+    fi
+    if command -v nvidia-smi > /dev/null; then
+        local apps
+        apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2> /dev/null || true)
+        [ -z "$apps" ] || echo "=== GPU compute processes after $1: $(echo "$apps" | tr '\n' ';')" | tee -a "$LOG"
+    fi
+}
+
 run_call() {    # run_call NAME: every stage of one call of the plan
     local call=$1
     LOG="$OUT_DIR/$call.log"
@@ -89,6 +112,7 @@ run_call() {    # run_call NAME: every stage of one call of the plan
             else cmd=(true); fi
         fi
         run_stage "$call" "$name" "$budget" "$flags" "${cmd[@]}"
+        [ -n "${GPU_CHECK_DRY:-}" ] || reap_leftovers "$call/$name" < /dev/null
     done <<< "$lines"
 }
 

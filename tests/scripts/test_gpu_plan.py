@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -234,3 +235,24 @@ def test_wheel_file_names_and_the_prepared_cache(tmp_path):
     if plan.missing_wheels(prepared):
         pytest.skip("scripts/gpu_check.sh --prepare has not run here")
     assert plan.path_bytes(plan.WHEEL_DIR) <= plan.WHEELS_PLANNED_BYTES    # the plan's size before --prepare holds
+
+
+def test_a_daemon_left_by_a_stage_is_stopped_and_logged(tmp_path):
+    """reap_leftovers (run after each stage of a device call): a gpu-daemon left in the call's session
+    is stopped and named in the log; one in another session (someone else's) is left alone."""
+    fn = re.search(r"^LEFTOVER=.*?^}\n", (SCRIPTS / "gpu_check.sh").read_text(), re.S | re.M).group(0)
+    (tmp_path / "reap.sh").write_text(fn)
+    log = tmp_path / "call.log"
+    other = subprocess.Popen(["setsid", "bash", "-c", 'exec -a "python -m dpu_frontend.cli gpu-daemon --ring other" '
+                              "sleep 60"])
+    script = ('(exec -a "python -m dpu_frontend.cli gpu-daemon --ring left" sleep 60) & sleep 0.5; '
+              f'LOG={log}; source {tmp_path / "reap.sh"}; reap_leftovers smoke/sched; wait')
+    try:
+        t0 = time.monotonic()
+        subprocess.run(["setsid", "bash", "-c", script], timeout=30, check=True)
+        assert time.monotonic() - t0 < 20                  # the leftover is gone: `wait` returned
+        text = log.read_text()
+        assert "leftover after smoke/sched, stopped:" in text and "--ring left" in text and "--ring other" not in text
+        assert other.poll() is None                        # another session's daemon still runs
+    finally:
+        other.kill()
