@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights and KV cache of the cpu executor; auto: bfloat16 where the CPU computes it "
                         "natively (avx512_bf16 / amx), else float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="KV cache of the cpu executor; auto: the model's dtype, except bfloat16 for quantized "
+                        "weights computed in float32 (CPUs without bf16 math: half the KV bytes, as llama.cpp's "
+                        "f16 cache)")
     p.add_argument("--shutdown-grace-s", type=_non_negative_float, default=2.0,
                    help="on SIGTERM, in-flight requests get this long to finish before they are aborted")
     p.add_argument("--step-ms", type=_non_negative_float, default=0.0,
@@ -120,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     options = ExecutorOptions(model=args.model, max_batch_size=args.max_batch_size,
                               max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
                               kv_cache_mb=args.kv_cache_mb, max_model_len=args.max_model_len,
-                              threads=args.threads, dtype=args.dtype, shutdown_grace_s=args.shutdown_grace_s,
+                              threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                              shutdown_grace_s=args.shutdown_grace_s,
                               policy_trace=args.policy_trace, step_ms=args.step_ms,
                               prefix_caching=args.prefix_caching, scheduling_policy=args.scheduling_policy,
                               ttft_slo_ms=args.ttft_slo_ms, tbt_slo_ms=args.tbt_slo_ms)

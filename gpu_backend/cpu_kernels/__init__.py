@@ -43,6 +43,9 @@ GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno"
              "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The kernels that touch the KV pool also take float32 activations over a bf16 pool (half the bytes).
+POOL_KERNELS = ("rope_cache", "decode_attention", "prefill_attention")
+MIXED_SUFFIX = "f32kv16"
 MAX_HEAD_DIM = 1024          # kernels.cc keeps a row's two halves on the stack
 LINEAR_MAX_ROWS = 8          # kernels.cc's small-batch matmul: rows of x in one pass (kMaxRowsX)
 LINEAR_K_MULTIPLE = 32       # ... and its inner dimension comes in whole 32-element vectors
@@ -114,8 +117,10 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         self._fns = {}
-        for suffix in SUFFIX.values():
+        for suffix in (*SUFFIX.values(), MIXED_SUFFIX):
             for name, argtypes in _SIGNATURES.items():
+                if suffix == MIXED_SUFFIX and name not in POOL_KERNELS:
+                    continue
                 fn = getattr(lib, f"blink_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, suffix] = fn
@@ -130,20 +135,30 @@ class CpuKernels:
             self._fns[name, "quant"] = fn
         self.quant_isa_max = int(self._fns["quant_isa_max", "quant"]())   # the widest path built for this CPU
         self.quant_isa = requested_isa(self.quant_isa_max)                  # the default path (BLINK_CPU_ISA)
-        for suffix in SUFFIX.values():
+        for suffix in (*SUFFIX.values(), MIXED_SUFFIX):
             fn = getattr(lib, f"blink_prefill_attention_{suffix}")
             fn.argtypes, fn.restype = _PREFILL_ATTENTION_ARGS, None
             self._fns["prefill_attention", suffix] = fn
         self.attention_isa_max = int(self._fns["attention_isa_max", "quant"]())
         self.attention_isa = requested_isa(self.attention_isa_max)
 
-    def _fn(self, name: str, dtype: torch.dtype):
-        try:
+    def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+        """The function for activations of `dtype` (and, for the pool kernels, a pool of kv_dtype:
+        the same, or bfloat16 under float32)."""
+        kv = dtype if kv_dtype is None else kv_dtype
+        if kv == dtype and dtype in SUFFIX:
             return self._fns[name, SUFFIX[dtype]]
-        except KeyError:
-            raise TypeError(f"cpu kernel {name}: dtype {dtype} not supported (bfloat16, float32)") from None
+        if name in POOL_KERNELS and dtype == torch.float32 and kv == torch.bfloat16:
+            return self._fns[name, MIXED_SUFFIX]
+        raise TypeError(f"cpu kernel {name}: dtype {dtype} over a {kv} pool not supported (bfloat16, float32, "
+                        f"or float32 over bfloat16)")
 
-    def raw(self, name: str, dtype: torch.dtype = torch.bfloat16):
+    @staticmethod
+    def pool_dtypes_ok(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """The pool kernels take activations of `dtype` over a pool of `kv_dtype`."""
+        return dtype in SUFFIX and (kv_dtype == dtype or (dtype == torch.float32 and kv_dtype == torch.bfloat16))
+
+    def raw(self, name: str, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None):
         """The ctypes function itself (argument order as in kernels.cc's C ABI), for a caller
         that checked its shapes once and calls per layer: no checks, ~1 us a call."""
         if name == "linear":
@@ -153,7 +168,7 @@ class CpuKernels:
         if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx", "quant_repack",
                     "forward_decode"):
             return self._fns[name, "quant"]
-        return self._fn(name, dtype)
+        return self._fn(name, dtype, kv_dtype)
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -179,7 +194,8 @@ class CpuKernels:
         """qkv [T, H + 2 KV, D]: RoPE in place on the q and k heads, then k and v of token t
         written to slot slots[t] of the pool layer kc / vc [KV, blocks, bs, D]."""
         t, heads_total, d = qkv.shape
-        _check(qkv, cos, sin, kc, vc)
+        _check(qkv, cos, sin)
+        _check_pool(qkv, kc, vc)
         if heads_total != num_heads + 2 * num_kv_heads or cos.shape != (t, d) or sin.shape != (t, d):
             raise ValueError(f"rope_cache: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)} for "
                              f"{num_heads} + 2x{num_kv_heads} heads")
@@ -187,7 +203,7 @@ class CpuKernels:
             raise ValueError(f"rope_cache: pool {tuple(kc.shape)} for {num_kv_heads} kv heads of {d}")
         if slots.dtype != torch.int64 or slots.shape != (t,) or not slots.is_contiguous():
             raise ValueError("rope_cache: slots must be a contiguous int64 [T]")
-        self._fn("rope_cache", qkv.dtype)(
+        self._fn("rope_cache", qkv.dtype, kc.dtype)(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(),
             t, heads_total, num_heads + num_kv_heads, num_heads, num_kv_heads, d, kc.shape[1] * kc.shape[2],
             _threads())
@@ -204,7 +220,7 @@ class CpuKernels:
         tables_n, max_blocks = block_tables.shape
         _, heads_total, d = qkv.shape
         kvh, num_blocks, bs, _ = kc.shape
-        _check(qkv, kc, vc)
+        _check_pool(qkv, kc, vc)
         named = (("block_tables", block_tables), ("context_lens", context_lens), ("table_index", table_index))
         for name, idx in named:
             if idx is not None and (idx.dtype != torch.int64 or not idx.is_contiguous()):
@@ -216,7 +232,7 @@ class CpuKernels:
             raise ValueError(f"decode_attention: {tables_n} tables, {tuple(context_lens.shape)} lengths, "
                              f"{qkv.shape[0]} rows, {num_heads} heads over {kvh} kv heads")
         o = torch.empty((b, num_heads, d), dtype=qkv.dtype)
-        self._fn("decode_attention", qkv.dtype)(
+        self._fn("decode_attention", qkv.dtype, kc.dtype)(
             qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(),
             None if table_index is None else table_index.data_ptr(), max_blocks, context_lens.data_ptr(),
             o.data_ptr(), b, num_heads, kvh, d, num_blocks, bs, d ** -0.5, _threads())
@@ -234,7 +250,7 @@ class CpuKernels:
         (default self.attention_isa; clamped to attention_isa_max)."""
         t, heads_total, d = qkv.shape
         kvh, num_blocks, bs, _ = kc.shape
-        _check(qkv, kc, vc)
+        _check_pool(qkv, kc, vc)
         for name, idx in (("block_tables", block_tables), ("spans", spans)):
             if idx.dtype != torch.int64 or not idx.is_contiguous() or idx.dim() != 2:
                 raise ValueError(f"prefill_attention: {name} must be a contiguous 2-D int64 tensor")
@@ -251,7 +267,7 @@ class CpuKernels:
         elif out.shape != (t, num_heads, d) or out.dtype != qkv.dtype or not out.is_contiguous():
             raise ValueError(f"prefill_attention: out {tuple(out.shape)} {out.dtype} for {t} rows")
         isa = self.attention_isa if isa is None else min(isa, self.attention_isa_max)
-        self._fn("prefill_attention", qkv.dtype)(
+        self._fn("prefill_attention", qkv.dtype, kc.dtype)(
             qkv.data_ptr(), heads_total * d, kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], spans.data_ptr(), spans.shape[0], out.data_ptr(), num_heads, kvh, d,
             num_blocks, bs, d ** -0.5, isa, _threads())
@@ -386,6 +402,15 @@ class CpuKernels:
         out = torch.empty((rows, two_n // 2), dtype=gate_up.dtype)
         self._fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2, _threads())
         return out
+
+
+def _check_pool(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    """Contiguous CPU tensors; the pool (kc, vc alike) of qkv's dtype, or bf16 under float32."""
+    _check(kc, vc)
+    _check(qkv)
+    if not CpuKernels.pool_dtypes_ok(qkv.dtype, kc.dtype):
+        raise ValueError(f"cpu kernels take a pool of the activations' dtype, or bfloat16 under float32; "
+                         f"got {qkv.dtype} over {kc.dtype}")
 
 
 def _check(*tensors: torch.Tensor | None) -> None:

@@ -323,9 +323,10 @@ inline void store_rows(const float* of, const float* lrow, typename P::T* out, i
     }
 }
 
-template <class P, class V>
-void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                            const typename P::T* vc, const int64_t* tables, int64_t max_blocks,
+// P: the activations' type (q, out); KV: the pool's (bf16 under float32 activations halves the bytes).
+template <class P, class KV, class V>
+void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const typename KV::T* kc,
+                            const typename KV::T* vc, const int64_t* tables, int64_t max_blocks,
                             const int64_t* spans, int64_t num_spans, typename P::T* out, int64_t heads,
                             int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale, int threads) {
     const int64_t group = heads / kv_heads, pool_slots = num_blocks * bs;
@@ -353,14 +354,14 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
             std::fill(of.begin(), of.begin() + rows * d, 0.f);
             std::fill(mrow.begin(), mrow.begin() + rows, -INFINITY);
             std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
-            const typename P::T* kbase = kc + w.kv_head * pool_slots * d;
-            const typename P::T* vbase = vc + w.kv_head * pool_slots * d;
+            const typename KV::T* kbase = kc + w.kv_head * pool_slots * d;
+            const typename KV::T* vbase = vc + w.kv_head * pool_slots * d;
             for (int64_t k0 = 0; k0 < kmax; k0 += KT) {
                 const int64_t nk = std::min<int64_t>(KT, kmax - k0);
                 for (int64_t j = 0; j < nk; ++j) {          // K tile transposed: kt[i, j], zero-padded
                     const int64_t kp = k0 + j;
-                    const typename P::T* kr = kbase + (table[kp / bs] * bs + kp % bs) * d;
-                    for (int64_t i = 0; i < d; ++i) kt[i * KT + j] = P::load(kr[i]);
+                    const typename KV::T* kr = kbase + (table[kp / bs] * bs + kp % bs) * d;
+                    for (int64_t i = 0; i < d; ++i) kt[i * KT + j] = KV::load(kr[i]);
                 }
                 for (int64_t j = nk; j < (nk + KB - 1) / KB * KB; ++j)
                     for (int64_t i = 0; i < d; ++i) kt[i * KT + j] = 0.f;
@@ -372,12 +373,12 @@ void prefill_attention_impl(const typename P::T* q, int64_t q_stride, const type
                 // O += P . V over the tile's keys, one run of consecutive slots (a block) at a time
                 for (int64_t j0 = 0; j0 < nk;) {
                     const int64_t kp = k0 + j0, run = std::min(nk - j0, bs - kp % bs);
-                    const typename P::T* vb = vbase + (table[kp / bs] * bs + kp % bs) * d;
+                    const typename KV::T* vb = vbase + (table[kp / bs] * bs + kp % bs) * d;
                     const float* vrows;
-                    if constexpr (sizeof(typename P::T) == sizeof(float)) {
+                    if constexpr (sizeof(typename KV::T) == sizeof(float)) {
                         vrows = reinterpret_cast<const float*>(vb);             // f32: read in place
                     } else {
-                        for (int64_t i = 0; i < run * d; ++i) vf[i] = P::load(vb[i]);
+                        for (int64_t i = 0; i < run * d; ++i) vf[i] = KV::load(vb[i]);
                         vrows = vf.data();
                     }
                     pv<V>(sc.data() + j0, vrows, rows, run, d, of.data());
@@ -559,29 +560,30 @@ void prefill_attention_bf16dot(const uint16_t* q, int64_t q_stride, const uint16
 }
 #endif
 
-template <class P>
+template <class P, class KV>
 void prefill_attention(int isa, const void* q, int64_t q_stride, const void* kc, const void* vc,
                        const int64_t* tables, int64_t max_blocks, const int64_t* spans, int64_t num_spans, void* o,
                        int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs, float scale,
                        int threads) {
     using T = typename P::T;
+    using KT_ = typename KV::T;
     auto run = [&](auto impl) {
-        impl(static_cast<const T*>(q), q_stride, static_cast<const T*>(kc), static_cast<const T*>(vc), tables,
+        impl(static_cast<const T*>(q), q_stride, static_cast<const KT_*>(kc), static_cast<const KT_*>(vc), tables,
              max_blocks, spans, num_spans, static_cast<T*>(o), heads, kv_heads, d, num_blocks, bs, scale, threads);
     };
 #if BLINK_A_BF16
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2 && sizeof(KT_) == 2) {
         if (isa >= 3 && d % 32 == 0) return run(prefill_attention_bf16dot);
     }
 #endif
 #if BLINK_A_AVX512
-    if (isa >= 2 && d % 16 == 0) return run(prefill_attention_impl<P, Avx512>);
+    if (isa >= 2 && d % 16 == 0) return run(prefill_attention_impl<P, KV, Avx512>);
 #endif
 #if BLINK_A_AVX2
-    if (isa >= 1 && d % 8 == 0) return run(prefill_attention_impl<P, Avx2>);
+    if (isa >= 1 && d % 8 == 0) return run(prefill_attention_impl<P, KV, Avx2>);
 #endif
     (void)isa;
-    run(prefill_attention_impl<P, Scalar>);
+    run(prefill_attention_impl<P, KV, Scalar>);
 }
 
 }  // namespace
@@ -599,15 +601,17 @@ extern "C" int blink_attention_isa_max() {
 // q rows are q_stride elements apart (the fused qkv rows), heads query heads of d first;
 // kc / vc one pool layer [kv_heads, num_blocks, bs, d]; o [T, heads, d] (rows of the spans
 // written). Any d: the avx2 path takes d % 8 == 0, avx512 d % 16 == 0, the scalar path the rest.
-#define BLINK_PREFILL_EXPORT(SUF, P)                                                                          \
+// Suffixes: f32 / bf16 (activations and pool alike), f32kv16 (float32 activations over a bf16 pool).
+#define BLINK_PREFILL_EXPORT(SUF, P, KV)                                                                      \
     extern "C" void blink_prefill_attention_##SUF(const void* q, int64_t q_stride, const void* kc,            \
                                                   const void* vc, const int64_t* tables, int64_t max_blocks,  \
                                                   const int64_t* spans, int64_t num_spans, void* o,           \
                                                   int64_t heads, int64_t kv_heads, int64_t d,                 \
                                                   int64_t num_blocks, int64_t bs, float scale, int isa,       \
                                                   int threads) {                                              \
-        prefill_attention<P>(isa, q, q_stride, kc, vc, tables, max_blocks, spans, num_spans, o, heads,        \
+        prefill_attention<P, KV>(isa, q, q_stride, kc, vc, tables, max_blocks, spans, num_spans, o, heads,    \
                              kv_heads, d, num_blocks, bs, scale, threads);                                    \
     }
-BLINK_PREFILL_EXPORT(f32, F32In)
-BLINK_PREFILL_EXPORT(bf16, BF16In)
+BLINK_PREFILL_EXPORT(f32, F32In, F32In)
+BLINK_PREFILL_EXPORT(bf16, BF16In, BF16In)
+BLINK_PREFILL_EXPORT(f32kv16, F32In, BF16In)

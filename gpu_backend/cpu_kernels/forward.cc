@@ -24,10 +24,10 @@
 namespace blink_team {     // kernels.cc and quant.cc
 void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
                   float eps);
-void rope_cache(bool bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots, void* kc, void* vc,
-                int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
-                int64_t d, int64_t pool_slots);
-void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
+void rope_cache(bool bf16, bool kv_bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots,
+                void* kc, void* vc, int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head,
+                int64_t kv_heads, int64_t d, int64_t pool_slots);
+void decode_attention(bool bf16, bool kv_bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
                       const int64_t* tables, int64_t max_blocks, const int64_t* context_lens, void* o,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs,
                       float scale);
@@ -65,6 +65,7 @@ struct Layer {
 struct Model {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
     int64_t bf16, isa;
+    int64_t kv_bf16;                    // the pool is bf16 (under float32 activations too)
     const void* first_w;                // the first layer's input norm
     double first_eps;
     double scale;                       // attention's 1 / sqrt(D)
@@ -135,7 +136,7 @@ inline void silu_codes(const Model& m, const Step& st) {
 extern "C" int blink_forward_decode(const Model* model, const Step* step, int threads) {
     const Model& m = *model;
     const Step& st = *step;
-    const bool bf16 = m.bf16 != 0;
+    const bool bf16 = m.bf16 != 0, kv_bf16 = m.kv_bf16 != 0;
     const int64_t t = st.tokens, h = m.heads, kvh = m.kv_heads, d = m.head_dim;
     const int64_t heads_total = h + 2 * kvh;
     int rc = 0;
@@ -145,9 +146,9 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
         for (int64_t l = 0; l < m.layers; ++l) {
             const Layer& p = m.layer[l];
             rc |= matmul(m, st, p.qkv, st.normed, st.qkv);
-            blink_team::rope_cache(bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total, h + kvh, h,
+            blink_team::rope_cache(bf16, kv_bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total, h + kvh, h,
                                    kvh, d, m.num_blocks * m.block_size);
-            blink_team::decode_attention(bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables, st.width,
+            blink_team::decode_attention(bf16, kv_bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables, st.width,
                                          st.context_lens, st.attn, t, h, kvh, d, m.num_blocks, m.block_size,
                                          float(m.scale));
             rc |= matmul(m, st, p.o, st.attn, st.proj);

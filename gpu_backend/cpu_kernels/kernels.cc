@@ -15,6 +15,8 @@
 //   qkv   [T, H + 2*KV, D]       q heads, then k heads, then v heads of each token
 //   pool  [KV, blocks, bs, D]    one layer of KVPool.k / KVPool.v
 //   cos/sin [T, D]               HF rotate_half convention, in the model dtype
+// The pool is in the model dtype, or bf16 under float32 activations (the _f32kv16 entries: a CPU
+// without bf16 math still halves its KV bytes); bf16 K/V rows are widened exactly as they are read.
 // Rounding follows the PyTorch ops these replace, step by step (every bf16 op rounds its
 // result), so the kernel path and the PyTorch path agree to the last bit in all but rare
 // reduction-order cases. Attention accumulates in float32 and rounds once (with bf16 hardware dot
@@ -119,9 +121,11 @@ void add_rms_norm(typename P::T* x, const typename P::T* delta, const typename P
 
 // RoPE on heads [0, rope_heads) of each qkv row, in place; then the row's k and v heads
 // (at k_head, k_head + kv_heads) go to pool slot slots[t] = block * bs + offset.
-template <class P>
+// KV: the pool's type; a bf16 pool under float32 activations gets each k/v value rounded to bf16
+// (nearest even), as a tensor's .to(torch.bfloat16) does.
+template <class P, class KV>
 void rope_cache(typename P::T* qkv, const typename P::T* cos, const typename P::T* sin,
-                const int64_t* slots, typename P::T* kc, typename P::T* vc,
+                const int64_t* slots, typename KV::T* kc, typename KV::T* vc,
                 int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
                 int64_t d, int64_t pool_slots) {
     const int64_t half = d / 2;
@@ -146,9 +150,17 @@ void rope_cache(typename P::T* qkv, const typename P::T* cos, const typename P::
         }
         const int64_t slot = slots[t];
         for (int64_t g = 0; g < kv_heads; ++g) {
-            std::memcpy(kc + (g * pool_slots + slot) * d, row + (k_head + g) * d, d * sizeof(typename P::T));
-            std::memcpy(vc + (g * pool_slots + slot) * d, row + (k_head + kv_heads + g) * d,
-                        d * sizeof(typename P::T));
+            typename KV::T* kd = kc + (g * pool_slots + slot) * d;
+            typename KV::T* vd = vc + (g * pool_slots + slot) * d;
+            const typename P::T* ks = row + (k_head + g) * d;
+            const typename P::T* vs = row + (k_head + kv_heads + g) * d;
+            if constexpr (std::is_same_v<P, KV>) {
+                std::memcpy(kd, ks, d * sizeof(typename P::T));
+                std::memcpy(vd, vs, d * sizeof(typename P::T));
+            } else {
+                for (int64_t i = 0; i < d; ++i) kd[i] = KV::store(P::load(ks[i]));
+                for (int64_t i = 0; i < d; ++i) vd[i] = KV::store(P::load(vs[i]));
+            }
         }
     }
 }
@@ -202,17 +214,25 @@ static inline void dot4_bf16(const uint16_t* q, const uint16_t* k, float scale, 
 // float32 K (CPUs without bf16 math): eight consecutive key rows (DC apart) against one
 // pre-scaled query head, eight independent FMA chains (one per row) and one reduction tree
 // for all eight, where a dot product per row chained DC / 8 FMAs and reduced each row alone.
+// K and V rows may be bf16 under float32 activations (a bf16 pool: half the bytes a step streams):
+// load8 widens them, 8 values at a time, exactly (bf16 is float32's upper half).
 #if defined(__AVX2__) && defined(__FMA__)
 template <class P, int DC>
 constexpr bool kFloatDot8 = std::is_same_v<P, F32> && DC > 0 && DC % 8 == 0;
 
-template <int DC>
-static inline void dot8_f32(const float* q, const float* k, float* out) {
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+template <int DC, class KT>
+static inline void dot8_f32(const float* q, const KT* k, float* out) {
     __m256 a[8];
     for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
     for (int v = 0; v < DC / 8; ++v) {
         const __m256 qv = _mm256_loadu_ps(q + 8 * v);
-        for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * DC + 8 * v), a[t]);
+        for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, load8(k + t * DC + 8 * v), a[t]);
     }
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -225,8 +245,8 @@ static inline void dot8_f32(const float* q, const float* k, float* out) {
 // broadcast and 8 FMAs (a float a[DC] accumulator went through the stack). Measured against 32
 // dimensions x 3 heads a pass (each V chunk loaded once for the three): that read V's rows half
 // a row at a time and was ~5% slower in the 1-row decode step, where V arrives cold.
-template <int DC>
-static inline void pv_f32(const float* p, int64_t len, const float* vbase, const int64_t* table, int64_t bs,
+template <int DC, class VT>
+static inline void pv_f32(const float* p, int64_t len, const VT* vbase, const int64_t* table, int64_t bs,
                           int64_t group, float* out) {
     constexpr int C = DC % 64 == 0 ? 64 : (DC % 32 == 0 ? 32 : 8);
     for (int64_t j = 0; j < group; ++j) {
@@ -236,10 +256,10 @@ static inline void pv_f32(const float* p, int64_t len, const float* vbase, const
             for (int v = 0; v < C / 8; ++v) a[v] = _mm256_setzero_ps();
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
-                const float* vb = vbase + table[blk] * bs * DC + c0;
+                const VT* vb = vbase + table[blk] * bs * DC + c0;
                 for (int64_t o = 0; o < n; ++o) {
                     const __m256 pv = _mm256_broadcast_ss(pj + t0 + o);
-                    for (int v = 0; v < C / 8; ++v) a[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vb + o * DC + 8 * v), a[v]);
+                    for (int v = 0; v < C / 8; ++v) a[v] = _mm256_fmadd_ps(pv, load8(vb + o * DC + 8 * v), a[v]);
                 }
             }
             for (int v = 0; v < C / 8; ++v) _mm256_storeu_ps(out + j * DC + c0 + 8 * v, a[v]);
@@ -250,11 +270,11 @@ static inline void pv_f32(const float* p, int64_t len, const float* vbase, const
 template <class P, int DC>
 constexpr bool kFloatDot8 = false;
 
-template <int DC>
-static inline void dot8_f32(const float*, const float*, float*) {}
+template <int DC, class KT>
+static inline void dot8_f32(const float*, const KT*, float*) {}
 
-template <int DC>
-static inline void pv_f32(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t, float*) {}
+template <int DC, class VT>
+static inline void pv_f32(const float*, int64_t, const VT*, const int64_t*, int64_t, int64_t, float*) {}
 #endif
 
 // A row's K and V blocks live wherever the table puts them, and a decode step reaches them cold
@@ -339,9 +359,9 @@ static inline void pv_bf16(const uint16_t* pb, int64_t len, const uint16_t* vbas
 // chunk of n tokens ending at position c - 1 is n rows sharing one table, with lengths
 // c - n + 1 .. c: causal attention without a mask, and one work list for the whole step.
 // q rows are strided (q_stride elements between tokens: the fused qkv rows); o is [B, H, D].
-template <class P, int DC>
-void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                           const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
+template <class P, class KV, int DC>
+void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename KV::T* kc,
+                           const typename KV::T* vc, const int64_t* tables, const int64_t* table_index,
                            int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t d_rt,
                            int64_t num_blocks, int64_t bs, float scale) {
@@ -366,15 +386,15 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
             }
             const typename P::T* qh = q + b * q_stride;                 // this token's query heads
             const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks;
-            const typename P::T* kbase = kc + g * pool_slots * d;
-            const typename P::T* vbase = vc + g * pool_slots * d;
+            const typename KV::T* kbase = kc + g * pool_slots * d;
+            const typename KV::T* vbase = vc + g * pool_slots * d;
             const int64_t blocks = (len + bs - 1) / bs;
-            const int64_t block_bytes = bs * d * int64_t(sizeof(typename P::T));
+            const int64_t block_bytes = bs * d * int64_t(sizeof(typename KV::T));
             prefetch_kv(kbase, vbase, table, 0, kPrefetchBlocks, blocks, block_bytes);
             // Block by block through the table: no division per position.
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {    // scores = q . k
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
-                const typename P::T* kb = kbase + table[blk] * bs * d;
+                const typename KV::T* kb = kbase + table[blk] * bs * d;
                 prefetch_kv(kbase, vbase, table, blk + kPrefetchBlocks, blk + kPrefetchBlocks + 1, blocks, block_bytes);
                 int64_t o = 0;
                 if constexpr (kHardwareDot<P, DC>) {
@@ -384,18 +404,17 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                 } else if constexpr (kFloatDot8<P, DC>) {
                     for (; o + 8 <= n; o += 8)
                         for (int64_t j = 0; j < group; ++j)
-                            dot8_f32<DC>(qf.data() + j * d, reinterpret_cast<const float*>(kb) + o * d,
-                                         &scores[j * len + t0 + o]);
+                            dot8_f32<DC>(qf.data() + j * d, kb + o * d, &scores[j * len + t0 + o]);
                 }
                 for (; o < n; ++o) {
-                    const typename P::T* __restrict k = kb + o * d;
+                    const typename KV::T* __restrict k = kb + o * d;
                     if constexpr (kHardwareDot<P, DC>) {
                         for (int64_t j = 0; j < group; ++j)
                             scores[j * len + t0 + o] = dot_bf16<DC>(qh + (g * group + j) * d, k) * scale;
                         continue;
                     }
                     float* __restrict r = row.data();
-                    for (int64_t i = 0; i < d; ++i) r[i] = P::load(k[i]);
+                    for (int64_t i = 0; i < d; ++i) r[i] = KV::load(k[i]);
                     for (int64_t j = 0; j < group; ++j) {
                         const float* __restrict qj = qf.data() + j * d;
                         float dot = 0.f;
@@ -430,20 +449,20 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                 pv_bf16<DC>(pb.data(), len, vbase, table, bs, group, acc.data());
 #endif
             } else if constexpr (kFloatDot8<P, DC>) {
-                pv_f32<DC>(scores.data(), len, reinterpret_cast<const float*>(vbase), table, bs, group, acc.data());
+                pv_f32<DC>(scores.data(), len, vbase, table, bs, group, acc.data());
             } else
             // o = p . v, a block at a time: its rows converted once, then per query head an
             // accumulator that stays in registers across the block (a memory accumulator
             // chains every position through store-to-load forwarding: 3x slower).
             for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
                 const int64_t n = len - t0 < bs ? len - t0 : bs;
-                const typename P::T* __restrict vb = vbase + table[blk] * bs * d;
+                const typename KV::T* __restrict vb = vbase + table[blk] * bs * d;
                 const float* __restrict vf;
-                if constexpr (std::is_same_v<P, F32>) {
+                if constexpr (std::is_same_v<KV, F32>) {
                     vf = vb;                          // float32 rows: read in place
                 } else {
                     float* conv = row.data();
-                    for (int64_t i = 0; i < n * d; ++i) conv[i] = P::load(vb[i]);
+                    for (int64_t i = 0; i < n * d; ++i) conv[i] = KV::load(vb[i]);
                     vf = conv;
                 }
                 for (int64_t j = 0; j < group; ++j) {
@@ -468,9 +487,9 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
     }
 }
 
-template <class P>
-void decode_attention(const typename P::T* q, int64_t q_stride, const typename P::T* kc,
-                      const typename P::T* vc, const int64_t* tables, const int64_t* table_index,
+template <class P, class KV = P>
+void decode_attention(const typename P::T* q, int64_t q_stride, const typename KV::T* kc,
+                      const typename KV::T* vc, const int64_t* tables, const int64_t* table_index,
                       int64_t max_blocks, const int64_t* context_lens, typename P::T* o,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks,
                       int64_t bs, float scale) {
@@ -479,9 +498,9 @@ void decode_attention(const typename P::T* q, int64_t q_stride, const typename P
         impl(q, q_stride, kc, vc, tables, table_index, max_blocks, context_lens, o, batch, heads, kv_heads, d,
              num_blocks, bs, scale);
     };
-    if (d == 64) run(decode_attention_impl<P, 64>);
-    else if (d == 128) run(decode_attention_impl<P, 128>);
-    else run(decode_attention_impl<P, 0>);
+    if (d == 64) run(decode_attention_impl<P, KV, 64>);
+    else if (d == 128) run(decode_attention_impl<P, KV, 128>);
+    else run(decode_attention_impl<P, KV, 0>);
 }
 
 // gate_up [rows, 2n] (gate, then up) -> out [rows, n] = dtype(silu(gate)) * up, rounded.
@@ -628,13 +647,25 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && rows > 1)")                       \
         add_rms_norm<P>((P::T*)x, (const P::T*)delta, (const P::T*)w, (P::T*)out, rows, n, eps);          \
     }                                                                                                    \
+    extern "C" void blink_silu_mul_##SUF(const void* gate_up, void* out, int64_t rows, int64_t n,        \
+                                         int threads) {                                                  \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && rows > 1)")                       \
+        silu_mul<P>((const P::T*)gate_up, (P::T*)out, rows, n);                                          \
+    }
+
+BLINK_EXPORT(bf16, BF16)
+BLINK_EXPORT(f32, F32)
+
+// The kernels that touch the pool, per (activations, pool) type pair: f32 / bf16 (alike) and
+// f32kv16 (float32 activations over a bf16 pool: a CPU without bf16 math still halves its KV bytes).
+#define BLINK_POOL_EXPORT(SUF, P, KV)                                                                    \
     extern "C" void blink_rope_cache_##SUF(void* qkv, const void* cos, const void* sin,                  \
                                            const int64_t* slots, void* kc, void* vc, int64_t tokens,     \
                                            int64_t heads_total, int64_t rope_heads, int64_t k_head,      \
                                            int64_t kv_heads, int64_t d, int64_t pool_slots, int threads) { \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && tokens > 1)")                     \
-        rope_cache<P>((P::T*)qkv, (const P::T*)cos, (const P::T*)sin, slots, (P::T*)kc, (P::T*)vc,       \
-                      tokens, heads_total, rope_heads, k_head, kv_heads, d, pool_slots);                 \
+        rope_cache<P, KV>((P::T*)qkv, (const P::T*)cos, (const P::T*)sin, slots, (KV::T*)kc, (KV::T*)vc, \
+                          tokens, heads_total, rope_heads, k_head, kv_heads, d, pool_slots);             \
     }                                                                                                    \
     extern "C" void blink_decode_attention_##SUF(const void* q, int64_t q_stride, const void* kc,        \
                                                  const void* vc, const int64_t* tables,                  \
@@ -644,18 +675,14 @@ void linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out
                                                  int64_t num_blocks, int64_t bs, float scale,            \
                                                  int threads) {                                          \
         _Pragma("omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)")           \
-        decode_attention<P>((const P::T*)q, q_stride, (const P::T*)kc, (const P::T*)vc, tables,          \
-                            table_index, max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, d,  \
-                            num_blocks, bs, scale);                                                      \
-    }                                                                                                    \
-    extern "C" void blink_silu_mul_##SUF(const void* gate_up, void* out, int64_t rows, int64_t n,        \
-                                         int threads) {                                                  \
-        _Pragma("omp parallel num_threads(threads) if (threads > 1 && rows > 1)")                       \
-        silu_mul<P>((const P::T*)gate_up, (P::T*)out, rows, n);                                          \
+        decode_attention<P, KV>((const P::T*)q, q_stride, (const KV::T*)kc, (const KV::T*)vc, tables,    \
+                                table_index, max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, \
+                                d, num_blocks, bs, scale);                                               \
     }
 
-BLINK_EXPORT(bf16, BF16)
-BLINK_EXPORT(f32, F32)
+BLINK_POOL_EXPORT(bf16, BF16, BF16)
+BLINK_POOL_EXPORT(f32, F32, F32)
+BLINK_POOL_EXPORT(f32kv16, F32, BF16)
 
 // Team bodies for blink_forward (forward.cc), bf16 or float32 by `bf16`: called by every thread of
 // an OpenMP team, the rows (attention: sequence x kv head pairs) shared out with orphaned `omp for`
@@ -667,6 +694,14 @@ static inline void by_dtype(bool bf16, Fn&& fn) {
     else fn(F32{});
 }
 
+// (activations, pool): bf16 activations keep a bf16 pool; float32 ones a float32 or a bf16 pool.
+template <class Fn>
+static inline void by_dtypes(bool bf16, bool kv_bf16, Fn&& fn) {
+    if (bf16) fn(BF16{}, BF16{});
+    else if (kv_bf16) fn(F32{}, BF16{});
+    else fn(F32{}, F32{});
+}
+
 void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
                   float eps) {
     by_dtype(bf16, [&](auto p) {
@@ -676,26 +711,28 @@ void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* ou
     });
 }
 
-void rope_cache(bool bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots, void* kc, void* vc,
-                int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head, int64_t kv_heads,
-                int64_t d, int64_t pool_slots) {
-    by_dtype(bf16, [&](auto p) {
+void rope_cache(bool bf16, bool kv_bf16, void* qkv, const void* cos, const void* sin, const int64_t* slots,
+                void* kc, void* vc, int64_t tokens, int64_t heads_total, int64_t rope_heads, int64_t k_head,
+                int64_t kv_heads, int64_t d, int64_t pool_slots) {
+    by_dtypes(bf16, kv_bf16, [&](auto p, auto kv) {
         using P = decltype(p);
-        ::rope_cache<P>((typename P::T*)qkv, (const typename P::T*)cos, (const typename P::T*)sin, slots,
-                        (typename P::T*)kc, (typename P::T*)vc, tokens, heads_total, rope_heads, k_head, kv_heads,
-                        d, pool_slots);
+        using KV = decltype(kv);
+        ::rope_cache<P, KV>((typename P::T*)qkv, (const typename P::T*)cos, (const typename P::T*)sin, slots,
+                            (typename KV::T*)kc, (typename KV::T*)vc, tokens, heads_total, rope_heads, k_head,
+                            kv_heads, d, pool_slots);
     });
 }
 
-void decode_attention(bool bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
+void decode_attention(bool bf16, bool kv_bf16, const void* q, int64_t q_stride, const void* kc, const void* vc,
                       const int64_t* tables, int64_t max_blocks, const int64_t* context_lens, void* o,
                       int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t bs,
                       float scale) {
-    by_dtype(bf16, [&](auto p) {
+    by_dtypes(bf16, kv_bf16, [&](auto p, auto kv) {
         using P = decltype(p);
-        ::decode_attention<P>((const typename P::T*)q, q_stride, (const typename P::T*)kc,
-                              (const typename P::T*)vc, tables, nullptr, max_blocks, context_lens,
-                              (typename P::T*)o, batch, heads, kv_heads, d, num_blocks, bs, scale);
+        using KV = decltype(kv);
+        ::decode_attention<P, KV>((const typename P::T*)q, q_stride, (const typename KV::T*)kc,
+                                  (const typename KV::T*)vc, tables, nullptr, max_blocks, context_lens,
+                                  (typename P::T*)o, batch, heads, kv_heads, d, num_blocks, bs, scale);
     });
 }
 

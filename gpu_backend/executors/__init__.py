@@ -49,6 +49,7 @@ class ExecutorOptions:
     max_model_len: int | None = None
     threads: int | None = None
     dtype: str = "auto"                 # cpu executor: auto | float32 | bfloat16
+    kv_cache_dtype: str = "auto"        # cpu executor: auto | float32 | bfloat16 (cpu.resolve_kv_dtype)
     shutdown_grace_s: float = 2.0
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)
     step_ms: float = 0.0                # null executor: each engine step takes at least this long (0: no pacing)

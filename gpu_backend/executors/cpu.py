@@ -3,7 +3,8 @@
     load_model(spec) -> LlamaModel (--dtype; bf16 where the CPU has it; --dtype auto keeps a
     GGUF's quantized matrices in their blocks) -> prepare_model (cpu_linear.py: fused q|k|v
     and gate|up, quantized ones on quant.cc's integer matmul, oneDNN-prepacked bf16 weights)
-    + KVPool sized from --kv-cache-mb (and the seats from it) -> Engine(ring, CpuRunner) -> per step:
+    + KVPool sized from --kv-cache-mb (and the seats from it), in --kv-cache-dtype (resolve_kv_dtype:
+    the model's, or bf16 under quantized weights computed in float32) -> Engine(ring, CpuRunner) -> per step:
       StepBatch -> flat batch (single-token chunks first, then prefill chunks):
       input_ids [T], positions [T], PagedBatch -> KernelForward (cpu_forward.py: the
       fused C++ kernels of gpu_backend/cpu_kernels between the matmuls) where the model
@@ -38,7 +39,7 @@ from ..sampling import sample
 from ..scheduler.sequence import Sequence
 from . import ExecutorOptions
 from .cpu_forward import KernelForward
-from .cpu_linear import prepare_model
+from .cpu_linear import QuantKernelLinear, prepare_model
 
 log = logging.getLogger("blink.gpu_daemon")
 
@@ -186,6 +187,25 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, quantized: bool,
+                     kernels: cpu_kernels.CpuKernels | None) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype (vLLM's auto), except for a model served on
+    its quantized blocks (the embedded Q4_1 GGUF) in float32 on the CPU kernels (CPUs without bf16
+    math, e.g. AVX2-only): there bfloat16, as llama.cpp keeps its K/V in f16 under quantized weights.
+    The activations there are int8 codes for every matmul already; bf16 K/V halve the bytes a
+    decode step reads from the pool (at SmolLM2's shape 46 KiB a position in float32: ~9 MB a token
+    at a 200-token context, ~9% of what its weights add) and double the sequences a KV budget holds.
+    float32 under bfloat16 activations gains nothing and is refused."""
+    if name == "auto":
+        mixed = quantized and model_dtype == torch.float32 and kernels is not None
+        return torch.bfloat16 if mixed else model_dtype
+    kv = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if model_dtype == torch.bfloat16 and kv == torch.float32:
+        raise ValueError("--kv-cache-dtype float32 under --dtype bfloat16: a float32 cache of bfloat16 "
+                         "activations holds nothing more; use auto or bfloat16")
+    return kv
+
+
 def cpu_has_native_bf16() -> bool:
     """The CPU's flags say bf16 math (AVX512-BF16 or AMX), and BLINK_CPU_ISA, where set, does not
     narrow the kernels below it: BLINK_CPU_ISA=avx2 on this CPU then serves as an AVX2-only CPU
@@ -220,7 +240,9 @@ class CpuExecutor:
         self.options = options
         cfg = model.config
         bs = options.block_size
-        dtype_bytes = torch.finfo(model.dtype).bits // 8
+        quantized = any(isinstance(m, QuantKernelLinear) for m in model.modules())
+        self.kv_dtype = resolve_kv_dtype(options.kv_cache_dtype, model.dtype, quantized, self.kernels)
+        dtype_bytes = torch.finfo(self.kv_dtype).bits // 8
         num_blocks = blocks_for_budget((options.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 1024 * 1024,
                                        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs, dtype_bytes)
         if num_blocks < 1:
@@ -239,9 +261,9 @@ class CpuExecutor:
             max_batch_size=options.max_batch_size or default_max_batch_size(num_blocks, bs),
             max_prefill_tokens=options.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS, block_size=bs))
         self.pool = KVPool(KVCacheConfig(num_blocks, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
-                           dtype=model.dtype, device=model.device)
-        log.info("KV pool: %d blocks of %d tokens (%.0f MiB), context %d", num_blocks, bs,
-                 self.pool.nbytes / 2**20, max_len)
+                           dtype=self.kv_dtype, device=model.device)
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s), context %d", num_blocks, bs,
+                 self.pool.nbytes / 2**20, str(self.kv_dtype).removeprefix("torch."), max_len)
         assert blocks_needed(max_len, bs) <= num_blocks
 
     def engine(self, ring: Ring, scenario=None) -> Engine:

@@ -48,7 +48,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("num_blocks", _i64), ("block_size", _i64), ("bf16", _i64), ("isa", _i64),
-                ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64), ("layer", ctypes.POINTER(Layer))]
+                ("kv_bf16", _i64), ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64), ("layer", ctypes.POINTER(Layer))]
 
 
 class Step(ctypes.Structure):
@@ -84,7 +84,8 @@ class FusedDecode:
         self._model = Model(layers=len(plans), hidden=forward.hidden, heads=self.heads, kv_heads=self.kv_heads,
                             head_dim=self.head_dim, inter=self.inter, num_blocks=forward.num_blocks,
                             block_size=forward.block_size, bf16=int(self.dtype == torch.bfloat16),
-                            isa=mats[0][0].isa, first_w=forward.first_w, first_eps=forward.first_eps,
+                            isa=mats[0][0].isa, kv_bf16=int(forward.kv_dtype == torch.bfloat16),
+                            first_w=forward.first_w, first_eps=forward.first_eps,
                             scale=self.head_dim ** -0.5, layer=self._layers)
         self._scratch: tuple[int, dict[str, torch.Tensor]] | None = None
 

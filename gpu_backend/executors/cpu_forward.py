@@ -23,7 +23,8 @@ go straight to ctypes with data pointers taken once at setup (weights) or once a
 (activations): shapes are fixed by the model and checked here, once, so the per-layer
 Python cost is a few microseconds. Quantized projections (cpu_linear.QuantKernelLinear)
 run on their GGUF blocks. Applies to fused models without q/k norm (Llama,
-SmolLM2, Mistral, Qwen2) in bfloat16 or float32; `KernelForward.applicable` says when,
+SmolLM2, Mistral, Qwen2) in bfloat16 or float32, over a pool of the model's dtype or a bf16
+pool under float32 (the kernels' f32kv16 entries); `KernelForward.applicable` says when,
 and the executor keeps the PyTorch path otherwise.
 """
 from __future__ import annotations
@@ -103,7 +104,8 @@ class KernelForward:
             raise ValueError("KernelForward needs a fused model without q/k norm in bf16 or f32")
         cfg = model.config
         pc = pool.config
-        if (pool.k.dtype != model.dtype or pc.num_layers != cfg.num_layers or pc.num_kv_heads != cfg.num_kv_heads
+        if (not kernels.pool_dtypes_ok(model.dtype, pool.k.dtype) or pool.v.dtype != pool.k.dtype
+                or pc.num_layers != cfg.num_layers or pc.num_kv_heads != cfg.num_kv_heads
                 or pc.head_dim != cfg.head_dim or not pool.k.is_contiguous() or not pool.v.is_contiguous()):
             raise ValueError(f"KV pool {tuple(pool.k.shape)} {pool.k.dtype} does not fit the model")
         self.model = model
@@ -116,10 +118,11 @@ class KernelForward:
         first = layers[0].input_layernorm
         self.first_w, self.first_eps = first.weight.data_ptr(), first.eps
         dt = model.dtype
+        self.kv_dtype = kv = pool.k.dtype          # the model's, or bf16 under float32 (half the KV bytes)
         self.add_rms_norm = kernels.raw("add_rms_norm", dt)
-        self.rope_cache = kernels.raw("rope_cache", dt)
-        self.decode_attention = kernels.raw("decode_attention", dt)
-        self.prefill_attention = kernels.raw("prefill_attention", dt)
+        self.rope_cache = kernels.raw("rope_cache", dt, kv)
+        self.decode_attention = kernels.raw("decode_attention", dt, kv)
+        self.prefill_attention = kernels.raw("prefill_attention", dt, kv)
         self.attention_isa = kernels.attention_isa
         self.silu_mul = kernels.raw("silu_mul", dt)
         self._rope_cos = self._rope_sin = None   # [cap, D] each: m.rope over positions 0..cap-1 (rope())

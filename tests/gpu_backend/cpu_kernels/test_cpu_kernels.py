@@ -294,3 +294,49 @@ def test_kernels_split_work_over_threads_with_the_same_results():
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 48, 8),
+                                                         (6, 1, 32, 4)])
+def test_float32_activations_over_a_bf16_pool_are_the_float_pool_of_its_rounded_values(heads, kv_heads, d,
+                                                                                         block_size):
+    """The f32kv16 kernels (float32 activations, a bf16 pool: CPUs without bf16 math halve their KV
+    bytes): rope_cache writes each k/v value rounded to bf16 as .to(torch.bfloat16) does, and decode
+    and prefill attention over the bf16 pool give the bits they give over a float32 pool holding the
+    same (exactly widened) values, on every attention path this CPU has."""
+    contexts = [1, 37, block_size, 3 * block_size + 5, 130]
+    pool32, batch, qkv = paged_case(torch.float32, heads, kv_heads, d, block_size, contexts, seed=d + 1)
+    pool16 = KVPool(pool32.config, dtype=torch.bfloat16)
+    pool16.k.copy_(pool32.k)
+    pool16.v.copy_(pool32.v)
+    pool32.k.copy_(pool16.k)                                     # the float pool holds the rounded values
+    pool32.v.copy_(pool16.v)
+    cos, sin = rope_tables(torch.tensor([c - 1 for c in contexts]), d, torch.float32)
+    q16, q32 = qkv.clone(), qkv.clone()
+    KERNELS.rope_cache(q16, cos, sin, batch.slot_mapping, pool16.k[0], pool16.v[0], heads, kv_heads)
+    KERNELS.rope_cache(q32, cos, sin, batch.slot_mapping, pool32.k[0], pool32.v[0], heads, kv_heads)
+    assert torch.equal(q16, q32)                                 # RoPE on the float32 rows alike
+    written = batch.slot_mapping
+    flat16, flat32 = pool16.k[0].reshape(kv_heads, -1, d), pool32.k[0].reshape(kv_heads, -1, d)
+    assert torch.equal(flat16[:, written], flat32[:, written].to(torch.bfloat16))      # rounded, nearest even
+    assert torch.equal(pool16.v[0].reshape(kv_heads, -1, d)[:, written],
+                       pool32.v[0].reshape(kv_heads, -1, d)[:, written].to(torch.bfloat16))
+    pool32.k.copy_(pool16.k)
+    pool32.v.copy_(pool16.v)
+    got = KERNELS.decode_attention(q16, heads, pool16.k[0], pool16.v[0], batch.decode_block_tables,
+                                   batch.decode_context_lens)
+    want = KERNELS.decode_attention(q32, heads, pool32.k[0], pool32.v[0], batch.decode_block_tables,
+                                    batch.decode_context_lens)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    # prefill: one chunk of 21 rows at positions 9.., every path of this build
+    n, start = 21, 9
+    table = torch.randperm(pool16.config.num_blocks, generator=gen(4))[:-(-(start + n) // block_size)]
+    spans = torch.tensor([[0, n, start + n]])
+    rows = (torch.randn(n, heads + 2 * kv_heads, d, generator=gen(5)) * 0.3)
+    for isa in range(KERNELS.attention_isa_max + 1):
+        a = KERNELS.prefill_attention(rows, heads, pool16.k[0], pool16.v[0], table[None], spans, isa=isa)
+        b = KERNELS.prefill_attention(rows, heads, pool32.k[0], pool32.v[0], table[None], spans, isa=isa)
+        assert torch.equal(a, b), isa
+    with pytest.raises(ValueError, match="bfloat16 under float32"):      # bf16 rows over a float32 pool
+        KERNELS.decode_attention(q16.to(torch.bfloat16), heads, pool32.k[0], pool32.v[0],
+                                 batch.decode_block_tables, batch.decode_context_lens)

@@ -48,9 +48,10 @@ def served(types: str, dtype: torch.dtype, variant: dict | None = None, isa: int
     return model
 
 
-def pool_for(model, seed: int = 0) -> KVPool:
+def pool_for(model, seed: int = 0, kv_dtype: torch.dtype | None = None) -> KVPool:
     cfg = model.config
-    pool = KVPool(KVCacheConfig(NUM_BLOCKS, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), dtype=model.dtype)
+    pool = KVPool(KVCacheConfig(NUM_BLOCKS, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                  dtype=kv_dtype or model.dtype)
     g = torch.Generator().manual_seed(seed)
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))      # a cached context to attend to
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
@@ -66,9 +67,9 @@ def decode_step(model, rows: int, seed: int = 0):
     return ids, torch.tensor([s[0] for s in seqs]), PagedBatch.build(seqs, BLOCK)
 
 
-def both(model, ids, pos, batch, threads: int = 1):
+def both(model, ids, pos, batch, threads: int = 1, kv_dtype: torch.dtype | None = None):
     """(per-call hidden, pool k, pool v), (fused hidden, pool k, pool v) from the same starting pool."""
-    pool = pool_for(model)
+    pool = pool_for(model, kv_dtype=kv_dtype)
     k0, v0 = pool.k.clone(), pool.v.clone()
     fast = KernelForward(model, pool, KERNELS)
     assert fast.fused is not None
@@ -98,6 +99,17 @@ def assert_same(calls, fused):
 def test_fused_decode_equals_the_per_call_loop(types, dtype, rows):
     model = served(types, dtype)
     assert_same(*both(model, *decode_step(model, rows, seed=rows)))
+
+
+@pytest.mark.parametrize("types", TYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_decode_over_a_bf16_pool_equals_the_per_call_loop(types, rows):
+    """Float32 activations over a bf16 KV pool (the AVX2 CPUs' default for quantized weights): the
+    fused step writes and reads the pool as the per-call loop does, bit for bit."""
+    model = served(types, torch.float32)
+    calls, fused = both(model, *decode_step(model, rows, seed=rows + 11), kv_dtype=torch.bfloat16)
+    assert calls[1].dtype == torch.bfloat16
+    assert_same(calls, fused)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: cpu_kernels.ISA_NAMES[i])

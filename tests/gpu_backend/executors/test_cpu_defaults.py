@@ -55,3 +55,35 @@ def test_auto_dtype_follows_a_narrowed_isa(monkeypatch):
     assert cpu.resolve_dtype("float32") == torch.float32             # an explicit dtype is never changed
     monkeypatch.setattr(cpu, "open", lambda *a, **k: __import__("io").StringIO("flags\t: fpu avx2\n"), raising=False)
     assert cpu.resolve_dtype("auto") == torch.float32
+
+
+def test_auto_kv_dtype_is_bf16_for_quantized_weights_in_float32_on_the_kernels():
+    """--kv-cache-dtype auto: the model's dtype (vLLM's auto), except quantized weights computed in
+    float32 on the kernels (an AVX2 CPU serving the embedded Q4_1 model): bf16, as llama.cpp's f16
+    cache. An explicit choice stands; float32 under bf16 activations is refused with a reason."""
+    import pytest
+    import torch
+
+    from gpu_backend.executors.cpu import resolve_kv_dtype
+    kernels = object()
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert resolve_kv_dtype("auto", f32, True, kernels) == bf16
+    assert resolve_kv_dtype("auto", f32, False, kernels) == f32          # a float model keeps float32 K/V
+    assert resolve_kv_dtype("auto", f32, True, None) == f32              # the PyTorch layer: no mixed kernels
+    assert resolve_kv_dtype("auto", bf16, True, kernels) == bf16
+    assert resolve_kv_dtype("float32", f32, True, kernels) == f32
+    assert resolve_kv_dtype("bfloat16", f32, False, None) == bf16
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 under --dtype bfloat16"):
+        resolve_kv_dtype("float32", bf16, True, kernels)
+
+
+def test_the_kv_cache_dtype_flag_reaches_the_executor_options():
+    import argparse
+
+    from gpu_backend import cli
+    from dpu_frontend.serve import DAEMON_FLAGS
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert parser.parse_args([]).kv_cache_dtype == "auto"
+    assert parser.parse_args(["--kv-cache-dtype", "float32"]).kv_cache_dtype == "float32"
+    assert "--kv-cache-dtype" in [flag for flag, _, _ in DAEMON_FLAGS]    # `blink serve` passes it on

@@ -40,11 +40,11 @@ STEPS = [
 ]
 
 
-def run_both(model: LlamaModel, steps=STEPS):
+def run_both(model: LlamaModel, steps=STEPS, kv_dtype: torch.dtype | None = None):
     """Each step through both paths, each over its own pool -> [(PyTorch hidden, kernel hidden)]."""
     cfg = model.config
-    pools = [KVPool(KVCacheConfig(16, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), dtype=model.dtype)
-             for _ in range(2)]
+    pools = [KVPool(KVCacheConfig(16, BLOCK, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                    dtype=kv_dtype or model.dtype) for _ in range(2)]
     attn, fast = PagedAttention(pools[0]), KernelForward(model, pools[1], KERNELS)
     tokens = {seq: torch.randint(0, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(i))
               for i, seq in enumerate(BLOCKS)}
@@ -184,3 +184,18 @@ def test_rope_rows_come_from_a_table_with_the_models_values(dtype):
     assert fast._rope_cos.shape[0] == 4096                        # grew from 256 to the next power of two
     cos, _ = fast.rope(torch.tensor([3]), torch.float32)          # another dtype: the table is made again
     assert cos.dtype == torch.float32 and torch.equal(cos, model.rope(torch.tensor([3]), torch.float32)[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_layer_over_a_bf16_pool_equals_the_pytorch_layer_over_it(variant):
+    """Float32 activations over a bf16 KV pool, prefill chunks and decodes mixed: the kernels' layer
+    and PyTorch's (PagedAttention writes k/v .to(bf16), reads them back .to(float32)) agree within the
+    K/V rounding (PyTorch's prefill of a fresh sequence attends over the chunk's own unrounded k/v,
+    the kernels read every key from the pool: ~6e-3 apart at most here), and so does each against
+    the float32 pool."""
+    model = prepare_model(LlamaModel.random(tiny_config(**VARIANTS[variant]), seed=7))
+    for (want, got), (want32, got32) in zip(run_both(model, kv_dtype=torch.bfloat16), run_both(model)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(got, got32, rtol=0.02, atol=0.02)
+        assert not torch.equal(got, got32)                 # the bf16 pool was used (its rounding shows)

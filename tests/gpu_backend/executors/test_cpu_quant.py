@@ -214,9 +214,9 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     reference = prepare_model(load_model("default", dtype=torch.float32).model, KERNELS)   # the same values, float
     cfg = served.config
 
-    def runner(model):
+    def runner(model, kv_dtype=None):
         return CpuRunner(model, KVPool(KVCacheConfig(64, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
-                                       dtype=model.dtype), KERNELS)
+                                       dtype=kv_dtype or model.dtype), KERNELS)
 
     chats = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
     prompts = [tok.encode(f"<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n").ids for c in chats]
@@ -227,6 +227,10 @@ def test_smollm2_q4_1_agrees_with_its_float32_dequantization():
     picks, ref = [t for s in forced for t in s], [t for s in want for t in s]
     assert sum(a == b for a, b in zip(picks, ref)) >= 0.9 * len(ref)
     assert "Paris" in tok.decode(greedy_batch(runner(served), prompts[:1], 12)[0])
+    # float32 activations over a bf16 KV pool: how a CPU without bf16 math serves it (--kv-cache-dtype auto)
+    forced = greedy_batch(runner(served, torch.bfloat16), prompts, 24, forced=want)
+    assert sum(a == b for a, b in zip([t for s in forced for t in s], ref)) >= 0.9 * len(ref)
+    assert "Paris" in tok.decode(greedy_batch(runner(served, torch.bfloat16), prompts[:1], 12)[0])
 
     # bf16 activations, as the executor serves it where the CPU has bf16 math: prompts on the packed
     # bf16 copies (there), decode rows on the blocks
