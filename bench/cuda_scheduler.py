@@ -214,16 +214,7 @@ class Bench:
         c = rt.stats().counters
         rt.close()
         self._check(ring, n_req, prompt_len, tokens)
-        steps = c["steps_prefill"] + c["steps_decode"]
-        out["persistent"] = {
-            "makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps, "windows": c["windows"],
-            "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
-            "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
-            "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
-            **_phases(c, steps),
-            "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
-            "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3),
-            "launch_retries": c["launch_retries"]}
+        out["persistent"] = {**_persistent_stats(c, t1 - t0), "launch_retries": c["launch_retries"]}
         del ring
         mem.close()
 
@@ -274,14 +265,7 @@ class Bench:
             self._check(ring, n_req, prompt_len, tokens)
         finally:
             dring.close()
-        steps = c["steps_prefill"] + c["steps_decode"]
-        return {"makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps, "windows": c["windows"],
-                "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
-                "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
-                "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
-                **_phases(c, steps),
-                "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
-                "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
+        return _persistent_stats(c, t1 - t0)
 
     def _host_loop(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
         from gpu_backend.cuda.twin import TwinScheduler
@@ -325,6 +309,18 @@ class Bench:
             b.close()
         mem.close()
         return res
+
+
+def _persistent_stats(c, makespan_ns: int) -> dict:
+    """A persistent run's figures from its counters and makespan: per step, and by phase."""
+    steps = c["steps_prefill"] + c["steps_decode"]
+    return {"makespan_ms": round(makespan_ns / 1e6, 3), "steps": steps, "windows": c["windows"],
+            "us_per_step": round(makespan_ns / 1e3 / steps, 3),
+            "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
+            "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
+            **_phases(c, steps),
+            "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
+            "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
 
 def _phases(c, steps: int) -> dict:

@@ -106,9 +106,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     holds one (nan_rows relies on that), as torch.argmax. For float32 on the CPU numpy's, whose SIMD
     loop takes ~3 us over SmolLM2's 49152 logits where torch's reduction takes ~45 us (~1% of a
     1-row decode step)."""
+    a = _numpy_rows(x)
+    return x.argmax(dim=-1) if a is None else torch.from_numpy(a.argmax(axis=-1))
+
+
+def _numpy_rows(x: torch.Tensor) -> np.ndarray | None:
+    """x [N, vocab] as numpy (no copy) where numpy's loops serve: float32 on the CPU, no autograd."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not x.requires_grad:
-        return torch.from_numpy(x.numpy().argmax(axis=-1))
-    return x.argmax(dim=-1)
+        return x.numpy()
+    return None
 
 
 def nan_rows(raw: torch.Tensor, picks: torch.Tensor | None = None) -> list[int]:
@@ -118,8 +124,8 @@ def nan_rows(raw: torch.Tensor, picks: torch.Tensor | None = None) -> list[int]:
     rows on the CPU take numpy's gather (~3 us where torch's five small operators took ~35)."""
     if picks is None:
         return torch.isnan(raw).any(dim=-1).nonzero().flatten().tolist()
-    if raw.device.type == "cpu" and raw.dtype == torch.float32 and raw.dim() == 2 and not raw.requires_grad:
-        a = raw.numpy()
+    a = _numpy_rows(raw)
+    if a is not None:
         return np.flatnonzero(np.isnan(a[np.arange(a.shape[0]), picks.numpy()])).tolist()
     at = raw.gather(1, picks[:, None]).flatten()
     return torch.isnan(at).nonzero().flatten().tolist()

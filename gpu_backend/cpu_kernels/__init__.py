@@ -148,7 +148,7 @@ class CpuKernels:
         kv = dtype if kv_dtype is None else kv_dtype
         if kv == dtype and dtype in SUFFIX:
             return self._fns[name, SUFFIX[dtype]]
-        if name in POOL_KERNELS and dtype == torch.float32 and kv == torch.bfloat16:
+        if name in POOL_KERNELS and self.pool_dtypes_ok(dtype, kv):     # float32 over bf16
             return self._fns[name, MIXED_SUFFIX]
         raise TypeError(f"cpu kernel {name}: dtype {dtype} over a {kv} pool not supported (bfloat16, float32, "
                         f"or float32 over bfloat16)")

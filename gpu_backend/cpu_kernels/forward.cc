@@ -146,11 +146,11 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
         for (int64_t l = 0; l < m.layers; ++l) {
             const Layer& p = m.layer[l];
             rc |= matmul(m, st, p.qkv, st.normed, st.qkv);
-            blink_team::rope_cache(bf16, kv_bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total, h + kvh, h,
-                                   kvh, d, m.num_blocks * m.block_size);
-            blink_team::decode_attention(bf16, kv_bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables, st.width,
-                                         st.context_lens, st.attn, t, h, kvh, d, m.num_blocks, m.block_size,
-                                         float(m.scale));
+            blink_team::rope_cache(bf16, kv_bf16, st.qkv, st.cos, st.sin, st.slots, p.kc, p.vc, t, heads_total,
+                                   h + kvh, h, kvh, d, m.num_blocks * m.block_size);
+            blink_team::decode_attention(bf16, kv_bf16, st.qkv, heads_total * d, p.kc, p.vc, st.tables,
+                                         st.width, st.context_lens, st.attn, t, h, kvh, d, m.num_blocks,
+                                         m.block_size, float(m.scale));
             rc |= matmul(m, st, p.o, st.attn, st.proj);
             blink_team::add_rms_norm(bf16, st.x, st.proj, p.post_w, st.normed, t, m.hidden, float(p.post_eps));
             rc |= matmul(m, st, p.gate_up, st.normed, st.gate_up);

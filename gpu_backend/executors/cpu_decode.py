@@ -48,7 +48,8 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("num_blocks", _i64), ("block_size", _i64), ("bf16", _i64), ("isa", _i64),
-                ("kv_bf16", _i64), ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64), ("layer", ctypes.POINTER(Layer))]
+                ("kv_bf16", _i64), ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64),
+                ("layer", ctypes.POINTER(Layer))]
 
 
 class Step(ctypes.Structure):
