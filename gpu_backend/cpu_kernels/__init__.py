@@ -1,7 +1,7 @@
-"""Fused CPU kernels (kernels.cc, quant.cc, attention.cc, forward.cc) for the CPU executor, built
-once with g++ and called by ctypes.
+"""Fused CPU kernels (kernels.cc, quant.cc, attention.cc, forward.cc, q8_bf16.cc) for the CPU
+executor, built once with g++ and called by ctypes.
 
-    kernels.cc + quant.cc + attention.cc + forward.cc --g++ -O3 -march=native -fopenmp-->
+    kernels.cc + quant.cc + attention.cc + forward.cc + q8_bf16.cc --g++ -O3 -march=native -fopenmp-->
       ${BLINK_CACHE_DIR:-~/.cache/blink}/cpu_kernels/
       <hash of sources, flags, compiler, CPU flags>/libblink_cpu_kernels.so (published atomically)
     -> load() -> CpuKernels: add_rms_norm, rope_cache, decode_attention, silu_mul,
@@ -11,7 +11,8 @@ once with g++ and called by ctypes.
        tensors (shapes and dtypes checked here, data pointers handed to C), and forward_decode:
        a quantized model's whole decoder stack for a step of decode rows in one call
        (forward.cc over the team bodies of the others; executors/cpu_decode.py builds its
-       descriptors)
+       descriptors), and (AVX512-BF16) q8bf16: a Q8_0 matrix repacked once as exact bf16 codes,
+       times bf16 activations with float32 sums (q8_bf16.cc: the tied logits head of a batch)
 
 quant.cc has a scalar, an AVX2 and an AVX512-VNNI path, attention.cc a scalar, an AVX2, an
 AVX512F and (prefill of bf16 data) an AVX512-BF16 path; `isa` picks one per call, and
@@ -38,7 +39,7 @@ from ..cuda.build import BuildError, _publish, _run, _version, find_gxx
 log = logging.getLogger("blink.gpu_daemon")
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
-SOURCES = (SOURCE, SOURCE.with_name("quant.cc"), SOURCE.with_name("attention.cc"), SOURCE.with_name("forward.cc"))
+SOURCES = tuple(SOURCE.with_name(name) for name in ("kernels.cc", "quant.cc", "attention.cc", "forward.cc", "q8_bf16.cc"))
 GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
              "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
@@ -69,6 +70,10 @@ _QUANT_SIGNATURES = {        # quant.cc's C ABI: name -> (argtypes, restype)
     "quant_matmul_fx": ([_int, _ptr, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _int, _int], _int),
     "attention_isa_max": ([], _int),
     "forward_decode": ([_ptr, _ptr, _int], _int),
+    "q8bf16_available": ([], _int),                                     # q8_bf16.cc
+    "q8bf16_bytes": ([_i64, _i64], _i64),
+    "q8bf16_pack": ([_ptr, _ptr, _i64, _i64, _int], _int),
+    "q8bf16_matmul": ([_ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int], _int),
 }
 _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                            _int, _int]
@@ -106,7 +111,7 @@ def build(gxx: str | None = None) -> pathlib.Path:
     def compile_to(tmp: pathlib.Path) -> pathlib.Path:
         out = tmp / LIB_NAME
         _run([gxx, *GXX_FLAGS, *map(str, SOURCES), "-o", str(out)],
-             "g++ cpu_kernels/kernels.cc quant.cc attention.cc forward.cc")
+             "g++ cpu_kernels/" + " ".join(src.name for src in SOURCES))
         return out
 
     return _publish(compile_to, cache_root() / h.hexdigest()[:16], LIB_NAME)
@@ -141,6 +146,9 @@ class CpuKernels:
             self._fns["prefill_attention", suffix] = fn
         self.attention_isa_max = int(self._fns["attention_isa_max", "quant"]())
         self.attention_isa = requested_isa(self.attention_isa_max)
+        # q8_bf16.cc's matmul: built for this CPU (AVX512-BF16), and BLINK_CPU_ISA does not narrow below it.
+        bf16 = len(ISA_NAMES) - 1
+        self.has_q8bf16 = bool(self._fns["q8bf16_available", "quant"]()) and requested_isa(bf16) == bf16
 
     def _fn(self, name: str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         """The function for activations of `dtype` (and, for the pool kernels, a pool of kv_dtype:
@@ -166,7 +174,7 @@ class CpuKernels:
                 raise TypeError("cpu kernel linear: bf16 on AVX512-BF16 only")
             return self._linear
         if name in ("quantize_act", "quant_matmul", "quant_dequantize", "quant_matmul_fx", "quant_repack",
-                    "forward_decode"):
+                    "forward_decode", "q8bf16_matmul"):
             return self._fns[name, "quant"]
         return self._fn(name, dtype, kv_dtype)
 
@@ -393,6 +401,37 @@ class CpuKernels:
         self._fns["quant_matmul_fx", "quant"](wtype, blocks.data_ptr(), xf.data_ptr(), k,
                                              None if bias is None else bias.data_ptr(), y.data_ptr(),
                                              int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
+        return y
+
+    def q8bf16_pack(self, blocks: torch.Tensor, k: int) -> torch.Tensor | None:
+        """GGUF Q8_0 rows uint8 [N, row bytes] -> the same matrix in q8_bf16.cc's G16 layout (codes as
+        exact bf16, 16 rows a vector, float32 scales), 2 bytes a weight; None where this CPU cannot
+        multiply it (no AVX512-BF16, or BLINK_CPU_ISA narrower) or it does not exist (N % 16, K % 32)."""
+        n = blocks.shape[0]
+        size = int(self._fns["q8bf16_bytes", "quant"](n, k))
+        if not self.has_q8bf16 or size < 0:
+            return None
+        rb = self.quant_row_bytes(8, k)
+        if blocks.dtype != torch.uint8 or blocks.shape != (n, rb):
+            raise ValueError(f"q8bf16_pack: blocks {tuple(blocks.shape)} {blocks.dtype}: Q8_0 rows of {rb} bytes")
+        src = blocks.contiguous()
+        out = torch.empty(size, dtype=torch.uint8)
+        assert self._fns["q8bf16_pack", "quant"](src.data_ptr(), out.data_ptr(), n, k, _threads()) == 0
+        return out
+
+    def q8bf16_matmul(self, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] bf16 @ W^T -> float32 [M, N], W a q8bf16_pack() of N rows: the float32 matmul of the
+        dequantized Q8_0 matrix (every product exact), in another summation order."""
+        m, k = x.shape
+        _check(x)
+        if (x.dtype != torch.bfloat16 or packed.dtype != torch.uint8
+                or packed.numel() != int(self._fns["q8bf16_bytes", "quant"](n, k))):
+            raise ValueError(f"q8bf16_matmul: x {tuple(x.shape)} {x.dtype}, {packed.numel()} packed bytes for N {n}")
+        y = torch.empty((m, n))
+        rc = self._fns["q8bf16_matmul", "quant"](packed.data_ptr(), x.data_ptr(), k, y.data_ptr(), n, m, n, k,
+                                                 _threads())
+        if rc != 0:
+            raise ValueError("q8bf16_matmul: this build has no AVX512-BF16")
         return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -250,11 +250,20 @@ class QuantKernelLinear(nn.Module):
 # 1 row, 4.8 / 16.4 at 8, 9.2 / 18.3 at 16, 18.2 / 26.7 at 32 (a noisy machine; the float
 # table reads 3.8x the bytes and is bandwidth-bound to ~16 rows).
 FX_HEAD_MAX_ROWS = 32
+# Sampled rows from which a bf16 model's Q8_0 head (CPUs with AVX512-BF16) multiplies its G16 copy
+# (q8_bf16.cc: exact bf16 codes, vdpbf16ps, float32 sums) instead of the blocks: SmolLM2's head, 2
+# threads, Zen 4, 15 alternating rounds, median (the blocks / G16): 3.94 / 2.25 ms at 4 rows, 5.42 /
+# 3.15 at 8, 8.85 / 4.30 at 16, 13.96 / 5.72 at 32, and at 64 9.93 against 11.2 for the bf16 table
+# (whose logits are rounded to bf16). At 1-3 rows reading the bytes is the cost, and the copy has
+# twice the blocks' (0.83 ms at 1 row on the blocks).
+G16_HEAD_MIN_ROWS = 4
 
 
 class FloatActHead(nn.Module):
     """A tied logits head over its GGUF blocks: x [M, K] -> float32 logits [M, V] = x @ dequant(W)^T,
-    the float32 matmul of the dequantized table in another summation order (no activation codes)."""
+    the float32 matmul of the dequantized table in another summation order (no activation codes).
+    A Q8_0 head of a bf16 model on an AVX512-BF16 CPU keeps a G16 copy for batches of
+    G16_HEAD_MIN_ROWS rows or more: the same sums from bf16 dot products (every product exact)."""
 
     def __init__(self, quant: QuantLinear, kernels: cpu_kernels.CpuKernels, table: torch.Tensor):
         super().__init__()
@@ -265,20 +274,31 @@ class FloatActHead(nn.Module):
         self.type_name = seg.type_name
         self.table = table.detach()                 # [V, K]: the embedding weight (shared, not a copy)
         self._fn, self.isa = kernels.raw("quant_matmul_fx"), kernels.quant_isa
+        # bf16 activations on AVX512-BF16: the G16 copy (None elsewhere, or for other types and shapes).
+        self.g16 = kernels.q8bf16_pack(seg.blocks, seg.k) if seg.wtype == 8 and table.dtype == torch.bfloat16 \
+            else None
+        self._g16_fn = kernels.raw("q8bf16_matmul") if self.g16 is not None else None
         self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k, x8=False)   # scales first
         self._ptr = self.blocks.data_ptr()
 
     def block_tensors(self) -> list[torch.Tensor]:
-        """The bytes a decode-sized batch streams: the blocks, not the float table."""
+        """The bytes a 1-row batch streams: the blocks, not the float table or the G16 copy."""
         return [self.blocks]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.type_name}"
+        g16 = f", g16 from {G16_HEAD_MIN_ROWS} rows" if self.g16 is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.type_name}{g16}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
+        if self.g16 is not None and m >= G16_HEAD_MIN_ROWS and x2.dtype == torch.bfloat16:
+            xb = x2.contiguous()
+            y = torch.empty((m, self.out_features))
+            self._g16_fn(self.g16.data_ptr(), xb.data_ptr(), self.in_features, y.data_ptr(), self.out_features, m,
+                         self.out_features, self.in_features, torch.get_num_threads())
+            return y.view(*lead, self.out_features)
         if m > FX_HEAD_MAX_ROWS:
             return F.linear(x2.to(self.table.dtype), self.table).float().view(*lead, self.out_features)
         xf = x2.float().contiguous()

@@ -90,6 +90,25 @@ def test_a_tied_head_gives_the_float_logits_of_its_embedding_table(rows):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, cpu_linear.G16_HEAD_MIN_ROWS, 9, cpu_linear.FX_HEAD_MAX_ROWS + 1])
+def test_a_bf16_models_tied_head_keeps_float32_logits_of_the_blocks(rows):
+    """A bf16 model's FloatActHead: 1-3 rows on the blocks, from G16_HEAD_MIN_ROWS on (AVX512-BF16)
+    the G16 copy, and past FX_HEAD_MAX_ROWS too (not the bf16 table): always the float32 product of
+    the bf16 activations with the dequantized blocks, not of the table rounded to bf16."""
+    model = quantize_model(tiny(dict(tie_word_embeddings=True, vocab_size=96)), {}, Q.Q8_0)
+    w = model.logits_head.dequantize().double()
+    model = prepare_model(model.to(torch.bfloat16), KERNELS)
+    head = model.logits_head
+    assert isinstance(head, cpu_linear.FloatActHead)
+    assert (head.g16 is not None) == KERNELS.has_q8bf16
+    x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = model.compute_logits(x)
+    assert got.dtype == torch.float32
+    if rows > cpu_linear.FX_HEAD_MAX_ROWS and head.g16 is None:
+        return                              # the bf16 table through oneDNN: bf16 logits (as before)
+    torch.testing.assert_close(got.double(), x.double() @ w.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_mixed_types_in_one_fused_projection_each_fill_their_columns():
     model = quantize_model(tiny({}), {"k_proj": Q.Q8_0, "up_proj": Q.Q4_0}, Q.Q4_1)
     reference = copy.deepcopy(model)
