@@ -80,8 +80,11 @@ _PREFILL_ATTENTION_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr,
 QUANT_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}     # ggml type id -> name: what quant.cc reads
 SPLIT = 0x100           # | a type id: its rows repacked by CpuKernels.repack (f16 scales first, then codes)
 X8 = 0x200              # | Q4_0 / Q4_1: groups of 8 rows interleaved block by block (CpuKernels.repack)
+X16 = 0x400             # | Q4_0 / Q4_1: the same in groups of 16 rows (zmm; where the avx512 path runs)
+GROUPED = X8 | X16      # either: the matmul reads rows interleaved in groups
 QUANT_TYPES.update({SPLIT | t: f"{QUANT_TYPES[t]}(split)" for t in (2, 3, 8)})
 QUANT_TYPES.update({X8 | t: f"{QUANT_TYPES[t]}(x8)" for t in (2, 3)})
+QUANT_TYPES.update({X16 | t: f"{QUANT_TYPES[t]}(x16)" for t in (2, 3)})
 # The kernels' paths, narrowest first (quant.cc's go to avx512, attention.cc's to avx512bf16).
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 ISA_ENV = "BLINK_CPU_ISA"
@@ -317,18 +320,28 @@ class CpuKernels:
             return -1
         return int(self._fns["quant_row_bytes", "quant"](wtype, k))
 
-    def repack(self, wtype: int, blocks: torch.Tensor, k: int, x8: bool = True) -> tuple[int, torch.Tensor]:
+    def repack(self, wtype: int, blocks: torch.Tensor, k: int, x8: bool = True,
+               x16: bool | None = None) -> tuple[int, torch.Tensor]:
         """blocks uint8 [N, row bytes] of ggml type wtype -> (new type, the same bytes rearranged for
-        quant_linear): Q4_0 / Q4_1 with N % 8 == 0 as X8 (8 rows a vector) unless x8 is False,
+        quant_linear): Q4_0 / Q4_1 in groups of rows unless x8 is False: X16 (16 rows a zmm; x16 None:
+        where the default path is avx512 and N % 16 == 0), else X8 (8 rows a ymm, N % 8 == 0);
         Q4_0 / Q4_1 / Q8_0 otherwise as SPLIT (each row's f16 scales first: quant_linear_fx reads
         these); Q4_K as given."""
         rb = self.quant_row_bytes(wtype, k)
-        if (rb < 0 or wtype & (SPLIT | X8) or blocks.dtype != torch.uint8 or blocks.dim() != 2
+        if (rb < 0 or wtype & (SPLIT | GROUPED) or blocks.dtype != torch.uint8 or blocks.dim() != 2
                 or blocks.shape[1] != rb):
             raise ValueError(f"repack: blocks {tuple(blocks.shape)} of type {QUANT_TYPES.get(wtype, wtype)}, K {k}")
         if wtype == 12:
             return wtype, blocks
-        want = X8 | wtype if x8 and wtype in (2, 3) and blocks.shape[0] % 8 == 0 else SPLIT | wtype
+        n = blocks.shape[0]
+        if x16 is None:
+            x16 = self.quant_isa >= 2
+        if x8 and wtype in (2, 3) and x16 and n % 16 == 0:
+            want = X16 | wtype
+        elif x8 and wtype in (2, 3) and n % 8 == 0:
+            want = X8 | wtype
+        else:
+            want = SPLIT | wtype
         src = blocks.contiguous()
         out = torch.empty_like(src)
         got = int(self._fns["quant_repack", "quant"](want, src.data_ptr(), out.data_ptr(), src.shape[0], k))

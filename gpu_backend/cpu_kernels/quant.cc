@@ -20,13 +20,16 @@
 //   X8        Q4_0/Q4_1, N % 8 == 0: 8 rows interleaved a block at a time, so the 8 int32 lanes of a
 //             ymm are 8 weight rows: no horizontal sums, one conversion and scale per 8 rows of a
 //             block (ggml's q4_0_8x8 arrangement); what the CPU executor serves Q4 matrices as
+//             where the CPU has no AVX512-VNNI
+//   X16       the same with 16 rows, a zmm's 16 lanes: what it serves them as with AVX512-VNNI
 //
 // Paths, picked per call by `isa` (the caller clamps it to blink_quant_isa_max()):
 //   0 scalar   plain C++, the reference the others are tested against
 //   1 avx2     AVX2 + FMA + F16C, 16 ymm registers: tiles of up to 4 x 2 / 1 x 4
 //   2 avx512   AVX512-VNNI on ymm (vpdpbusd: one instruction for maddubs + madd), 32 registers:
-//              tiles of up to 4 x 4 (X8: 8 rows of x a group); compiled only where -march=native has
-//              AVX512-VNNI + VL
+//              tiles of up to 4 x 4 (X8: 8 rows of x a group); X16 on zmm (8 rows of x a group);
+//              compiled only where -march=native has AVX512-VNNI + VL. X16 has no ymm path: below
+//              avx512 it takes the scalar loop (CpuKernels.repack picks X8 there)
 // Integer sums are exact on every path and the activation codes are computed by one scalar
 // routine, so the paths differ only in the order of the float additions.
 #include <cmath>
@@ -61,9 +64,15 @@ constexpr int SPLIT = 0x100;
 // q-th holding bytes 4q..4q+3 of rows 0..7]. A 1-row matmul then needs no horizontal sums and one
 // float conversion and multiply per 8 rows of a block, not per row (ggml's q4_0_8x8 idea). N % 8 == 0.
 constexpr int X8 = 0x200;
+// X16 | type (Q4_0, Q4_1): the same with groups of 16 rows, for zmm (AVX512-VNNI): per block of a group
+// [d x 16 f16][m x 16 f16, Q4_1 only][codes: 4 x 64 bytes, the q-th holding bytes 4q..4q+3 of rows
+// 0..15]. One vpdpbusd covers 16 weight rows, so each broadcast of x, conversion and scale serves 16
+// rows, and the matrix is still one sequential stream. N % 16 == 0.
+constexpr int X16 = 0x400;
 constexpr int base_type(int t) { return t & 0xff; }
 constexpr bool is_split(int t) { return (t & SPLIT) != 0; }
-constexpr bool is_x8(int t) { return (t & X8) != 0; }
+constexpr bool is_x8(int t) { return (t & (X8 | X16)) != 0; }             // rows interleaved in groups
+constexpr int group_rows(int t) { return (t & X16) ? 16 : 8; }             // ... of this many rows
 constexpr int code_bytes(int t) { return base_type(t) == Q8_0 ? 32 : 16; }       // codes of a split block
 constexpr int scale_bytes(int t) { return base_type(t) == Q4_1 ? 4 : 2; }        // f16 d (and m) of one
 
@@ -103,7 +112,7 @@ struct Codes {
 
 int64_t row_bytes(int t, int64_t k) {
     if ((is_split(t) && base_type(t) == Q4_K) || (is_x8(t) && base_type(t) != Q4_0 && base_type(t) != Q4_1)) return -1;
-    if (is_split(t) && is_x8(t)) return -1;
+    if ((is_split(t) && is_x8(t)) || ((t & X8) && (t & X16))) return -1;
     switch (base_type(t)) {
         case Q4_0: return k / 32 * 18;
         case Q4_1: return k / 32 * 20;
@@ -796,39 +805,43 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
 }
 
 
-// ---- X8: 8 weight rows a ymm ----
-// The block b of group g (rows 8g .. 8g+7) starts at w + g * 8 * rb + b * X8_BLOCK(T).
+// ---- X8 / X16: 8 weight rows a ymm, 16 a zmm ----
+// The block b of group g (rows R g .. R g + R - 1, R = group_rows(T)) starts at w + g * R * rb + b * BB,
+// BB = x8_block_bytes<T>().
 template <int T>
-constexpr int64_t x8_block_bytes() { return 8 * (scale_bytes(T) + 16); }
+constexpr int64_t x8_block_bytes() { return group_rows(T) * (scale_bytes(T) + 16); }
 
 template <int T>
 inline const uint8_t* x8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
-    return w + (n / 8) * 8 * rb + b * x8_block_bytes<T>();
+    constexpr int R = group_rows(T);
+    return w + (n / R) * R * rb + b * x8_block_bytes<T>();
 }
 
 // Row n's block b as a GGUF-style 16 code bytes (scalar paths, dequantization) and its scales.
 template <int T>
 inline void x8_row_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b, uint8_t* qs16, float* d, float* m) {
+    constexpr int R = group_rows(T);
     const uint8_t* blk = x8_block<T>(w, rb, n, b);
-    const int r = int(n % 8);
+    const int r = int(n % R);
     *d = f16(blk + 2 * r);
-    *m = base_type(T) == Q4_1 ? f16(blk + 16 + 2 * r) : -8.f * *d;
-    const uint8_t* codes = blk + 8 * scale_bytes(T);
-    for (int q = 0; q < 4; ++q) std::memcpy(qs16 + 4 * q, codes + 32 * q + 4 * r, 4);
+    *m = base_type(T) == Q4_1 ? f16(blk + 2 * R + 2 * r) : -8.f * *d;
+    const uint8_t* codes = blk + R * scale_bytes(T);
+    for (int q = 0; q < 4; ++q) std::memcpy(qs16 + 4 * q, codes + 4 * R * q + 4 * r, 4);
 }
 
 template <int T>
 void repack_x8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
+    constexpr int R = group_rows(T);
     const int64_t nb = K / QK, rb = row_bytes(base_type(T), K), gb = rb / nb;
     constexpr int sb = scale_bytes(T);
     for (int64_t n = 0; n < N; ++n) {
-        const int r = int(n % 8);
+        const int r = int(n % R);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* src = w + n * rb + b * gb;
-            uint8_t* blk = out + (n / 8) * 8 * rb + b * x8_block_bytes<T>();
+            uint8_t* blk = out + (n / R) * R * rb + b * x8_block_bytes<T>();
             std::memcpy(blk + 2 * r, src, 2);
-            if constexpr (base_type(T) == Q4_1) std::memcpy(blk + 16 + 2 * r, src + 2, 2);
-            for (int q = 0; q < 4; ++q) std::memcpy(blk + 8 * sb + 32 * q + 4 * r, src + sb + 4 * q, 4);
+            if constexpr (base_type(T) == Q4_1) std::memcpy(blk + 2 * R + 2 * r, src + 2, 2);
+            for (int q = 0; q < 4; ++q) std::memcpy(blk + R * sb + 4 * R * q + 4 * r, src + sb + 4 * q, 4);
         }
     }
 }
@@ -998,6 +1011,108 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
     }
 }
 
+#if BLINK_Q_AVX512
+// X16: one group (16 weight rows) against MR rows of x on zmm. The integer sums and the float
+// operations per lane are x8_tile's (VNNI), so are the bits; each x quad's broadcast, each row's
+// conversion and scale FMAs serve 16 weight rows instead of 8. Why: x8_tile peaked at ~330 G int8
+// ops/s on 2 Zen 4 cores with the matrix in cache (43% of ymm vpdpbusd's rate), held by the
+// instructions around the dot products, not by them. (Two X8 groups joined into a zmm ran ~40% faster
+// from cache too, but read W as two streams, and from DRAM a 1-row matmul took ~1.5x as long.)
+inline __m512i quad_at16(const float_alias* xq, int q) {
+    return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(xq + q)));
+}
+
+template <int T, int MR>
+void x16_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K, const Out& out, int64_t n0) {
+    constexpr int64_t BB = x8_block_bytes<T>();
+    constexpr int SB = scale_bytes(T);
+    constexpr bool kHigh16 = MR <= 4;               // as x8_tile: two chains a row where registers allow
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR];
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = grp + b * BB;
+        __m512i c[8];
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) {
+            const __m512i v = _mm512_loadu_si512(blk + 16 * SB + 64 * q);
+            c[q] = _mm512_and_si512(v, low4);
+            c[q + 4] = kHigh16 ? _mm512_andnot_si512(low4, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        const __m512 mw = base_type(T) == Q4_1
+            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+            : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+        const float_alias* xb = reinterpret_cast<const float_alias*>(a.qs + m0 * K + b * QK);
+        const int64_t kq = K / 4;
+        __m512i sums[MR];
+        if constexpr (kHigh16) {
+            __m512i hi[MR];
+            #pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
+                sums[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], quad_at16(xb + m * kq, 0));
+                hi[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[4], quad_at16(xb + m * kq, 4));
+            }
+            #pragma GCC unroll 8
+            for (int q = 1; q < 4; ++q)
+                #pragma GCC unroll 8
+                for (int m = 0; m < MR; ++m) {
+                    sums[m] = _mm512_dpbusd_epi32(sums[m], c[q], quad_at16(xb + m * kq, q));
+                    hi[m] = _mm512_dpbusd_epi32(hi[m], c[q + 4], quad_at16(xb + m * kq, q + 4));
+                }
+            #pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) sums[m] = _mm512_add_epi32(sums[m], _mm512_srai_epi32(hi[m], 4));
+        } else {
+            #pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m)
+                sums[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], quad_at16(xb + m * kq, 0));
+            #pragma GCC unroll 8
+            for (int q = 1; q < 8; ++q)
+                #pragma GCC unroll 8
+                for (int m = 0; m < MR; ++m) sums[m] = _mm512_dpbusd_epi32(sums[m], c[q], quad_at16(xb + m * kq, q));
+        }
+        #pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+            const __m512 dot = _mm512_cvtepi32_ps(sums[m]);
+            const __m512 dx = _mm512_set1_ps(a.d[(m0 + m) * nb + b]);
+            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, dx), acc[m]);
+            acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[(m0 + m) * nb + b]), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; ++m) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc[m]);
+        for (int r = 0; r < 16; ++r) out.put(m0 + m, n0 + r, lanes[r]);
+    }
+}
+
+template <int T>
+void matmul_x16_vnni(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
+    constexpr int MR = 8;
+    const int64_t nb = K / QK, groups = N / 16, chunk = chunk_rows(K);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {              // rows of x whose codes stay in L1
+        const int64_t c1 = M - c0 < chunk ? M : c0 + chunk;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const uint8_t* grp = w + g * 16 * rb;
+            int64_t m = c0;
+            for (; m + MR <= c1; m += MR) x16_tile<T, MR>(grp, a, m, nb, K, out, 16 * g);
+            switch (c1 - m) {
+                case 7: x16_tile<T, 7>(grp, a, m, nb, K, out, 16 * g); break;
+                case 6: x16_tile<T, 6>(grp, a, m, nb, K, out, 16 * g); break;
+                case 5: x16_tile<T, 5>(grp, a, m, nb, K, out, 16 * g); break;
+                case 4: x16_tile<T, 4>(grp, a, m, nb, K, out, 16 * g); break;
+                case 3: x16_tile<T, 3>(grp, a, m, nb, K, out, 16 * g); break;
+                case 2: x16_tile<T, 2>(grp, a, m, nb, K, out, 16 * g); break;
+                case 1: x16_tile<T, 1>(grp, a, m, nb, K, out, 16 * g); break;
+                default: break;
+            }
+        }
+    }
+}
+#endif
+
 template <int T, bool VNNI>
 void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QK, groups = N / 8, chunk = chunk_rows(K);
@@ -1024,15 +1139,22 @@ void matmul_x8_simd(const uint8_t* w, int64_t rb, const Act& a, const Out& out, 
 }
 #endif
 
+// X8: the ymm tiles (AVX2, or VNNI where asked for); X16: the zmm tiles (VNNI), else the scalar loop.
 template <int T>
 void matmul_x8(int isa, const uint8_t* w, const Act& a, const Out& out, int64_t M, int64_t N, int64_t K) {
     const int64_t rb = row_bytes(T, K);
+    if constexpr (group_rows(T) == 16) {
 #if BLINK_Q_AVX512
-    if (isa >= 2) return matmul_x8_simd<T, true>(w, rb, a, out, M, N, K);
+        if (isa >= 2) return matmul_x16_vnni<T>(w, rb, a, out, M, N, K);
+#endif
+    } else {
+#if BLINK_Q_AVX512
+        if (isa >= 2) return matmul_x8_simd<T, true>(w, rb, a, out, M, N, K);
 #endif
 #if BLINK_Q_AVX2
-    if (isa >= 1) return matmul_x8_simd<T, false>(w, rb, a, out, M, N, K);
+        if (isa >= 1) return matmul_x8_simd<T, false>(w, rb, a, out, M, N, K);
 #endif
+    }
     (void)isa;
     matmul_x8_scalar<T>(w, rb, a, out, M, N, K);
 }
@@ -1109,6 +1231,8 @@ int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, con
         case SPLIT | Q8_0: matmul_type<SPLIT | Q8_0>(isa, wb, a, out, M, N, K); return 0;
         case X8 | Q4_0: if (N % 8) return -1; matmul_x8<X8 | Q4_0>(isa, wb, a, out, M, N, K); return 0;
         case X8 | Q4_1: if (N % 8) return -1; matmul_x8<X8 | Q4_1>(isa, wb, a, out, M, N, K); return 0;
+        case X16 | Q4_0: if (N % 16) return -1; matmul_x8<X16 | Q4_0>(isa, wb, a, out, M, N, K); return 0;
+        case X16 | Q4_1: if (N % 16) return -1; matmul_x8<X16 | Q4_1>(isa, wb, a, out, M, N, K); return 0;
     }
     return -1;
 }
@@ -1119,7 +1243,7 @@ int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, con
 extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s,
                                   const float* bias, void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N,
                                   int64_t K, int isa, int threads) {
-    if (row_bytes(wtype, K) < 0 || (is_x8(wtype) && N % 8)) return -1;
+    if (row_bytes(wtype, K) < 0 || (is_x8(wtype) && N % group_rows(wtype))) return -1;
     #pragma omp parallel num_threads(threads) if (threads > 1 && N > 8)
     blink_team::quant_matmul(wtype, w, qs, d, s, bias, y, y_bf16, ldy, M, N, K, isa);
     return 0;
@@ -1138,6 +1262,8 @@ extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int6
         case SPLIT | Q8_0: dequantize<SPLIT | Q8_0>(wb, out, N, K, threads); return 0;
         case X8 | Q4_0: if (N % 8) return -1; dequantize_x8<X8 | Q4_0>(wb, out, N, K, threads); return 0;
         case X8 | Q4_1: if (N % 8) return -1; dequantize_x8<X8 | Q4_1>(wb, out, N, K, threads); return 0;
+        case X16 | Q4_0: if (N % 16) return -1; dequantize_x8<X16 | Q4_0>(wb, out, N, K, threads); return 0;
+        case X16 | Q4_1: if (N % 16) return -1; dequantize_x8<X16 | Q4_1>(wb, out, N, K, threads); return 0;
     }
     return -1;
 }
@@ -1164,7 +1290,8 @@ extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, i
 }
 
 // out = W (N GGUF rows of type wtype, K values each) repacked as SPLIT | wtype: the same bytes, each
-// row's f16 scales first; or, asked for X8 | Q4_0 / X8 | Q4_1 (N % 8 == 0), with 8 rows interleaved.
+// row's f16 scales first; or, asked for X8 | Q4_0 / X8 | Q4_1 (N % 8 == 0), with 8 rows interleaved
+// (X16: N % 16 == 0, 16 rows).
 // Returns the new type id, or -1 where that layout does not exist for the type or N.
 extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N, int64_t K) {
     const uint8_t* wb = static_cast<const uint8_t*>(w);
@@ -1172,6 +1299,8 @@ extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N
     switch (wtype) {
         case X8 | Q4_0: if (N % 8) return -1; repack_x8<X8 | Q4_0>(wb, ob, N, K); return X8 | Q4_0;
         case X8 | Q4_1: if (N % 8) return -1; repack_x8<X8 | Q4_1>(wb, ob, N, K); return X8 | Q4_1;
+        case X16 | Q4_0: if (N % 16) return -1; repack_x8<X16 | Q4_0>(wb, ob, N, K); return X16 | Q4_0;
+        case X16 | Q4_1: if (N % 16) return -1; repack_x8<X16 | Q4_1>(wb, ob, N, K); return X16 | Q4_1;
         case Q4_0:
         case SPLIT | Q4_0: repack<Q4_0>(wb, ob, N, K); return SPLIT | Q4_0;
         case Q4_1:

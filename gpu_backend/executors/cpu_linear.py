@@ -19,7 +19,7 @@ auto dtype picks bf16 wherever the CPU has native bf16 math.
 Quantized models (loader quantized=True: QuantLinear modules over GGUF blocks) keep
 their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
 QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks, repacked
-at load: Q4 matrices 8 rows a vector (X8), the rest scales first; isa from BLINK_CPU_ISA);
+at load: Q4 matrices 8 or 16 rows a vector (X8, X16), the rest scales first; isa from BLINK_CPU_ISA);
 batches above QUANT_MAX_ROWS rows (QUANT_X8_MAX_ROWS for X8 matrices: prompts, steps mixing
 prompts and decode rows) meet float weights (float activations keep a prompt's near-ties where
 the float model has them): on a bf16 model (CPUs with AVX512-BF16) a bf16 copy of the
@@ -155,7 +155,7 @@ class QuantKernelLinear(nn.Module):
         self._blocks = [kernels.repack(seg.wtype, seg.blocks, seg.k) for seg in quant.segments]
         # (type, blocks pointer, first output column, columns) per segment
         self._plan = [(t, b.data_ptr(), s0, seg.n) for (t, b), seg, s0 in zip(self._blocks, self.segments, starts)]
-        self._x8 = all(t & cpu_kernels.X8 for t, _ in self._blocks)
+        self._x8 = all(t & cpu_kernels.GROUPED for t, _ in self._blocks)      # X8 or X16
         # The activation codes of the last row count, kept: a decode step's batch is the same size
         # step after step, and ~500 small allocations a step were ~1.5 ms of a 1-row step's
         # single-threaded time (cProfile, Q4_1 SmolLM2 on the AVX2 EPYC).

@@ -154,39 +154,48 @@ def test_split_rows_compute_exactly_what_the_gguf_rows_do(wtype, k, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
-def test_x8_rows_compute_the_same_products(wtype, m, isa):
-    """X8 (8 rows interleaved a block at a time): the same integer sums as the GGUF rows, so the
-    results agree to float summation order, and the dequantized matrix is the same exactly."""
+@pytest.mark.parametrize("group", [8, 16], ids=["x8", "x16"])
+def test_x8_rows_compute_the_same_products(wtype, m, isa, group):
+    """X8 / X16 (8 / 16 rows interleaved a block at a time): the same integer sums as the GGUF rows, so
+    the results agree to float summation order, and the dequantized matrix is the same exactly, on
+    every path (X16 below avx512: the scalar loop)."""
     n, k = 48, 576
     blocks = random_blocks(wtype, n, k, seed=m + 50)
-    x8, packed = KERNELS.repack(int(wtype), blocks, k)
-    assert x8 == cpu_kernels.X8 | int(wtype) and packed.shape == blocks.shape
-    assert torch.equal(KERNELS.dequantize(x8, packed, k), KERNELS.dequantize(int(wtype), blocks, k))
-    assert torch.equal(KERNELS.dequantize(x8, packed[8:24], k), KERNELS.dequantize(int(wtype), blocks[8:24], k))
+    layout, packed = KERNELS.repack(int(wtype), blocks, k, x16=group == 16)
+    assert layout == (cpu_kernels.X16 if group == 16 else cpu_kernels.X8) | int(wtype)
+    assert packed.shape == blocks.shape
+    assert torch.equal(KERNELS.dequantize(layout, packed, k), KERNELS.dequantize(int(wtype), blocks, k))
+    part = slice(group, 3 * group)                               # whole groups from the second on
+    assert torch.equal(KERNELS.dequantize(layout, packed[part], k), KERNELS.dequantize(int(wtype), blocks[part], k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9))
     want = KERNELS.quant_linear(x, int(wtype), blocks, bias=bias, isa=0).double()
-    got = KERNELS.quant_linear(x, x8, packed, bias=bias, isa=isa).double()
+    got = KERNELS.quant_linear(x, layout, packed, bias=bias, isa=isa).double()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    bf16 = KERNELS.quant_linear(x, x8, packed, bias=bias, isa=isa, out_dtype=torch.bfloat16)
+    bf16 = KERNELS.quant_linear(x, layout, packed, bias=bias, isa=isa, out_dtype=torch.bfloat16)
     assert torch.equal(bf16, got.float().bfloat16())
-    odd, _ = KERNELS.repack(int(wtype), blocks[:12], k)                  # 12 rows: no whole groups
+    odd, _ = KERNELS.repack(int(wtype), blocks[:12], k, x16=group == 16)      # 12 rows: no whole groups
     assert odd == cpu_kernels.SPLIT | int(wtype)
+    eights, _ = KERNELS.repack(int(wtype), blocks[:24], k, x16=group == 16)  # 24 rows: groups of 8 only
+    assert eights == cpu_kernels.X8 | int(wtype)
 
 
 @pytest.mark.skipif(KERNELS is None or KERNELS.quant_isa_max < 2, reason="no AVX512-VNNI path on this CPU")
 @pytest.mark.parametrize("wtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
-def test_x8_vnni_gives_the_avx2_paths_bits(wtype):
-    """The X8 VNNI tiles (vpdpbusd, 8 rows of x) sum the same integers as AVX2's maddubs tiles (4 rows)
-    and scale them in the same order: equal outputs at every row count, remainders included."""
+@pytest.mark.parametrize("group", [8, 16], ids=["x8", "x16"])
+def test_x8_vnni_gives_the_avx2_paths_bits(wtype, group):
+    """The VNNI tiles (vpdpbusd: X8 on ymm, X16 on zmm, 8 rows of x) sum the same integers as AVX2's
+    maddubs tiles over X8 (4 rows of x) and scale them in the same order: equal outputs at every row
+    count, remainders included."""
     n, k = 64, 576
     blocks = random_blocks(wtype, n, k, seed=7)
-    x8, packed = KERNELS.repack(int(wtype), blocks, k)
+    x8, packed8 = KERNELS.repack(int(wtype), blocks, k, x16=False)
+    layout, packed = KERNELS.repack(int(wtype), blocks, k, x16=group == 16)
     for m in (1, 3, 4, 7, 8, 9, 15, 16, 28, 29, 32, 40):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         for out_dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(KERNELS.quant_linear(x, x8, packed, isa=2, out_dtype=out_dtype),
-                               KERNELS.quant_linear(x, x8, packed, isa=1, out_dtype=out_dtype)), (m, out_dtype)
+            assert torch.equal(KERNELS.quant_linear(x, layout, packed, isa=2, out_dtype=out_dtype),
+                               KERNELS.quant_linear(x, x8, packed8, isa=1, out_dtype=out_dtype)), (m, out_dtype)
 
 
 def test_q4_k_has_no_split_layout_and_stays_as_it_is():
