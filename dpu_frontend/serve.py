@@ -40,6 +40,8 @@ import tempfile
 import threading
 import time
 
+from shared_layout.stop_signals import stop_on_signals
+
 from . import supervisor_state
 from .config import (API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, SUPERVISOR_STATE_ENV, FrontendConfig,
                      default_model_dir)
@@ -357,8 +359,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"blink serve: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    signals = {signal.SIGINT: "interrupt", signal.SIGTERM: "SIGTERM"}
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in signals}
+    restore_signals = stop_on_signals(stop)      # SIGINT / SIGTERM set `stop` (no lock in the handler)
     ring_existed = ring_path.exists()
     state_dir = pathlib.Path(tempfile.mkdtemp(prefix="blink-serve-"))
     state_path = state_dir / "restarts.json"
@@ -385,8 +386,7 @@ def run(args: argparse.Namespace) -> int:
         if not ring_existed:
             with contextlib.suppress(FileNotFoundError):
                 ring_path.unlink()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        restore_signals()
 
 
 def _other(name: str) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import signal
 import sys
 import threading
 
 from shared_layout import RingGeometry
+from shared_layout.stop_signals import stop_on_signals
 
 from . import ring_host
 from .executors import ExecutorOptions, resolve
@@ -62,7 +62,7 @@ def run_daemon(config: DaemonConfig) -> int:
             region.close()
             return 2
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    restore_signals = stop_on_signals(stop)      # SIGTERM / SIGINT set `stop` (no lock in the handler)
     epoch = ring_host.begin(ring)
     beat = Heartbeat(ring, stop, config.heartbeat_interval_s)
     beat.start()
@@ -99,7 +99,6 @@ def run_daemon(config: DaemonConfig) -> int:
             executor.close()
         if rdma_server is not None:
             rdma_server.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals()
         region.close()
     return rc

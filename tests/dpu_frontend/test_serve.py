@@ -46,6 +46,22 @@ def test_stop_signal_stops_both_children_cleanly(ring_name, sig):
     assert "Traceback" not in s.output
 
 
+def test_a_burst_of_stop_signals_still_stops_cleanly(ring_name):
+    """Two SIGTERMs and a Ctrl-C back to back (a script's pkill, then its kill; an impatient user) to the
+    supervisor and the daemon: both stop, nothing hangs. (A signal landing inside the first handler's
+    Event.set once hung both; that window is microseconds wide, so tests/shared_layout/test_stop_signals.py
+    holds the Event's lock to hit it every time.)"""
+    with Serve(ring_name, "--model", "null") as s:
+        kids = children(s.proc.pid)
+        daemon = next(k for k in kids if "gpu-daemon" in cmdline(k))
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+            os.kill(daemon, sig)               # the daemon's own handlers too (the supervisor restarts it)
+            s.proc.send_signal(sig)
+        assert s.stop(signal.SIGTERM, timeout_s=20) == 0, s.output
+    assert not any(pid_alive(k) for k in kids)
+    assert "Traceback" not in s.output
+
+
 def wait_for(pred, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
