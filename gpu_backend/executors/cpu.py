@@ -3,6 +3,7 @@
     load_model(spec) -> LlamaModel (--dtype; bf16 where the CPU has it; --dtype auto keeps a
     GGUF's quantized matrices in their blocks) -> prepare_model (cpu_linear.py: fused q|k|v
     and gate|up, quantized ones on quant.cc's integer matmul, oneDNN-prepacked bf16 weights)
+    -> cpu_crossover.decide (the decode batch above which float weights beat the int8 blocks here)
     + KVPool sized from --kv-cache-mb (and the seats from it), in --kv-cache-dtype (resolve_kv_dtype:
     the model's, or bf16 under quantized weights computed in float32) -> Engine(ring, CpuRunner) -> per step:
       StepBatch -> flat batch (single-token chunks first, then prefill chunks):
@@ -39,6 +40,7 @@ from ..sampling import sample
 from ..scheduler.sequence import Sequence
 from . import ExecutorOptions
 from .cpu_forward import KernelForward
+from .cpu_crossover import decide as decide_crossover
 from .cpu_linear import QuantKernelLinear, prepare_model
 
 log = logging.getLogger("blink.gpu_daemon")
@@ -237,6 +239,7 @@ class CpuExecutor:
                                quantized=options.dtype == "auto").model
         self.kernels = cpu_kernels.load() if kernels else None   # None also without g++ / BLINK_CPU_KERNELS=0
         self.model = prepare_model(model, self.kernels)    # in place: fused projections, packed bf16 matmuls
+        decide_crossover(self.model)     # the decode batch from which float weights win here (quantized models)
         self.options = options
         cfg = model.config
         bs = options.block_size

@@ -89,6 +89,10 @@ class FusedDecode:
                             first_w=forward.first_w, first_eps=forward.first_eps,
                             scale=self.head_dim ** -0.5, layer=self._layers)
         self._scratch: tuple[int, dict[str, torch.Tensor]] | None = None
+        # Decode rows a step takes here: up to MAX_DECODE_ROWS, or the batch above which this machine's
+        # float weights beat the int8 blocks (cpu_crossover.decide set int8_rows at load).
+        limits = [mm.int8_rows for layer in mats for mm in layer if mm.int8_rows is not None]
+        self.max_rows = min([MAX_DECODE_ROWS, *limits])
 
     @staticmethod
     def fits(forward) -> bool:
@@ -106,7 +110,7 @@ class FusedDecode:
 
     def takes(self, tokens: int, num_decode: int) -> bool:
         """Whether a step of `tokens` rows, the first `num_decode` of them decode rows, runs here."""
-        return 0 < tokens == num_decode <= MAX_DECODE_ROWS
+        return 0 < tokens == num_decode <= self.max_rows
 
     def _buffers(self, t: int) -> dict[str, torch.Tensor]:
         if self._scratch is None or self._scratch[0] != t:

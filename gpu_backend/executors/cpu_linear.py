@@ -166,10 +166,14 @@ class QuantKernelLinear(nn.Module):
         self.bf16_prefill = False
         self._prefill: torch.Tensor | None = None
         self._prefill_bias: torch.Tensor | None = None
+        # The decode batch above which float weights win on this machine (cpu_crossover.decide, at
+        # load); None: not measured, the fixed limits alone.
+        self.int8_rows: int | None = None
 
     def max_rows(self) -> int:
-        """Rows of x up to which the matmul runs on the blocks (above: dequantized slices + GEMM)."""
-        return QUANT_X8_MAX_ROWS if self._x8 else QUANT_MAX_ROWS
+        """Rows of x up to which the matmul runs on the blocks (above: float weights, matmul_float)."""
+        cap = QUANT_X8_MAX_ROWS if self._x8 else QUANT_MAX_ROWS
+        return cap if self.int8_rows is None else min(cap, self.int8_rows)
 
     def _codes_for(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffers for m rows' int8 codes [m, K], scales d and d * sum [m, K/32] (reused while m repeats)."""
@@ -208,12 +212,21 @@ class QuantKernelLinear(nn.Module):
     def matmul(self, x: torch.Tensor, threads: int, reuse_output: bool = False) -> torch.Tensor:
         """x [M, K] contiguous f32/bf16 -> y [M, N]. reuse_output: y is this module's buffer from the
         last call with as many rows (KernelForward, which reads each output within its layer)."""
+        if x.shape[0] > self.max_rows() and not self.float32_out:
+            return self.matmul_float(x)
+        return self.matmul_blocks(x, threads, reuse_output)
+
+    def matmul_float(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (bf16 or float32) @ the float weight: the packed bf16 copy (bf16 x, where kept), else
+        the blocks dequantized a slice at a time into the float GEMM."""
+        if self._prefill is not None and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self._prefill, self._prefill_bias, "none", [], "")
+        return self._dequantized_gemm(x, x.dtype)
+
+    def matmul_blocks(self, x: torch.Tensor, threads: int, reuse_output: bool = False) -> torch.Tensor:
+        """x [M, K] -> int8 codes per 32 values -> each segment's blocks x codes (quant.cc)."""
         m, k, n = x.shape[0], self.in_features, self.out_features
         out_dtype = torch.float32 if self.float32_out else x.dtype
-        if m > self.max_rows() and not self.float32_out:
-            if self._prefill is not None and x.dtype == torch.bfloat16:
-                return torch.ops.mkldnn._linear_pointwise(x, self._prefill, self._prefill_bias, "none", [], "")
-            return self._dequantized_gemm(x, out_dtype)
         qs, d, s = self._codes_for(m)                                   # the codes, scales d and d * sum
         self._quantize(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qs.data_ptr(), d.data_ptr(),
                        s.data_ptr(), threads)
