@@ -1022,6 +1022,13 @@ inline __m512i quad_at16(const float_alias* xq, int q) {
     return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(xq + q)));
 }
 
+// sums += c . (the x quad at xq[q], broadcast to every lane by the instruction: {1to16}); GCC 12 emits
+// a separate vbroadcastss for _mm512_dpbusd_epi32(s, c, quad_at16(...)).
+inline __m512i dpbusd_quad(__m512i sums, __m512i c, const float_alias* xq, int q) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums) : "v"(c), "m"(*reinterpret_cast<const int32_t*>(xq + q)));
+    return sums;
+}
+
 template <int T, int MR>
 void x16_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K, const Out& out, int64_t n0) {
     constexpr int64_t BB = x8_block_bytes<T>();
@@ -1051,26 +1058,26 @@ void x16_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t 
             __m512i hi[MR];
             #pragma GCC unroll 8
             for (int m = 0; m < MR; ++m) {
-                sums[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], quad_at16(xb + m * kq, 0));
-                hi[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[4], quad_at16(xb + m * kq, 4));
+                sums[m] = dpbusd_quad(_mm512_setzero_si512(), c[0], xb + m * kq, 0);
+                hi[m] = dpbusd_quad(_mm512_setzero_si512(), c[4], xb + m * kq, 4);
             }
             #pragma GCC unroll 8
             for (int q = 1; q < 4; ++q)
                 #pragma GCC unroll 8
                 for (int m = 0; m < MR; ++m) {
-                    sums[m] = _mm512_dpbusd_epi32(sums[m], c[q], quad_at16(xb + m * kq, q));
-                    hi[m] = _mm512_dpbusd_epi32(hi[m], c[q + 4], quad_at16(xb + m * kq, q + 4));
+                    sums[m] = dpbusd_quad(sums[m], c[q], xb + m * kq, q);
+                    hi[m] = dpbusd_quad(hi[m], c[q + 4], xb + m * kq, q + 4);
                 }
             #pragma GCC unroll 8
             for (int m = 0; m < MR; ++m) sums[m] = _mm512_add_epi32(sums[m], _mm512_srai_epi32(hi[m], 4));
         } else {
             #pragma GCC unroll 8
             for (int m = 0; m < MR; ++m)
-                sums[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], quad_at16(xb + m * kq, 0));
+                sums[m] = dpbusd_quad(_mm512_setzero_si512(), c[0], xb + m * kq, 0);
             #pragma GCC unroll 8
             for (int q = 1; q < 8; ++q)
                 #pragma GCC unroll 8
-                for (int m = 0; m < MR; ++m) sums[m] = _mm512_dpbusd_epi32(sums[m], c[q], quad_at16(xb + m * kq, q));
+                for (int m = 0; m < MR; ++m) sums[m] = dpbusd_quad(sums[m], c[q], xb + m * kq, q);
         }
         #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
