@@ -29,6 +29,8 @@
 #define BLINK_Q8BF16 0
 #endif
 
+extern "C" float blink_f16_to_float(const uint8_t* p);   // quant.cc: an IEEE half, exactly
+
 namespace {
 
 constexpr int64_t QK = 32;                                  // values per Q8_0 block
@@ -36,26 +38,6 @@ constexpr int64_t G = 16;                                   // weight rows per g
 constexpr int64_t Q8_BYTES = 2 + QK;                        // a GGUF Q8_0 block: f16 d, 32 int8 codes
 constexpr int64_t BLOCK_BYTES = G * 4 + G * QK * 2;         // a group's block in the G16 layout
 constexpr int MR = 8;                                       // rows of x a tile
-
-float half_to_float(uint16_t h) {                           // IEEE half -> float, exactly (subnormals too)
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {                                                // subnormal: normalise the mantissa
-        int e = -1;
-        uint32_t m = man;
-        do { ++e; m <<= 1; } while (!(m & 0x400u));
-        bits = sign | uint32_t(112 - e) << 23 | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
 
 uint16_t int_to_bf16(int v) {                               // |v| <= 256: exact, the top half of the float
     const float f = float(v);
@@ -138,9 +120,7 @@ extern "C" int blink_q8bf16_pack(const void* w, void* out, int64_t N, int64_t K,
             uint16_t codes[QK / 2][G][2];
             for (int64_t r = 0; r < G; ++r) {
                 const uint8_t* q8 = src + (g * G + r) * rb + b * Q8_BYTES;
-                uint16_t h;
-                std::memcpy(&h, q8, 2);
-                d[r] = half_to_float(h);
+                d[r] = blink_f16_to_float(q8);
                 for (int64_t i = 0; i < QK; ++i) codes[i / 2][r][i % 2] = int_to_bf16(int8_t(q8[2 + i]));
             }
             std::memcpy(blk, d, sizeof d);

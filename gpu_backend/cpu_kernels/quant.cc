@@ -1197,6 +1197,9 @@ void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K, int threads)
 
 }  // namespace
 
+// The IEEE half at p (little endian) as a float, exactly: f16 above, for q8_bf16.cc (the same library).
+extern "C" float blink_f16_to_float(const uint8_t* p) { return f16(p); }
+
 // C ABI for ctypes (gpu_backend/cpu_kernels/__init__.py checks shapes and types).
 // The widest path this build has: 2 avx512 (VNNI), 1 avx2, 0 scalar only.
 extern "C" int blink_quant_isa_max() { return BLINK_Q_AVX512 ? 2 : (BLINK_Q_AVX2 ? 1 : 0); }
