@@ -21,7 +21,7 @@ their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
 QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks, repacked
 at load: Q4 matrices 8 or 16 rows a vector (X8, X16), the rest scales first; isa from BLINK_CPU_ISA);
 batches above QUANT_MAX_ROWS rows (QUANT_X8_MAX_ROWS for X8 matrices: prompts, steps mixing
-prompts and decode rows) meet float weights (float activations keep a prompt's near-ties where
+prompts and decode rows; or above the decode batch cpu_crossover measured at load, where lower) meet float weights (float activations keep a prompt's near-ties where
 the float model has them): on a bf16 model (CPUs with AVX512-BF16) a bf16 copy of the
 dequantized weight, packed for oneDNN once at load (prefill_copies; past PREFILL_COPY_MAX_FRACTION
 of memory, bf16 slices dequantized per call), elsewhere float32 slices into the float32 GEMM. A tied Q8_0 logits head (FloatActHead) meets float activations. Without the
