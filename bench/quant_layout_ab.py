@@ -91,7 +91,8 @@ def head(rounds: int) -> None:
 
             ms = _median_ms({"blocks": way(None), "g16": way(g16)}, rounds)
             h.g16 = g16
-            print(f"  {m:3d} rows: blocks (table past 32 rows) {ms['blocks']:.2f} ms, g16 {ms['g16']:.2f} ms", flush=True)
+            print(f"  {m:3d} rows: blocks (table past 32 rows) {ms['blocks']:.2f} ms, g16 {ms['g16']:.2f} ms",
+                  flush=True)
 
 
 def main() -> int:

@@ -1018,12 +1018,9 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
 // ops/s on 2 Zen 4 cores with the matrix in cache (43% of ymm vpdpbusd's rate), held by the
 // instructions around the dot products, not by them. (Two X8 groups joined into a zmm ran ~40% faster
 // from cache too, but read W as two streams, and from DRAM a 1-row matmul took ~1.5x as long.)
-inline __m512i quad_at16(const float_alias* xq, int q) {
-    return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(xq + q)));
-}
-
+//
 // sums += c . (the x quad at xq[q], broadcast to every lane by the instruction: {1to16}); GCC 12 emits
-// a separate vbroadcastss for _mm512_dpbusd_epi32(s, c, quad_at16(...)).
+// a separate vbroadcastss for _mm512_dpbusd_epi32 over a _mm512_broadcastss_ps of the quad.
 inline __m512i dpbusd_quad(__m512i sums, __m512i c, const float_alias* xq, int q) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums) : "v"(c), "m"(*reinterpret_cast<const int32_t*>(xq + q)));
     return sums;

@@ -39,8 +39,8 @@ from ..logprobs import PROMPT_ROWS, records
 from ..sampling import sample
 from ..scheduler.sequence import Sequence
 from . import ExecutorOptions
-from .cpu_forward import KernelForward
 from .cpu_crossover import decide as decide_crossover
+from .cpu_forward import KernelForward
 from .cpu_linear import QuantKernelLinear, prepare_model
 
 log = logging.getLogger("blink.gpu_daemon")

@@ -3,14 +3,15 @@ int8 blocks, measured on this machine once, at load.
 
     CpuExecutor (after prepare_model) -> decide(model): every layer's QuantKernelLinears, timed at
     PROBE_ROWS rows both ways (matmul_blocks: int8 codes x the blocks; matmul_float: the packed bf16
-    copy or dequantized slices into oneDNN's GEMM), alternating, best of REPEATS -> limit (choose_limit) -> every QuantKernelLinear's int8_rows (its max_rows) and,
-    through them, FusedDecode's largest step (decode steps past the limit take the per-call loop,
-    whose projections then multiply float weights). BLINK_INT8_MAX_ROWS=N pins the limit instead.
+    copy or dequantized slices into oneDNN's GEMM), alternating, best of REPEATS -> limit
+    (choose_limit) -> every QuantKernelLinear's int8_rows (its max_rows) and, through them,
+    FusedDecode's largest step (decode steps past the limit take the per-call loop, whose
+    projections then multiply float weights). BLINK_INT8_MAX_ROWS=N pins the limit instead.
 
 Why: which side wins depends on the CPU, not on the model. On the 2-core AVX512 EPYC (Zen 4) the blocks
-win at every decode batch (SmolLM2's 30 layers at 64 rows: 18 ms on the X16 tiles against ~42 ms for
-oneDNN's bf16 GEMM); on the 2-core AVX2 EPYC, float32 slices into oneDNN's sgemm beat the AVX2 blocks
-from ~32-64 rows (Q4_1 3072 x 576 at 64 rows: 3.6 against 4.7 ms); on a CPU with AMX, oneDNN's bf16
+win at every decode batch (SmolLM2's 30 layers at 64 rows, measured at load: 33.7 ms on the X16 tiles
+against 40.9 ms for oneDNN's bf16 GEMM); on the 2-core AVX2 EPYC, float32 slices into oneDNN's sgemm
+beat the AVX2 blocks from ~32-64 rows (Q4_1 3072 x 576 at 64 rows: 3.6 against 4.7 ms); on a CPU with AMX, oneDNN's bf16
 GEMM runs on the tile unit (its bf16 rate is ~8x vpdpbusd's on zmm), where it should win from small
 batches on. A fixed limit is right on one of them at most. All the layers, as a step reads them: a
 sample of two layers sat in L3, where SmolLM2's bf16 copies (3.5x the blocks' bytes) looked as fast as
@@ -84,7 +85,7 @@ def decide(model: torch.nn.Module) -> int | None:
     if pinned:
         if not pinned.isdigit() or int(pinned) < 1:
             raise ValueError(f"{ENV}={pinned!r}: a positive number of rows")
-        limit, how = int(pinned), f"{ENV}"
+        limit, how = int(pinned), ENV
     elif sum(m.in_features * m.out_features for m in mats) < MIN_SAMPLE_WEIGHTS:
         return None
     else:

@@ -21,10 +21,12 @@ their blocks: fuse_quantized joins q|k|v and gate|up as rows of blocks, and each
 QuantLinear becomes a QuantKernelLinear (quant.cc: int8 activations x the blocks, repacked
 at load: Q4 matrices 8 or 16 rows a vector (X8, X16), the rest scales first; isa from BLINK_CPU_ISA);
 batches above QUANT_MAX_ROWS rows (QUANT_X8_MAX_ROWS for X8 matrices: prompts, steps mixing
-prompts and decode rows; or above the decode batch cpu_crossover measured at load, where lower) meet float weights (float activations keep a prompt's near-ties where
-the float model has them): on a bf16 model (CPUs with AVX512-BF16) a bf16 copy of the
-dequantized weight, packed for oneDNN once at load (prefill_copies; past PREFILL_COPY_MAX_FRACTION
-of memory, bf16 slices dequantized per call), elsewhere float32 slices into the float32 GEMM. A tied Q8_0 logits head (FloatActHead) meets float activations. Without the
+prompts and decode rows; or above the decode batch cpu_crossover measured at load, where lower)
+meet float weights (float activations keep a prompt's near-ties where the float model has them):
+on a bf16 model (CPUs with AVX512-BF16) a bf16 copy of the dequantized weight, packed for oneDNN
+once at load (prefill_copies; past PREFILL_COPY_MAX_FRACTION of memory, bf16 slices dequantized per
+call), elsewhere float32 slices into the float32 GEMM. A tied Q8_0 logits head (FloatActHead) meets
+float activations (from G16_HEAD_MIN_ROWS rows, on AVX512-BF16, through its G16 copy). Without the
 kernels every QuantLinear is dequantized to a float nn.Linear once, with a log line.
 """
 from __future__ import annotations
@@ -221,7 +223,7 @@ class QuantKernelLinear(nn.Module):
         the blocks dequantized a slice at a time into the float GEMM."""
         if self._prefill is not None and x.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self._prefill, self._prefill_bias, "none", [], "")
-        return self._dequantized_gemm(x, x.dtype)
+        return self._dequantized_gemm(x)
 
     def matmul_blocks(self, x: torch.Tensor, threads: int, reuse_output: bool = False) -> torch.Tensor:
         """x [M, K] -> int8 codes per 32 values -> each segment's blocks x codes (quant.cc)."""
@@ -242,9 +244,9 @@ class QuantKernelLinear(nn.Module):
         return y
 
 
-    def _dequantized_gemm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """y = x @ W^T (+ bias), W dequantized DEQUANT_ROWS rows at a time: in float32, or (bf16_prefill
-        and bf16 x) in bf16 with float32 sums, the bias added in float32."""
+    def _dequantized_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W^T (+ bias) in x's dtype, W dequantized DEQUANT_ROWS rows at a time: in float32, or
+        (bf16_prefill and bf16 x) in bf16 with float32 sums, the bias added in float32."""
         bf16 = self.bf16_prefill and x.dtype == torch.bfloat16
         xf = x if bf16 else x.float()
         y = torch.empty((x.shape[0], self.out_features), dtype=xf.dtype)
@@ -254,7 +256,7 @@ class QuantKernelLinear(nn.Module):
                 y[:, col + r0:col + r0 + w.shape[0]] = torch.mm(xf, w.to(xf.dtype).t())
         if self.bias is not None:
             y = y.float() + self.bias if bf16 else y.add_(self.bias)
-        return y if y.dtype == out_dtype else y.to(out_dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # Sampled rows up to which the tied logits head multiplies its Q8_0 blocks with float activations;
@@ -290,7 +292,7 @@ class FloatActHead(nn.Module):
         # bf16 activations on AVX512-BF16: the G16 copy (None elsewhere, or for other types and shapes).
         self.g16 = kernels.q8bf16_pack(seg.blocks, seg.k) if seg.wtype == 8 and table.dtype == torch.bfloat16 \
             else None
-        self._g16_fn = kernels.raw("q8bf16_matmul") if self.g16 is not None else None
+        self._g16_fn = kernels.raw("q8bf16_matmul")
         self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k, x8=False)   # scales first
         self._ptr = self.blocks.data_ptr()
 
