@@ -25,10 +25,13 @@ PLAIN = 4          # non-streaming requests in flight beside the streams
 # --step-ms 5: the null model at 200 tokens/s a stream, so the 8,000-token streams (40 s) are still
 # running when the kill comes. Unpaced, they could all finish while a saturated frontend answered the
 # metrics poll that waits for every request in flight (seen once in a full-suite run); at 2 ms (16 s
-# streams) the poll still timed out once under a full suite's load (2026-11-26; likely the first streams
-# ending before the last plain request was counted). The kill ends the streams: longer ones cost nothing.
-SERVE_ARGS = ("--max-batch-size", "16", "--heartbeat-timeout-s", "1", "--restart-backoff-s", "0.5",
-              "--step-ms", "5")
+# streams) the poll still timed out once under a full suite's load (2026-11-26). The kill ends the
+# streams: longer ones cost nothing.
+# --max-batch-size covers the streams and the plain requests together. At 16, the 20 requests raced for
+# 16 places: a plain request admitted before a stream left that stream waiting a whole 40 s plain
+# request for its first token, past the 30 s wait (the in-turn test's second round, CI 2026-11-26).
+SERVE_ARGS = ("--max-batch-size", str(STREAMS + PLAIN), "--heartbeat-timeout-s", "1",
+              "--restart-backoff-s", "0.5", "--step-ms", "5")
 
 
 async def stream(session: aiohttp.ClientSession, base: str, first: asyncio.Event) -> str:
