@@ -188,6 +188,8 @@ def run_workload(ring, n: int, prompt_len: int, out_len: int, energy: Energy, se
     t0 = time.monotonic_ns()
     for off, data in states:
         mv[off:off + len(data)] = data
+    fence()   # the state words before the frontend doorbell that announces them
+    ring.set("frontend_doorbell", ring.get("frontend_doorbell") + 1)
     deadline = time.monotonic() + timeout_s
     while not (ring.state[:n] == SlotState.DECODE_COMPLETED).all():
         if time.monotonic() > deadline:

@@ -1,7 +1,7 @@
 """The frontend's side of the ring, as the HTTP layer calls it.
 
     submit(prompt, params) -> wait queue (bounded, FIFO) -> flush: slots + arena ranges,
-        one write_batch for every request of the burst -> RequestHandle
+        one write_batch for every request of the burst, the frontend doorbell last -> RequestHandle
     submit_group(prompt, [params] * n) -> the same for n choices of one prompt: n slots taken
         together, the members' writes before the leader's (the daemon prefills once and forks)
         -> one RequestHandle per choice
@@ -395,7 +395,7 @@ class RingClient:
         if not batch:
             return
         try:
-            s.transport.write_batch(writes)
+            s.transport.write_batch(writes + [s.doorbell_write()])
         except TransportError as e:
             for w, flights in batch:
                 for flight in flights:

@@ -2,7 +2,8 @@
 
     transport -> attach (bump frontend_epoch, reset leftovers) -> reserve (slot + arena
     ranges: prompt and its sampling data, output, logprob records) -> submission writes
-    ... completion -> reset writes -> free
+    (a burst's, then one doorbell write) ... cancel writes (+ doorbell) ... completion
+    -> reset writes -> free
 
 A session owns the frontend-side state that is only meaningful for this ring
 file: the epoch, the request sequence numbers, the slot tracker and the three
@@ -18,7 +19,7 @@ import sys
 
 import numpy as np
 
-from shared_layout import SLOT, SLOT_DTYPE, SlotRequest, SlotState, submit_writes
+from shared_layout import SLOT, SLOT_DTYPE, SlotRequest, SlotState, doorbell_write, submit_writes
 from shared_layout.layout import HEADER, HEADER_DTYPE, LOGPROBS_OFF, logprob_record_words
 from shared_layout.arena import ArenaFull, TokenArena
 
@@ -70,6 +71,7 @@ class RingSession:
         self.received = np.zeros(n, np.int64)   # [slots] tokens read, per held slot
         self.seqs = np.zeros(n, np.uint64)      # [slots] seq we wrote, per held slot
         self.next_seq = 1
+        self.doorbell = 0                       # the header's frontend_doorbell as we last wrote it
         self._output_base = self.geom.output_arena_offset   # byte offset of output token 0
         self.snapshot = SlotSnapshot(transport, self.geom)
 
@@ -80,6 +82,7 @@ class RingSession:
         epoch = int(header["frontend_epoch"]) + 1
         transport.write(HEADER.offset("frontend_epoch"), np.array([epoch], "<u8").tobytes())
         session = cls(transport, epoch)
+        session.doorbell = int(header["frontend_doorbell"])
         snap = session.snapshot
         snap.refresh_full(session.tracker.held)
         done = np.flatnonzero(snap.slots["state"] == SlotState.DECODE_COMPLETED).tolist()
@@ -181,9 +184,16 @@ class RingSession:
         self.tracker.untake(flight.slot)
 
     # -- endings ----------------------------------------------------------------
+    def doorbell_write(self) -> tuple[int, bytes]:
+        """The write that ends a batch of submissions or cancels: the next doorbell value. The
+        device scheduler rescans the slots only when the bell moved (csrc/sched_loop.h)."""
+        self.doorbell += 1
+        return doorbell_write(self.doorbell)
+
     def write_cancels(self, slots: list[int]) -> None:
         if slots:
-            self.transport.write_batch([(self.geom.slot_field_offset(s, "cancel"), _ONE) for s in slots])
+            self.transport.write_batch([(self.geom.slot_field_offset(s, "cancel"), _ONE) for s in slots]
+                                       + [self.doorbell_write()])
 
     def write_resets(self, slots: list[int]) -> None:
         """DECODE_COMPLETED -> EMPTY for each slot (the caller saw them completed)."""

@@ -182,7 +182,7 @@ CALLS: tuple[Call, ...] = (
           Stage("sched_smoke", 15, 60, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
           Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
-          Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale"), pytest=True),
+          Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell"), pytest=True),
           BENCH_SCHED),
          gguf_part=1),
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "

@@ -10,12 +10,13 @@ from the other packages.
 """
 from .layout import (HEADER, LAYOUT_VERSION, MAGIC, MAX_STOP_IDS, SLOT, SLOT_DTYPE, LayoutMismatch,
                      RingGeometry)
-from .ring import BackendPort, FrontendPort, Ring, SlotRequest, fence, now_ns, request_error, submit_writes
+from .ring import (BackendPort, FrontendPort, Ring, SlotRequest, doorbell_write, fence, now_ns, request_error,
+                   submit_writes)
 from .states import (BackendStatus, ErrorCode, FinishReason, IllegalTransition, Side, SlotState,
                      check_transition)
 
 __all__ = [
     "HEADER", "LAYOUT_VERSION", "MAGIC", "MAX_STOP_IDS", "SLOT", "SLOT_DTYPE", "LayoutMismatch", "RingGeometry",
-    "BackendPort", "FrontendPort", "Ring", "SlotRequest", "fence", "now_ns", "request_error", "submit_writes",
+    "BackendPort", "FrontendPort", "Ring", "SlotRequest", "doorbell_write", "fence", "now_ns", "request_error", "submit_writes",
     "BackendStatus", "ErrorCode", "FinishReason", "IllegalTransition", "Side", "SlotState", "check_transition",
 ]

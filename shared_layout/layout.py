@@ -25,6 +25,12 @@ members (group_index 1..n-1) are submitted before the leader (group_index 0),
 whose state word is written last, so the daemon that sees the leader pending
 sees the whole group; it prefills the prompt once and forks the members from it.
 
+The frontend doorbell (header word `frontend_doorbell`, the frontend its only writer) moves
+after every batch of submissions or cancels, written after their state words and cancel flags.
+A scheduler that polls a ring far away (the CUDA scheduler over PCIe or in GPU memory) scans
+the slots only when the bell or the frontend epoch moved, and now and then anyway; any new
+value counts, so a restarted frontend goes on from the value it finds.
+
 Logprobs go the other way, daemon -> frontend, in the logprob arena: one record
 of `logprob_record_words(k)` words per token, where k is the slot's top count:
 
@@ -42,7 +48,7 @@ import dataclasses
 import numpy as np
 
 MAGIC = int.from_bytes(b"BLINKRNG", "little")
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 MAX_STOP_IDS = 8          # stop token ids carried in the slot itself
 MAX_LOGPROBS = 20         # top logprobs per token at most (OpenAI's and vLLM's limit)
 LOGPROBS_OFF = -1         # SlotRequest.logprobs / prompt_logprobs: none asked (the slot's flag clear)
@@ -85,6 +91,7 @@ HEADER_FIELDS = [
     ("backend_heartbeat_ns", "u64", 1, "backend clock at the last beat"),
     ("backend_epoch", "u64", 1, "bumped on every daemon start"),
     ("frontend_epoch", "u64", 1, "bumped on every frontend start"),
+    ("frontend_doorbell", "u64", 1, "frontend only: bumped after each batch of submissions or cancels"),
     ("backend_status", "u32", 1, "BackendStatus"),
     ("shutdown", "u32", 1, "nonzero: the backend must stop"),
     ("model_vocab_size", "u32", 1, "published by the backend before READY"),

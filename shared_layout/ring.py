@@ -238,6 +238,12 @@ def submit_writes(geom: RingGeometry, slot: int, req: SlotRequest, prompt: np.nd
     ]
 
 
+def doorbell_write(value: int) -> tuple[int, bytes]:
+    """The header write that rings the frontend doorbell with `value`: after a batch's state words
+    and cancel flags, so a scheduler that sees the new value sees them (layout.py)."""
+    return HEADER.offset("frontend_doorbell"), np.array([value], "<u8").tobytes()
+
+
 class Ring:
     """Views of one ring: header, slots, arenas. Construct with `create` or `attach`."""
 
@@ -319,10 +325,17 @@ class FrontendPort:
         fence()  # prompt and request before the state word: the backend reads them after seeing PENDING
         off, data = writes[-1]
         mv[off:off + len(data)] = data
+        self.ring_doorbell()
 
     def cancel(self, slot: int) -> None:
         """Raise the cancel flag; the backend ends the request within one step."""
         self.ring.cancel_flags[slot] = 1
+        self.ring_doorbell()
+
+    def ring_doorbell(self) -> None:
+        """Bump the header's frontend_doorbell (this side is its only writer)."""
+        fence()  # the state words and cancel flags before the bell that announces them
+        self.ring.header["frontend_doorbell"] = int(self.ring.header["frontend_doorbell"]) + 1
 
     def poll(self, slot: int) -> tuple[SlotState, int, int]:
         """(state, seq, generated) of one slot; read tokens below `generated` afterwards."""

@@ -293,7 +293,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_state_t, started) X(blink_sched_state_t, n_rows) X(blink_sched_state_t, graph)            \
     X(blink_sched_state_t, drain_deadline_ns)                                                               \
     X(blink_sched_state_t, last_beat_ns) X(blink_sched_state_t, step_launched_ns)                           \
-    X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, reserved)                                     \
+    X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, scan_valid)                                   \
+    X(blink_sched_state_t, scan_bell) X(blink_sched_state_t, scan_epoch) X(blink_sched_state_t, scan_ns)    \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
@@ -323,7 +324,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, graphs) X(blink_sched_params_t, policy)                                         \
     X(blink_sched_params_t, window_limit) X(blink_sched_params_t, n_seats)                                \
     X(blink_sched_params_t, idle_sleep_ns) X(blink_sched_params_t, launch_retry_limit)                      \
-    X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, reserved)                                \
+    X(blink_sched_params_t, kv_max_blocks) X(blink_sched_params_t, full_scan_us)                            \
     X(blink_sched_params_t, beat_interval_ns) X(blink_sched_params_t, grace_ns)                             \
     X(blink_sched_params_t, step_timeout_ns) X(blink_sched_params_t, clock_offset_ns)                       \
     X(blink_sched_params_t, rules) X(blink_sched_params_t, times) X(blink_sched_params_t, plan_w_out)       \

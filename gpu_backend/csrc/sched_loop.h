@@ -4,7 +4,8 @@
  * the decisions of sched_policy.h and mirrors gpu_backend/engine.py step for
  * step, with the slot scan overlapped with the step graph in flight:
  *
- *   control  (thread 0)  stop / abort / ring shutdown, heartbeat, frontend epoch
+ *   control  (thread 0)  stop / abort / ring shutdown, heartbeat, frontend epoch; the
+ *                        frontend doorbell: scan only when it moved (blink_scan_decide)
  *   scan     (all)       every slot's (state, cancel) word: claim PENDING with a
  *                        plain store (one thread owns each slot in a scan; the
  *                        frontend never writes a PENDING slot's state), mark
@@ -61,6 +62,7 @@ typedef struct blink_sched_shared {
     uint32_t reap_waiting;   /* the scan marked a waiting request aborted */
     uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
     uint32_t commit;         /* publish: a request has full blocks to commit to the prefix cache */
+    uint32_t scan;           /* control: this iteration scans the slots (the doorbell or epoch moved, or due) */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -272,17 +274,40 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
     blink_pkv_setup(p);   /* nobody holds a block any more; the prefix cache starts over */
 }
 
+/* thread 0: does this iteration scan the slots? Every slot's word costs a load (over PCIe on a
+ * host-mapped ring: ~10 us for 4,096 slots on an H200), so with full_scan_us set the scan runs only
+ * when the frontend rang its doorbell (a header word it bumps after each batch of submissions or
+ * cancels, after their state words and flags), when a new frontend attached (its epoch turns the
+ * requests of the old one stale), when no scan recorded a bell yet (a fresh state), and at least
+ * every full_scan_us, for a writer that does not ring. The bell is recorded before the scan reads
+ * any slot, so a submission whose bell lands after that load is seen by the next iteration's scan. */
+template <class P>
+BLINK_DEV void blink_scan_decide(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, uint64_t bell,
+                                 uint64_t now) {
+    blink_sched_state_t *st = p->state;
+    sh->scan = p->full_scan_us == 0 || !st->scan_valid || bell != st->scan_bell || sh->fe_epoch != st->scan_epoch ||
+               now - st->scan_ns >= (uint64_t)p->full_scan_us * 1000u;
+    if (!sh->scan || p->full_scan_us == 0) return;
+    st->scan_valid = 1;
+    st->scan_bell = bell;
+    st->scan_epoch = sh->fe_epoch;
+    st->scan_ns = now;
+    plat.fence_sys();   /* the doorbell load before the slot loads of the scan it starts */
+}
+
 /* thread 0: stop and abort requests, the drain deadline, the heartbeat. */
 template <class P>
 BLINK_DEV void blink_phase_control(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
     blink_sched_state_t *st = p->state;
     blink_ring_header_t *h = blink_header_ptr(p);
-    /* Four independent loads, issued together: on the host-mapped ring each is a PCIe round trip. */
+    /* Five independent loads, issued together: on the host-mapped ring each is a PCIe round trip. */
     const uint32_t abort = plat.ld32(&p->control->abort);
     const uint32_t stop = plat.ld32(&p->control->stop);
     const uint32_t shutdown = plat.ld32(&h->shutdown);
     sh->fe_epoch = plat.ld64(&h->frontend_epoch);
+    const uint64_t bell = p->full_scan_us ? plat.ld64(&h->frontend_doorbell) : 0;
     const uint64_t now = plat.now_ns(p);
+    blink_scan_decide(plat, p, sh, bell, now);
     sh->now_us = (int64_t)(now / 1000);
     p->stats->iterations += 1;
     if (abort) {
@@ -874,12 +899,14 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         }
         plat.sync();
         if (sh->exit) break;
-        const uint64_t t_scan = tid == 0 ? plat.now_ns(p) : 0;
-        blink_phase_scan(plat, p, sh, tid, nt);
-        plat.sync();
-        if (tid == 0) {
-            p->stats->scan_ns += plat.now_ns(p) - t_scan;
-            p->stats->scans += 1;
+        if (sh->scan) {   /* the same value in every thread: written before the barrier above */
+            const uint64_t t_scan = tid == 0 ? plat.now_ns(p) : 0;
+            blink_phase_scan(plat, p, sh, tid, nt);
+            plat.sync();
+            if (tid == 0) {
+                p->stats->scan_ns += plat.now_ns(p) - t_scan;
+                p->stats->scans += 1;
+            }
         }
         blink_phase_intake(plat, p, sh, tid, nt);
         plat.sync();

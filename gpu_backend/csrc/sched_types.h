@@ -168,7 +168,10 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint64_t last_beat_ns;
     uint64_t step_launched_ns;    /* clock when the step in flight was launched */
     uint32_t plan_stamp;          /* plans made so far: marks the cached blocks one plan counted idle */
-    uint32_t reserved;
+    uint32_t scan_valid;          /* 1 once a scan recorded scan_bell / scan_epoch / scan_ns */
+    uint64_t scan_bell;           /* the header's frontend_doorbell when the last slot scan began */
+    uint64_t scan_epoch;          /* the header's frontend_epoch then (requests were checked against it) */
+    uint64_t scan_ns;             /* the clock then */
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
@@ -240,7 +243,8 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t idle_sleep_ns;       /* back-off when a scan found nothing and no step runs */
     uint32_t launch_retry_limit;  /* refused device launches retried this often before giving up */
     uint32_t kv_max_blocks;       /* blocks one slot's table holds (one max_model_len context) */
-    uint32_t reserved;
+    uint32_t full_scan_us;        /* 0: scan every slot each iteration; else only when the frontend
+                                     doorbell or epoch moved, and at least this often (a safety net) */
     uint64_t beat_interval_ns;    /* heartbeat period */
     uint64_t grace_ns;            /* drain period after a stop before the rest is aborted */
     uint64_t step_timeout_ns;     /* a step graph silent this long ends the scheduler */

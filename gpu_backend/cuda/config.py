@@ -33,6 +33,9 @@ class SchedulerConfig:
     eos_ids: tuple[int, ...] = ()       # the stand-in (null model) has none
     window_limit: int = DEFAULT_WINDOW
     idle_sleep_ns: int = 2000           # back-off when a scan found nothing and no step runs
+    # The slot scan runs when the frontend doorbell or epoch moved, and at least every full_scan_us
+    # (a safety net for a writer that does not ring); 0: every iteration, the doorbell unread.
+    full_scan_us: int = 1000
     launch_retry_limit: int = 1 << 20
     beat_interval_s: float = 0.01
     grace_s: float = 2.0
@@ -54,6 +57,8 @@ class SchedulerConfig:
         if not 1 <= self.window_limit <= MAX_WINDOW:
             raise ValueError(f"window_limit must be in 1..{MAX_WINDOW} (the device's cap of {DEVICE_LAUNCH_LIMIT} "
                              f"launches less {LAUNCH_HEADROOM} for retries), got {self.window_limit}")
+        if not isinstance(self.full_scan_us, int) or not 0 <= self.full_scan_us < 1 << 32:
+            raise ValueError(f"full_scan_us must be an integer in 0..2**32-1, got {self.full_scan_us!r}")
         if str(self.scheduling_policy).upper() not in ("FCFS", "PRIORITY", "LVF"):
             raise ValueError(f"scheduling_policy must be fcfs, priority or lvf, got {self.scheduling_policy!r}")
         if len(self.eos_ids) > structs.MAX_EOS_IDS:
@@ -107,7 +112,7 @@ class SchedulerConfig:
             prompt_arena_offset=geom.prompt_arena_offset, output_arena_offset=geom.output_arena_offset,
             logprob_arena_offset=geom.logprob_arena_offset, logprob_arena_words=geom.logprob_arena_words,
             control=control_addr, policy=self.policy(), window_limit=self.window_limit,
-            idle_sleep_ns=self.idle_sleep_ns,
+            idle_sleep_ns=self.idle_sleep_ns, full_scan_us=self.full_scan_us,
             launch_retry_limit=self.launch_retry_limit, beat_interval_ns=int(self.beat_interval_s * 1e9),
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
             clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks, rules=self.rules(),

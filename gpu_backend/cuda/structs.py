@@ -64,7 +64,8 @@ class SchedState(_Struct):
                 ("prev_kind", u32), ("in_flight", u32), ("step_no", u32), ("n_chunks", u32),
                 ("draining", u32), ("started", u32), ("n_rows", u32), ("graph", u32),
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
-                ("step_launched_ns", u64), ("plan_stamp", u32), ("reserved", u32)]
+                ("step_launched_ns", u64), ("plan_stamp", u32), ("scan_valid", u32), ("scan_bell", u64),
+                ("scan_epoch", u64), ("scan_ns", u64)]
 
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
@@ -141,7 +142,7 @@ class SchedParams(_Struct):
                 ("state", ptr), ("control", ptr), ("stats", ptr),
                 ("graphs", GraphTable), ("policy", PolicyConfig), ("window_limit", u32),
                 ("n_seats", u32), ("idle_sleep_ns", u32), ("launch_retry_limit", u32),
-                ("kv_max_blocks", u32), ("reserved", u32),
+                ("kv_max_blocks", u32), ("full_scan_us", u32),
                 ("beat_interval_ns", u64), ("grace_ns", u64), ("step_timeout_ns", u64),
                 ("clock_offset_ns", i64), ("rules", SchedRules), ("times", ptr), ("plan_w_out", ptr),
                 ("plan_r_out", ptr), ("plan_victims", ptr), ("plan_lid", ptr), ("plan_lkey", ptr), ("pkv", ptr),

@@ -19,7 +19,7 @@
 #define BLINK_ALIGN8 __attribute__((aligned(8)))
 
 #define BLINK_RING_MAGIC 0x474e524b4e494c42ULL
-#define BLINK_LAYOUT_VERSION 7u
+#define BLINK_LAYOUT_VERSION 8u
 #define BLINK_MAX_STOP_IDS 8
 #define BLINK_SECTION_ALIGN 256ull
 #define BLINK_DEFAULT_SLOTS 4096u
@@ -89,21 +89,22 @@ typedef struct BLINK_ALIGN8 blink_ring_header {
     uint64_t backend_heartbeat_ns;  /* @96: backend clock at the last beat */
     uint64_t backend_epoch;  /* @104: bumped on every daemon start */
     uint64_t frontend_epoch;  /* @112: bumped on every frontend start */
-    uint32_t backend_status;  /* @120: BackendStatus */
-    uint32_t shutdown;  /* @124: nonzero: the backend must stop */
-    uint32_t model_vocab_size;  /* @128: published by the backend before READY */
-    uint32_t model_max_len;  /* @132: context length (prompt + output), published before READY */
-    uint32_t backend_pid;  /* @136: daemon process id (0 on the device-only path) */
-    uint32_t kv_blocks_total;  /* @140: KV cache blocks in the daemon's pool (0: not reported) */
-    uint32_t kv_blocks_free;  /* @144: KV blocks free after the daemon's latest step (evictable cached ones included) */
-    uint32_t prefix_caching;  /* @148: 1: the daemon's scheduler shares cached KV blocks of common prefixes */
-    uint32_t kv_blocks_cached;  /* @152: KV blocks holding a prefix-cache entry (held or evictable) */
+    uint64_t frontend_doorbell;  /* @120: frontend only: bumped after each batch of submissions or cancels */
+    uint32_t backend_status;  /* @128: BackendStatus */
+    uint32_t shutdown;  /* @132: nonzero: the backend must stop */
+    uint32_t model_vocab_size;  /* @136: published by the backend before READY */
+    uint32_t model_max_len;  /* @140: context length (prompt + output), published before READY */
+    uint32_t backend_pid;  /* @144: daemon process id (0 on the device-only path) */
+    uint32_t kv_blocks_total;  /* @148: KV cache blocks in the daemon's pool (0: not reported) */
+    uint32_t kv_blocks_free;  /* @152: KV blocks free after the daemon's latest step (evictable cached ones included) */
+    uint32_t prefix_caching;  /* @156: 1: the daemon's scheduler shares cached KV blocks of common prefixes */
+    uint32_t kv_blocks_cached;  /* @160: KV blocks holding a prefix-cache entry (held or evictable) */
     uint8_t _pad0[4];
-    uint64_t prefix_hit_tokens;  /* @160: admitted tokens found in the prefix cache, since the daemon started */
-    uint64_t prefix_miss_tokens;  /* @168: admitted tokens not found there (computed) */
-    uint64_t prefix_hit_blocks;  /* @176: admitted KV blocks found in the prefix cache */
-    uint64_t prefix_miss_blocks;  /* @184: admitted KV blocks not found there */
-    uint8_t _pad1[64];
+    uint64_t prefix_hit_tokens;  /* @168: admitted tokens found in the prefix cache, since the daemon started */
+    uint64_t prefix_miss_tokens;  /* @176: admitted tokens not found there (computed) */
+    uint64_t prefix_hit_blocks;  /* @184: admitted KV blocks found in the prefix cache */
+    uint64_t prefix_miss_blocks;  /* @192: admitted KV blocks not found there */
+    uint8_t _pad1[56];
 } blink_ring_header_t;
 
 BLINK_STATIC_ASSERT(sizeof(blink_ring_header_t) == 256, "blink_ring_header size");
@@ -124,19 +125,20 @@ BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat) == 88, "bli
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_heartbeat_ns) == 96, "blink_ring_header.backend_heartbeat_ns offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_epoch) == 104, "blink_ring_header.backend_epoch offset");
 BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, frontend_epoch) == 112, "blink_ring_header.frontend_epoch offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_status) == 120, "blink_ring_header.backend_status offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, shutdown) == 124, "blink_ring_header.shutdown offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_vocab_size) == 128, "blink_ring_header.model_vocab_size offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 132, "blink_ring_header.model_max_len offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 136, "blink_ring_header.backend_pid offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 140, "blink_ring_header.kv_blocks_total offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 144, "blink_ring_header.kv_blocks_free offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_caching) == 148, "blink_ring_header.prefix_caching offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_cached) == 152, "blink_ring_header.kv_blocks_cached offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_tokens) == 160, "blink_ring_header.prefix_hit_tokens offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_tokens) == 168, "blink_ring_header.prefix_miss_tokens offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_blocks) == 176, "blink_ring_header.prefix_hit_blocks offset");
-BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_blocks) == 184, "blink_ring_header.prefix_miss_blocks offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, frontend_doorbell) == 120, "blink_ring_header.frontend_doorbell offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_status) == 128, "blink_ring_header.backend_status offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, shutdown) == 132, "blink_ring_header.shutdown offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_vocab_size) == 136, "blink_ring_header.model_vocab_size offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, model_max_len) == 140, "blink_ring_header.model_max_len offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, backend_pid) == 144, "blink_ring_header.backend_pid offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_total) == 148, "blink_ring_header.kv_blocks_total offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_free) == 152, "blink_ring_header.kv_blocks_free offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_caching) == 156, "blink_ring_header.prefix_caching offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, kv_blocks_cached) == 160, "blink_ring_header.kv_blocks_cached offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_tokens) == 168, "blink_ring_header.prefix_hit_tokens offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_tokens) == 176, "blink_ring_header.prefix_miss_tokens offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_hit_blocks) == 184, "blink_ring_header.prefix_hit_blocks offset");
+BLINK_STATIC_ASSERT(offsetof(blink_ring_header_t, prefix_miss_blocks) == 192, "blink_ring_header.prefix_miss_blocks offset");
 
 typedef struct BLINK_ALIGN8 blink_slot {
     uint32_t state;  /* @0: SlotState */

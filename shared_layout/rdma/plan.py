@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 from shared_layout import HEADER, SLOT, RingGeometry
 
 _STATE_SIZE = SLOT.field("state").size
-_PUBLISH_HEADER_FIELDS = ("frontend_epoch", "shutdown")
+_PUBLISH_HEADER_FIELDS = ("frontend_epoch", "frontend_doorbell", "shutdown")
 
 
 @dataclasses.dataclass(frozen=True)

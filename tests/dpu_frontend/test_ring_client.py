@@ -21,7 +21,7 @@ import pytest
 from dpu_frontend.ring_client import (BackendUnavailable, InvalidRequest, PromptTooLong, QueueFull, RingClient,
                                       RingClientConfig, SamplingParams)
 from dpu_frontend.transport import ShmTransport, shm_factory
-from shared_layout import Ring, RingGeometry, SlotState
+from shared_layout import HEADER, Ring, RingGeometry, SlotState, doorbell_write
 from shared_layout.shm import ShmRegion
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -388,11 +388,11 @@ async def test_a_second_frontend_displaces_the_first(players):
 
 
 class CountingShm(ShmTransport):
-    """The real shm transport, recording the size of every write batch."""
-    batches: list[int] = []
+    """The real shm transport, recording every write batch."""
+    batches: list[list[tuple[int, bytes]]] = []
 
     def write_batch(self, writes):
-        CountingShm.batches.append(len(writes))
+        CountingShm.batches.append(list(writes))
         super().write_batch(writes)
 
 
@@ -401,12 +401,27 @@ async def test_a_burst_of_submissions_goes_out_as_one_batch_of_writes(players):
     client = RingClient(lambda: CountingShm.open(players.name), RingClientConfig())
     await client.start()
     await wait_until(lambda: client.health().healthy, 30)
+    ring = ring_view(players.name)
+    bell = ring.get("frontend_doorbell")
     before = len(CountingShm.batches)
     hs = await asyncio.gather(*[client.submit([i + 1, 2], SamplingParams(max_tokens=3)) for i in range(16)])
-    # 16 submissions of one event-loop turn: prompt, body and state word each, in one batch
-    assert CountingShm.batches[before] == 16 * 3
+    # 16 submissions of one event-loop turn: prompt, body and state word each, in one batch, then
+    # one ring of the frontend doorbell (the device scheduler scans the slots when it moved)
+    burst = CountingShm.batches[before]
+    assert len(burst) == 16 * 3 + 1
+    assert burst[-1] == doorbell_write(bell + 1) and ring.get("frontend_doorbell") == bell + 1
+    assert all(off != HEADER.offset("frontend_doorbell") for off, _ in burst[:-1])
     for i, h in enumerate(hs):
         assert await h.result() == players.expected(h, [i + 1, 2], 3)
+    # a cancel rings too, after its flag
+    h = await client.submit([9, 9], SamplingParams(max_tokens=100_000))
+    async for _ in h:
+        break
+    n = len(CountingShm.batches)
+    h.cancel()
+    cancels = [b for b in CountingShm.batches[n:] if any(off == HEADER.offset("frontend_doorbell") for off, _ in b)]
+    assert cancels and cancels[0][-1] == doorbell_write(bell + 3)
+    assert cancels[0][0][0] == ring.geom.slot_field_offset(h.slot, "cancel")
     await client.close()
 
 

@@ -25,7 +25,8 @@ import pytest
 from gpu_backend.cuda import structs
 from gpu_backend.cuda.child_env import child_env
 from gpu_backend.cuda.config import SchedulerConfig
-from shared_layout import (ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState, submit_writes)
+from shared_layout import (ErrorCode, FinishReason, Ring, RingGeometry, SlotRequest, SlotState, doorbell_write,
+                           submit_writes)
 from shared_layout.layout import SLOT
 from shared_layout.shm import ShmRegion
 
@@ -118,6 +119,43 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     assert s.counters["windows"] - 1 >= 5, s.counters
     assert s.counters["max_window_launches"] <= DEFAULT_WINDOW
     assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
+
+
+def test_the_frontend_doorbell_starts_the_scans_on_the_device(ring_name, device, module):
+    """With the full-scan interval out of reach, the kernel scans the host-mapped slots only when
+    the frontend doorbell moved: an idle loop does not scan, a write without the bell waits for
+    one, rung submissions and a cancel are served (tests/gpu_backend/cuda/test_twin_doorbell.py
+    is the CPU twin's version)."""
+    from test_twin_doorbell import NEVER_US, write_without_bell
+    region = ShmRegion.create(ring_name, GEOM.total_size)
+    ring = Ring.create(region.buf, GEOM)
+    rt, mapped = runtime_on(ring, device, module, full_scan_us=NEVER_US, idle_sleep_ns=20_000, max_model_len=8192)
+    time.sleep(0.2)
+    idle = rt.stats().counters
+    assert idle["iterations"] > 100 and idle["scans"] <= 1, idle
+    write_without_bell(ring, 5, [1, 2, 3], 4, seq=1)
+    time.sleep(0.2)
+    assert ring.state[5] == SlotState.PREFILL_PENDING
+    fp = FrontendPlayer(ring)
+    fp.next_seq = 2
+    fp.port.ring_doorbell()
+    deadline = time.monotonic() + 10
+    while ring.state[5] != SlotState.DECODE_COMPLETED:
+        assert time.monotonic() < deadline, "not served after the bell"
+        time.sleep(0.001)
+    assert ring.tokens(5, 0, 4).tolist() == [1, 2, 3, 1]
+    ring.cancel_flags[5] = 0
+    ring.state[5] = SlotState.EMPTY
+    slots = [fp.submit([7, 8], 30) for _ in range(3)] + [fp.submit([9], 8_000)]   # ~0.2 s of steps
+    fp.cancel(slots[-1])
+    results = {r.slot: r for r in drain(fp).values()}
+    for s in slots[:3]:
+        assert (results[s].finish, results[s].tokens) == (FinishReason.LENGTH, echo([7, 8], 30))
+    assert results[slots[-1]].finish == FinishReason.ABORT
+    s = shut(rt, mapped)
+    print("doorbell on the device:", {k: s.counters[k] for k in ("iterations", "scans", "scan_ns")})
+    assert s.exit_code == structs.EXIT_SHUTDOWN
+    assert s.counters["scans"] < s.counters["iterations"] / 10, s.counters
 
 
 def test_same_results_as_the_cpu_engine(ring_name, device, module):
@@ -214,7 +252,7 @@ def test_ring_in_device_memory(device, module):
         prompt = rng.integers(0, 49152, int(rng.integers(1, 30))).astype(np.int32)
         n = int(rng.integers(1, 60))
         req = SlotRequest(seq=i + 1, prompt_offset=i * 64, prompt_len=len(prompt), output_offset=i * 64, max_tokens=n)
-        dring.write_batch(submit_writes(geom, slot, req, prompt))
+        dring.write_batch(submit_writes(geom, slot, req, prompt) + [doorbell_write(i + 1)])
         want[slot] = (i * 64, echo(prompt.tolist(), n))
     deadline = time.monotonic() + 30
     while True:

@@ -45,6 +45,7 @@ def test_publish_words_are_state_words_and_acted_on_header_words():
         assert IS_PUB(GEOM.slot_offset(slot), SLOT.size)                     # a whole record includes it
     assert IS_PUB(GEOM.slots_offset + 4, SLOT.size)                          # body of 0 + state of 1
     assert IS_PUB(HEADER.offset("frontend_epoch"), 8)
+    assert IS_PUB(HEADER.offset("frontend_doorbell"), 8)   # the device scheduler scans when it moves
     assert IS_PUB(HEADER.offset("shutdown"), 4)
     assert not IS_PUB(HEADER.offset("backend_heartbeat"), 8)
     assert not IS_PUB(GEOM.prompt_token_offset(0), 4096)
