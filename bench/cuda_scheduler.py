@@ -330,6 +330,8 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             "scans_per_step": round(c["scans"] / max(1, steps), 3),
             **_phases(c, steps),
             "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
+            **{f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3)
+               for k in ("reap", "policy", "apply", "rows")},
             "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
 
@@ -370,6 +372,14 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         p, h = w["persistent"], w["host_loop"]
         lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
                                                       for k in ("scan", "publish", "plan")) + " |")
+    lines += ["", "The persistent schedule phase in parts, us per step (one GPU thread): commit + reap walks / the "
+              "policy (prefix lookups included) / applying it (preempt, admit, allocate, chunks) / the graph's key, "
+              "lookup and rows / the launch call:", "",
+              "| batch | reap | policy | apply | rows | launch | plan (all) |", "|---|---|---|---|---|---|---|"]
+    for w in results["workloads"]:
+        p = w["persistent"]
+        lines.append(f"| {w['batch']} | " + " | ".join(str(p.get(f"{k}_us_per_step", "-")) for k in
+                                                      ("reap", "policy", "apply", "rows", "launch_call", "plan")) + " |")
     lines += ["", "The frontend doorbell, A/B in this run: the persistent scheduler scanning the slots only when "
               "the doorbell moved (and every full_scan_us; the default) vs in every iteration (full_scan_us=0). "
               "All requests are written before the start, so after the first scan the bell stays still: the "

@@ -306,7 +306,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, plan_ns) X(blink_sched_control_t, launch_ns)                                   \
     X(blink_sched_control_t, fallback_steps) X(blink_sched_control_t, prefix_hit_tokens)                    \
     X(blink_sched_control_t, prefix_miss_tokens) X(blink_sched_control_t, prefix_hit_blocks)                \
-    X(blink_sched_control_t, prefix_miss_blocks)                                                            \
+    X(blink_sched_control_t, prefix_miss_blocks) X(blink_sched_control_t, reap_ns)                          \
+    X(blink_sched_control_t, policy_ns) X(blink_sched_control_t, apply_ns) X(blink_sched_control_t, rows_ns) \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)                          \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \

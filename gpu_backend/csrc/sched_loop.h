@@ -699,6 +699,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         }
     }
     if (sh->reap_running) st->n_running = kept;
+    const uint64_t t_reap = plat.now_ns(p);
 
     blink_plan_t plan;
     uint32_t *scratch = p->plan_scratch;
@@ -727,6 +728,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count, (uint32_t)cap,
                            p->running, st->n_running, free_blocks, st->prev_kind, &plan, p->plan_w_out,
                            p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+    const uint64_t t_policy = plat.now_ns(p);
 
     if (plan.kind != BLINK_STEP_IDLE && sh->launches >= p->window_limit) {
         /* Window full: nothing was applied, so a fresh instance plans this step again. */
@@ -807,6 +809,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         ++n;
     }
     st->n_chunks = n;
+    const uint64_t t_apply = plat.now_ns(p);
     st->step_no += 1;
     st->prev_kind = plan.kind;
     if (plan.kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;
@@ -825,6 +828,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         if (graph == t->fallback) stats->fallback_steps += 1;
     }
     st->graph = graph;
+    const uint64_t t_rows = plat.now_ns(p);
     plat.fence_dev();   /* the step descriptor, rows, block tables and request copies before the child graph that reads them */
     const uint64_t t_launch = plat.now_ns(p);
     for (uint32_t tries = 0; err == 0; ++tries) {   /* err != 0 here: the step failed before its launch */
@@ -843,6 +847,10 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     const uint64_t now = plat.now_ns(p);
     stats->launch_ns += now - t_launch;
     stats->plan_ns += now - t0;
+    stats->reap_ns += t_reap - t0;
+    stats->policy_ns += t_policy - t_reap;
+    stats->apply_ns += t_apply - t_policy;
+    stats->rows_ns += t_rows - t_apply;
     if (err != 0) {   /* engine.step: a failed step ends its requests ERROR/INTERNAL */
         for (uint32_t c = 0; c < n; ++c) p->reqs[p->chunk_slot[c]].status = BLINK_REQ_FINISHED;
         kept = 0;

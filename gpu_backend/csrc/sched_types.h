@@ -204,6 +204,9 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t prefix_miss_tokens;
     uint64_t prefix_hit_blocks;
     uint64_t prefix_miss_blocks;
+    /* plan_ns of the launched steps in parts: commit + reap walks, the policy (prefix lookups
+     * included), applying it (preempt, admit, allocate, chunks), the graph's key, lookup and rows */
+    uint64_t reap_ns, policy_ns, apply_ns, rows_ns;
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
     uint32_t max_window_launches; /* most launch attempts any one instance made (<= BLINK_DEVICE_LAUNCH_CAP) */
 } blink_sched_control_t;

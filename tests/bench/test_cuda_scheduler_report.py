@@ -1,0 +1,70 @@
+"""bench.cuda_scheduler's report from the counters the scheduler loop really keeps: the CPU twin
+(csrc/sched_loop.h on host threads) serves an echo workload both ways (the frontend doorbell, and
+a scan in every iteration), and its counters go through the same _persistent_stats and
+write_results the GPU run uses, so a lent GPU's run does not end on a missing key."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bench import cuda_scheduler as cs
+from gpu_backend.cuda import build, structs
+from gpu_backend.cuda.config import SchedulerConfig
+from shared_layout import Ring, RingGeometry, SlotState
+
+
+@pytest.fixture(scope="module")
+def twin_lib():
+    if build.find_gxx() is None:
+        pytest.skip("no g++")
+    from gpu_backend.cuda import twin
+    return twin.lib()
+
+
+def _twin_run(ring_buf, geom, cfg) -> dict:
+    from gpu_backend.cuda.twin import TwinScheduler
+    ring = Ring.create(ring_buf, geom)
+    cs.Bench._fill(ring, 16, 16, 32)
+    tw = TwinScheduler(ring, cfg, threads=2)
+    t0 = time.monotonic_ns()
+    tw.start()
+    deadline = time.monotonic() + 30
+    while not (ring.state[:16] == SlotState.DECODE_COMPLETED).all():
+        assert time.monotonic() < deadline, "the twin did not serve the workload"
+        time.sleep(0.001)
+    t1 = time.monotonic_ns()
+    tw.stop()
+    assert tw.join(30)
+    cs.Bench._check(None, ring, 16, 16, 32)   # an instance method that reads nothing of its instance
+    counters = {k: int(getattr(tw.stats, k)) for k in (*structs.COUNTERS, "max_window_launches")}
+    return {**cs._persistent_stats(counters, t1 - t0), "launch_retries": counters["launch_retries"]}
+
+
+def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
+    geom = RingGeometry(4096, 1 << 16, 1 << 16)
+    cfg = SchedulerConfig(max_batch_size=8, max_model_len=64, idle_sleep_ns=0)
+    bell = _twin_run(bytearray(geom.total_size), geom, cfg)
+    every = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
+                                                                        idle_sleep_ns=0, full_scan_us=0))
+    assert every["scans_per_step"] >= 1 > bell["scans_per_step"]
+    assert bell["plan_us_per_step"] >= bell["policy_us_per_step"] > 0
+    med = {"median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "n": 1}
+    results = {"date": cs.DATE, "machine": "twin", "device": "CPU twin", "sms": 0,
+               "scan": {"slots": 4096, "device_memory": med, "host_mapped": med},
+               "launch": {"device_fire_and_forget": {"api_call": med, "launch_to_child_start": med,
+                                                     "launch_to_done_seen": med},
+                          "host_launch": {"launch_to_child_start": med, "launch_to_done_seen": med},
+                          "device_tail_relaunch": med, "ratio_host_over_device_start": 1.0,
+                          "ratio_host_over_device_done": 1.0},
+               "workloads": [{"batch": 8, "requests": 16, "tokens_per_request": 32, "prompt_len": 16,
+                              "persistent": bell, "persistent_scan_every_iteration": every,
+                              "persistent_device_ring": {"error": "not on a CPU"}, "host_loop": every,
+                              "ratio_makespan_host_over_persistent": 1.0}]}
+    stem = cs.write_results(results, tmp_path, "twin")
+    md = stem.with_suffix(".md").read_text()
+    for heading in ("The persistent schedule phase in parts", "The frontend doorbell, A/B in this run",
+                    "Overhead per step by phase"):
+        assert heading in md
+    ab = md.split("The frontend doorbell, A/B in this run")[1]
+    assert f"| 8 | {bell['us_per_step']} | {bell['scans_per_step']} |" in ab
