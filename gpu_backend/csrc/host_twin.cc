@@ -69,6 +69,15 @@ struct blink_host_platform {
             __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
         return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
     }
+    uint32_t max_shared(uint32_t *p, uint32_t v) const {
+        const uintptr_t a = (uintptr_t)p;
+        if (blk && ((a >= blk->ring_lo && a < blk->ring_hi) || (a >= blk->ctl_lo && a < blk->ctl_hi)))
+            __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
+        uint32_t old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+        while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        }
+        return old;
+    }
     void sync() const { pthread_barrier_wait(&blk->barrier); }
     /* __syncthreads_or: three flags in rotation, so the one reset here was last read two calls ago. */
     int sync_or(int v) {

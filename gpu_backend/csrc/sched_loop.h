@@ -27,12 +27,14 @@
  *                        (FCFS, PRIORITY or LVF), preempt, admit (taking the cached
  *                        prefix: shared, refcounted), allocate KV blocks (kv_alloc.h
  *                        blink_pkv_*: LRU eviction of cached ones) and sampler seats,
- *                        write the step descriptor, pick the
- *                        step graph (graph_table.h: O(1) lookup, chunks -> rows),
- *                        launch it fire-and-forget, or tail-launch a fresh
+ *                        write a prefill step's chunks, or tail-launch a fresh
  *                        instance when this one's launch window is full
  *                        (window_limit attempts, well inside the device's cap of
  *                        120 fire-and-forget launches per graph execution)
+ *   fill     (all)       a decode step: its chunks and rows, one request per thread,
+ *                        and its longest context (a shared max)
+ *   launch   (thread 0)  the step graph (graph_table.h: key, O(1) lookup, a prefill
+ *                        step's chunks -> rows), fence, launch it fire-and-forget
  *
  * Every piece of state that must outlive an instance lives in global memory
  * (params->state, reqs, queues); the block-shared struct holds only values of
@@ -63,6 +65,12 @@ typedef struct blink_sched_shared {
     uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
     uint32_t commit;         /* publish: a request has full blocks to commit to the prefix cache */
     uint32_t scan;           /* control: this iteration scans the slots (the doorbell or epoch moved, or due) */
+    uint32_t launch;         /* schedule: a step is planned and applied; the fill and launch phases follow */
+    uint32_t step_kind;      /* its kind */
+    uint32_t step_parallel;  /* a decode step: its chunks and rows are filled by every thread (blink_phase_fill) */
+    uint32_t step_ctx;       /* fill: the longest context after the step (max over its rows) */
+    int32_t step_err;        /* schedule: nonzero when an allocation failed (the step's requests fail) */
+    uint64_t t_sched, t_reap, t_policy, t_apply;   /* the schedule phase's clock: plan_ns in parts */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -657,6 +665,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     blink_sched_control_t *stats = p->stats;
     const uint64_t cap = p->slot_count;
     const uint64_t t0 = plat.now_ns(p);
+    sh->launch = 0;
     const uint32_t did_work = st->in_flight || sh->n_arrivals;
     st->in_flight = 0;
     stats->tokens += sh->n_tokens;
@@ -796,35 +805,92 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
             err = -1;   /* the policy never asks for more than is free: a bug, so the step's requests fail */
     }
     st->free_blocks = blink_pkv_free_count(p->pkv);
-    uint32_t n = 0;
-    for (uint32_t k = 0; k < plan.n_prefill + plan.n_decode; ++k) {
-        const int pre = k < plan.n_prefill;
-        const uint32_t slot = pre ? plan.prefill_id[k] : plan.decode_id[k - plan.n_prefill];
-        const uint32_t len = pre ? plan.prefill_len[k] : 1u;
-        const blink_req_t *r = &p->reqs[slot];
-        p->chunk_slot[n] = slot;
-        p->chunk_start[n] = r->num_computed;
-        p->chunk_len[n] = len;
-        p->chunk_sample[n] = r->num_computed + len == blink_req_tokens(r);
-        ++n;
+    const uint32_t n = plan.n_prefill + plan.n_decode;
+    sh->step_parallel = plan.kind == BLINK_STEP_DECODE && plan.n_prefill == 0;
+    if (!sh->step_parallel) {   /* the chunks in plan order; a decode step's are filled by every thread */
+        for (uint32_t k = 0; k < n; ++k) {
+            const int pre = k < plan.n_prefill;
+            const uint32_t slot = pre ? plan.prefill_id[k] : plan.decode_id[k - plan.n_prefill];
+            const uint32_t len = pre ? plan.prefill_len[k] : 1u;
+            const blink_req_t *r = &p->reqs[slot];
+            p->chunk_slot[k] = slot;
+            p->chunk_start[k] = r->num_computed;
+            p->chunk_len[k] = len;
+            p->chunk_sample[k] = r->num_computed + len == blink_req_tokens(r);
+        }
     }
     st->n_chunks = n;
-    const uint64_t t_apply = plat.now_ns(p);
+    sh->step_kind = plan.kind;
+    sh->step_err = err;
+    sh->step_ctx = 0;
+    sh->t_sched = t0;
+    sh->t_reap = t_reap;
+    sh->t_policy = t_policy;
+    sh->t_apply = plat.now_ns(p);
+    sh->launch = 1;
+}
+
+/* all threads, a decode step (sh->step_parallel): chunk k is request plan.decode_id[k], one token,
+ * and row k (decode rows are the chunks: blink_step_key / blink_fill_rows give the same); the
+ * longest context by a shared max. One GPU thread walking 64-256 requests here, then again for
+ * the key and the rows, cost a dependent global load or two per request each time. */
+template <class P>
+BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                unsigned nt) {
+    const uint32_t n = p->state->n_chunks;
+    const uint32_t *decode_id = p->plan_scratch + 2 * p->policy.max_batch_size;   /* plan.decode_id */
+    const int rows = p->graphs.shapes != 0 && n <= p->graphs.decode.max_rows;      /* within the row buffers */
+    uint32_t ctx = 0;
+    for (uint32_t k = tid; k < n; k += nt) {
+        const uint32_t slot = decode_id[k];
+        const blink_req_t *r = &p->reqs[slot];
+        const uint32_t start = r->num_computed;
+        const uint32_t sample = start + 1 == blink_req_tokens(r);
+        p->chunk_slot[k] = slot;
+        p->chunk_start[k] = start;
+        p->chunk_len[k] = 1;
+        p->chunk_sample[k] = sample;
+        if (rows) {
+            p->row_slot[k] = slot;
+            p->row_start[k] = start;
+            p->row_len[k] = 1;
+            p->row_flags[k] = k | (sample ? BLINK_ROW_SAMPLE : 0u);
+        }
+        if (start + 1 > ctx) ctx = start + 1;
+    }
+    if (ctx) plat.max_shared(&sh->step_ctx, ctx);
+}
+
+/* thread 0: the planned step's graph (key, O(1) lookup, rows), then its launch. */
+template <class P>
+BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
+    blink_sched_state_t *st = p->state;
+    blink_sched_control_t *stats = p->stats;
+    const uint32_t kind = sh->step_kind, n = st->n_chunks;
+    int err = sh->step_err;
     st->step_no += 1;
-    st->prev_kind = plan.kind;
-    if (plan.kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;
+    st->prev_kind = kind;
+    if (kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;
     else stats->steps_decode += 1;
     /* The step graph: O(1) lookup of the tightest captured shape, then the chunks as its rows. */
     const blink_graph_table_t *g = &p->graphs;
     uint32_t rows = 0, len = 0, ctx = 0, graph = 0;
-    blink_step_key(g, plan.kind, p->chunk_start, p->chunk_len, n, &rows, &len, &ctx);
-    graph = blink_graph_lookup(g, plan.kind, rows, len, ctx);
+    if (sh->step_parallel) {   /* blink_step_key of one-token chunks */
+        rows = n;
+        len = n ? 1u : 0u;
+        ctx = sh->step_ctx;
+    } else {
+        blink_step_key(g, kind, p->chunk_start, p->chunk_len, n, &rows, &len, &ctx);
+    }
+    graph = blink_graph_lookup(g, kind, rows, len, ctx);
     st->n_rows = 0;
-    if (err == 0 && !blink_graph_fits(g, graph, plan.kind, rows, len, ctx)) err = -2;   /* beyond the max shape */
+    if (err == 0 && !blink_graph_fits(g, graph, kind, rows, len, ctx)) err = -2;   /* beyond the max shape */
     if (err == 0 && g->shapes != 0) {
-        st->n_rows = blink_fill_rows(g->split_len, p->chunk_slot, p->chunk_start, p->chunk_len, p->chunk_sample, n,
-                                     p->row_slot, p->row_start, p->row_len, p->row_flags);
-        const blink_graph_lut_t *t = plan.kind == BLINK_STEP_DECODE ? &g->decode : &g->prefill;
+        st->n_rows = sh->step_parallel ? n   /* blink_phase_fill wrote them: n fits, as the graph holds n rows */
+                                       : blink_fill_rows(g->split_len, p->chunk_slot, p->chunk_start, p->chunk_len,
+                                                         p->chunk_sample, n, p->row_slot, p->row_start, p->row_len,
+                                                         p->row_flags);
+        const blink_graph_lut_t *t = kind == BLINK_STEP_DECODE ? &g->decode : &g->prefill;
         if (graph == t->fallback) stats->fallback_steps += 1;
     }
     st->graph = graph;
@@ -846,14 +912,14 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     if (sh->launches > stats->max_window_launches) stats->max_window_launches = sh->launches;
     const uint64_t now = plat.now_ns(p);
     stats->launch_ns += now - t_launch;
-    stats->plan_ns += now - t0;
-    stats->reap_ns += t_reap - t0;
-    stats->policy_ns += t_policy - t_reap;
-    stats->apply_ns += t_apply - t_policy;
-    stats->rows_ns += t_rows - t_apply;
+    stats->plan_ns += now - sh->t_sched;
+    stats->reap_ns += sh->t_reap - sh->t_sched;
+    stats->policy_ns += sh->t_policy - sh->t_reap;
+    stats->apply_ns += sh->t_apply - sh->t_policy;
+    stats->rows_ns += t_rows - sh->t_apply;
     if (err != 0) {   /* engine.step: a failed step ends its requests ERROR/INTERNAL */
         for (uint32_t c = 0; c < n; ++c) p->reqs[p->chunk_slot[c]].status = BLINK_REQ_FINISHED;
-        kept = 0;
+        uint32_t kept = 0;
         for (uint32_t i = 0; i < st->n_running; ++i) {   /* dropped now: the next scan may reuse the slots */
             const uint32_t slot = p->running[i];
             blink_req_t *r = &p->reqs[slot];
@@ -930,6 +996,13 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         }
         plat.sync();
         if (sh->exit) break;
+        if (sh->launch) {   /* the loop's first barrier orders the launch phase before the next iteration */
+            if (sh->step_parallel) {
+                blink_phase_fill(plat, p, sh, tid, nt);
+                plat.sync();
+            }
+            if (tid == 0) blink_phase_launch(plat, p, sh);
+        }
     }
     if (tid == 0) {
         p->stats->exit_code = sh->exit;

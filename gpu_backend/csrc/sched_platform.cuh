@@ -10,8 +10,8 @@
  * with a PCIe GPU (cudaDevAttrHostNativeAtomicSupported == 0) device atomics
  * on host memory are not atomic with respect to the CPU, and a NIC's RDMA
  * WRITE never takes part in one. Every ring word has one writer per state
- * (shared_layout's owner table), ordered by fences; the only atomic here is
- * add_shared, on the block's shared memory among the scheduler's threads.
+ * (shared_layout's owner table), ordered by fences; the only atomics here are
+ * add_shared and max_shared, on the block's shared memory among the scheduler's threads.
  */
 #ifndef BLINK_SCHED_PLATFORM_CUH
 #define BLINK_SCHED_PLATFORM_CUH
@@ -31,6 +31,7 @@ struct blink_device_platform {
     __device__ void fence_dev() const { __threadfence(); }
     /* Shared memory only (the block's counters): never the ring, never host memory. */
     __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd_block(p, v); }
+    __device__ uint32_t max_shared(uint32_t *p, uint32_t v) const { return atomicMax_block(p, v); }
     __device__ void sync() const { __syncthreads(); }
     __device__ int sync_or(int v) const { return __syncthreads_or(v); }
     __device__ uint64_t now_ns(const blink_sched_params_t *p) const {
