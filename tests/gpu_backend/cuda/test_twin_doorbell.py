@@ -94,14 +94,19 @@ def test_a_write_without_the_bell_waits_until_the_bell_rings(twin_lib, shm_ring)
     assert stop(tw) == structs.EXIT_SHUTDOWN
 
 
-def test_the_full_scan_interval_catches_a_write_without_the_bell(twin_lib, shm_ring):
-    ring = shm_ring(GEOM)
-    tw = twin(ring, full_scan_us=20_000).start()
-    wait_until(lambda: tw.stats.iterations > 50, 10, "the loop iterating")
+def served_without_bell(ring, full_scan_us: int):
+    """A twin with this interval serves a request written without the bell; the stopped twin."""
+    tw = twin(ring, full_scan_us=full_scan_us).start()
+    wait_until(lambda: tw.stats.iterations > 200, 10, "the loop iterating")
     write_without_bell(ring, 9, [4, 5], 3, seq=1)
-    wait_until(lambda: ring.state[9] == SlotState.DECODE_COMPLETED, 5, "served by the periodic scan")
+    wait_until(lambda: ring.state[9] == SlotState.DECODE_COMPLETED, 5, "served without the bell")
     assert ring.tokens(9, 0, 3).tolist() == [4, 5, 4]
     assert stop(tw) == structs.EXIT_SHUTDOWN
+    return tw
+
+
+def test_the_full_scan_interval_catches_a_write_without_the_bell(twin_lib, shm_ring):
+    tw = served_without_bell(shm_ring(GEOM), 20_000)
     assert 0 < tw.stats.scans < tw.stats.iterations
 
 
@@ -126,12 +131,7 @@ def test_cancels_and_a_new_frontend_epoch_start_scans_without_the_interval(twin_
 
 
 def test_full_scan_us_0_scans_every_iteration(twin_lib, shm_ring):
-    ring = shm_ring(GEOM)
-    tw = twin(ring, full_scan_us=0).start()
-    wait_until(lambda: tw.stats.iterations > 200, 10, "the loop iterating")
-    write_without_bell(ring, 2, [8, 9], 2, seq=1)
-    wait_until(lambda: ring.state[2] == SlotState.DECODE_COMPLETED, 5, "served with no bell at all")
-    assert stop(tw) == structs.EXIT_SHUTDOWN
+    tw = served_without_bell(shm_ring(GEOM), 0)
     # every iteration scans but the last, which the stop ended in its control phase
     assert tw.stats.iterations - 1 <= tw.stats.scans <= tw.stats.iterations
 
