@@ -10,7 +10,8 @@ per-step overhead against this time, so it is the number that decides it).
            parts (eager, synchronised, median of --runs): forward (embedding, layers with the
              paged attention, final norm), logits (the head over each row's last token), sample
              (sampler.sample_step: processors, filtering, draw, logprobs)
-           step (eager): StepFunction.run, what one graph replays
+           step (eager): StepFunction.run, what one graph replays; the same for the baseline (the
+             model unfused, explicit RMSNorm operations, explicit attention), the A/B
            graph (CUDA only): torch.cuda.CUDAGraph of StepFunction.run replayed --runs times,
              CUDA events: the device's own time of a step, no launch or scheduler in it
       -> profile of one shape (--profile, default the largest decode shape): torch.profiler over
@@ -69,7 +70,7 @@ def parse_shapes(text: str, kind: str) -> list[tuple[int, int, int]]:
 class Profiler:
     """The graph cache's pieces for a set of shapes, on one device."""
 
-    def __init__(self, model, config, decode, prefill, device: str):
+    def __init__(self, model, config, decode, prefill, device: str, baseline_model=None):
         from gpu_backend.graphs.buckets import BucketConfig, BucketTable
         from gpu_backend.graphs.plan import CapturePlan
         from gpu_backend.graphs.step import GraphKVPool, KVShape, StaticBuffers, StepFunction
@@ -95,6 +96,10 @@ class Profiler:
         self.pool = GraphKVPool(KVShape.of(config, self.num_blocks, BLOCK), model.dtype, device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), device)
         self.step = StepFunction(model, self.pool, self.buffers, self.plan)
+        # the A/B: the step as it was before the kernel-count work (projections unfused, explicit
+        # RMSNorm operations, attention as matmul / mask / softmax / matmul), same buffers and pool
+        self.base_step = None if baseline_model is None else StepFunction(
+            baseline_model, self.pool, self.buffers, self.plan, attention="explicit")
         torch.manual_seed(0)
         self.pool.k.normal_(0, 1)      # cached K/V of the contexts the rows attend over
         self.pool.v.normal_(0, 1)
@@ -148,19 +153,25 @@ class Profiler:
                 "step_ms": self._timed(lambda: self.step.run(g), runs),
                 "row_group": attn.group}
 
-    def graph_ms(self, g, runs: int) -> float | None:
+    @torch.inference_mode()
+    def base_step_ms(self, g, runs: int) -> float:
+        """Median ms of the baseline's eager step."""
+        return self._timed(lambda: self.base_step.run(g), runs)
+
+    def graph_ms(self, g, runs: int, step=None) -> float | None:
         """Median device ms of one replay of the captured step (CUDA events), or None on a CPU."""
         if not self.device.startswith("cuda"):
             return None
+        step = step or self.step
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step.run(g)               # warm-up outside the capture (cuBLAS, sort temporaries)
+                step.run(g)                    # warm-up outside the capture (cuBLAS, sort temporaries)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.step.run(g)
+            step.run(g)
         graph.replay()
         out = []
         for _ in range(runs):
@@ -175,15 +186,16 @@ class Profiler:
         return statistics.median(out)
 
     @torch.inference_mode()
-    def profile(self, g, steps: int = 3) -> dict:
+    def profile(self, g, steps: int = 3, step=None) -> dict:
         from torch.profiler import ProfilerActivity, profile
         cuda = self.device.startswith("cuda")
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self.step.run(g)
+        step = step or self.step
+        step.run(g)
         self._sync()
         with profile(activities=acts) as prof:
             for _ in range(steps):
-                self.step.run(g)
+                step.run(g)
             self._sync()
         events = prof.key_averages()
 
@@ -215,7 +227,8 @@ def run(args) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     config, model = load_graph_model(args.model, dtype, device)
-    prof = Profiler(model, config, decode, prefill, device)
+    base = load_graph_model(args.model, dtype, device, fuse=False)[1] if args.baseline else None
+    prof = Profiler(model, config, decode, prefill, device, base)
     res = {"date": DATE, "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
            "model": args.model, "dtype": args.dtype, "runs": args.runs, "torch": torch.__version__,
            "kv_pool_mib": round(prof.pool.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - t0, 1),
@@ -227,6 +240,12 @@ def run(args) -> dict:
             row["graph_ms"] = prof.graph_ms(g, args.runs)
         except Exception as e:                 # noqa: BLE001 - recorded in the result
             row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        if prof.base_step is not None:
+            row["base_step_ms"] = prof.base_step_ms(g, args.runs)
+            try:
+                row["base_graph_ms"] = prof.graph_ms(g, args.runs, prof.base_step)
+            except Exception as e:             # noqa: BLE001 - recorded in the result
+                row["base_graph_ms"], row["graph_error"] = None, f"baseline {type(e).__name__}: {e}"[:300]
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         res["shapes"].append(row)
         print(f"  {row['shape']:<28} step {row['step_ms']:9.3f} ms  graph {row['graph_ms']} ms  "
@@ -241,6 +260,11 @@ def run(args) -> dict:
         res["profile"] = prof.profile(target)
     except Exception as e:                     # noqa: BLE001 - recorded in the result
         res["profile"] = {"shape": str(target), "error": f"{type(e).__name__}: {e}"[:300]}
+    if prof.base_step is not None:
+        try:
+            res["base_profile"] = prof.profile(target, step=prof.base_step)
+        except Exception as e:                 # noqa: BLE001 - recorded in the result
+            res["base_profile"] = {"shape": str(target), "error": f"{type(e).__name__}: {e}"[:300]}
     return res
 
 
@@ -258,6 +282,21 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     for r in res["shapes"]:
         lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['step_ms']} | "
                      f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
+    if any("base_step_ms" in r for r in res["shapes"]):
+        bp = res.get("base_profile", {})
+        count = "kernels_per_step" if p.get("kernels_per_step") is not None else "aten_ops_per_step"
+        lines += ["", "A/B in this run: the step as served (projections fused, F.rms_norm, attention by "
+                  "scaled_dot_product_attention with one mask a step) vs the baseline (unfused, explicit norm "
+                  "operations, matmul / mask / softmax / matmul):", "",
+                  "| shape | graph ms | baseline graph ms | eager step ms | baseline eager step ms |",
+                  "|---|---|---|---|---|"]
+        for r in res["shapes"]:
+            lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | "
+                         f"{r.get('base_graph_ms') if r.get('base_graph_ms') is not None else '-'} | "
+                         f"{r['step_ms']} | {r['base_step_ms']} |")
+        if "error" not in p and "error" not in bp:
+            lines += ["", f"{count.replace('_', ' ')} of {p['shape']}: {p[count]} as served, "
+                      f"{bp.get(count)} baseline."]
     errors = [f"{r['shape']}: {r['graph_error']}" for r in res["shapes"] if r.get("graph_error")]
     lines += ["", f"Capture failed: {'; '.join(errors)}"] if errors else []
     if "error" in p:
@@ -286,6 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="the shape to profile (its printed name, or RxC of a decode "
                                                     "shape); default the largest decode shape")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the A/B against the step before the kernel-count work")
     ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}), 3 runs")
     args = ap.parse_args(argv)
     if args.quick:

@@ -119,10 +119,13 @@ def smollm2_shape_config(tied: bool = True):
                        bos_token_id=1, eos_token_ids=(2,))
 
 
-def load_graph_model(spec: str, dtype: torch.dtype, device: str = "cuda"):
-    """(ModelConfig, LlamaModel on `device`). "random:smollm2" (SmolLM2's shape, untied head) or
-    "random:<folder with config.json>": random weights of that shape (LlamaModel.random, seed 0),
-    for machines the real weights cannot reach."""
+def load_graph_model(spec: str, dtype: torch.dtype, device: str = "cuda", fuse: bool = True):
+    """(ModelConfig, LlamaModel on `device`, its q/k/v and gate/up projections fused: 4 matmuls a
+    layer instead of 7, and RoPE over q and k at once, fewer kernels in every step graph).
+    "random:smollm2" (SmolLM2's shape, untied head) or "random:<folder with config.json>": random
+    weights of that shape (LlamaModel.random, seed 0), for machines the real weights cannot reach.
+    fuse=False: the model as loaded, with the explicit RMSNorm operations (the A/B of
+    bench.cuda_step_profile)."""
     from ..model.llama import LlamaModel
     if spec.startswith("random:"):
         what = spec.removeprefix("random:")
@@ -133,8 +136,15 @@ def load_graph_model(spec: str, dtype: torch.dtype, device: str = "cuda"):
             import pathlib
             from ..model.config import ModelConfig
             config = ModelConfig.from_hf(json.loads((pathlib.Path(what) / "config.json").read_text()))
-        model = LlamaModel.random(config, seed=0).to(device=device, dtype=dtype)
-        return config, model.eval()
-    from ..model.loader import load_model
-    loaded = load_model(spec, dtype=dtype, device=device)
-    return loaded.config, loaded.model
+        model = LlamaModel.random(config, seed=0).to(device=device, dtype=dtype).eval()
+    else:
+        from ..model.loader import load_model
+        loaded = load_model(spec, dtype=dtype, device=device)
+        config, model = loaded.config, loaded.model
+    if fuse:
+        return config, model.fuse_projections()
+    from ..model.llama import RMSNorm
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fused_kernel = False
+    return config, model

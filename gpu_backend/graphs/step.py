@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
@@ -135,18 +136,45 @@ class StaticBuffers:
 
 
 class GraphAttention:
-    """AttentionBackend over the paged pool for one fixed shape (R rows x S tokens, C context)."""
+    """AttentionBackend over the paged pool for one fixed shape (R rows x S tokens, C context).
 
-    def __init__(self, pool: GraphKVPool, buffers: StaticBuffers, shape: GraphShape, row_group: int):
+    A step graph launches one kernel or more per operator, and for SmolLM2 at 30 layers the step
+    is made of ~1,500 small ones: what each layer's attention launches counts. The visibility
+    mask depends on the step's positions only, so it is made once per step (per row group, as
+    an additive float mask over the grouped queries) and shared by every layer; the attention
+    itself is one scaled_dot_product_attention call per row group (on a GPU a fused kernel that
+    never materialises the scores; "explicit": matmul, mask, softmax, matmul, as before)."""
+
+    IMPLS = ("sdpa", "explicit")
+
+    def __init__(self, pool: GraphKVPool, buffers: StaticBuffers, shape: GraphShape, row_group: int,
+                 impl: str = "sdpa"):
+        if impl not in self.IMPLS:
+            raise ValueError(f"attention impl must be one of {self.IMPLS}, got {impl!r}")
         bs = pool.shape.block_size
         r, s, c = shape.rows, shape.len, shape.ctx
-        self.pool, self.shape, self.group = pool, shape, max(1, min(row_group, r))
+        self.pool, self.shape, self.group, self.impl = pool, shape, max(1, min(row_group, r)), impl
         self.slot_mapping = buffers.slot_mapping[:r * s]                          # [R*S]
         self.tables = buffers.block_tables[:r * (c // bs)].view(r, c // bs)       # [R, C/bs]
         # key j is visible to the query at position p when j <= p (p < the row's context)
         positions = buffers.positions[:r * s].view(r, s)                          # [R, S]
         self.positions = positions
         self.key_pos = None                                                       # [C], made on first call
+        self._masks: dict[int, torch.Tensor] = {}                                 # row group start -> mask
+
+    def _mask(self, r0: int, r1: int, grp: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of rows [r0, r1) for queries grouped (query head of a KV head, token):
+        [g, 1, G*S, C], 0 where the key is visible, -inf elsewhere. Kept from the first layer's call
+        when one group holds every row (several groups would hold R x G*S x C at once)."""
+        m = self._masks.get(r0)
+        if m is None:
+            s, c = self.shape.len, self.shape.ctx
+            visible = self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]           # [g, S, C]
+            m = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            m = m[:, None, None].expand(r1 - r0, 1, grp, s, c).reshape(r1 - r0, 1, grp * s, c)
+            if self.group >= self.shape.rows:
+                self._masks[r0] = m
+        return m
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         r, s, c = self.shape.rows, self.shape.len, self.shape.ctx               # q: [R*S, H, D]; k, v: [R*S, KV, D]
@@ -167,6 +195,10 @@ class GraphAttention:
             flat = self.tables[r0:r1].reshape(-1)                                # [g * C/bs]
             keys = kc.index_select(0, flat).view(g, c, kvh, d).permute(0, 2, 1, 3).to(q.dtype)   # [g, KV, C, D]
             vals = vc.index_select(0, flat).view(g, c, kvh, d).permute(0, 2, 1, 3).to(q.dtype)   # [g, KV, C, D]
+            if self.impl == "sdpa":
+                outs.append(F.scaled_dot_product_attention(qg[r0:r1], keys, vals,
+                                                           attn_mask=self._mask(r0, r1, grp, q.dtype)))
+                continue
             scores = torch.matmul(qg[r0:r1], keys.transpose(-1, -2)).float() * d ** -0.5      # [g, KV, G*S, C]
             visible = self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]            # [g, S, C]
             scores = scores.view(g, kvh, grp, s, c).masked_fill(~visible[:, None, None], float("-inf"))
@@ -179,14 +211,15 @@ class GraphAttention:
 class StepFunction:
     """model + pool + static buffers -> run(shape): one step of that shape, tokens into buffers.tokens."""
 
-    def __init__(self, model: LlamaModel, pool: GraphKVPool, buffers: StaticBuffers, plan: CapturePlan):
-        self.model, self.pool, self.buffers, self.plan = model, pool, buffers, plan
+    def __init__(self, model: LlamaModel, pool: GraphKVPool, buffers: StaticBuffers, plan: CapturePlan,
+                 attention: str = "sdpa"):
+        self.model, self.pool, self.buffers, self.plan, self.attention = model, pool, buffers, plan, attention
 
     @torch.inference_mode()
     def run(self, shape: GraphShape) -> None:
         b = self.buffers
         r, s = shape.rows, shape.len
-        attn = GraphAttention(self.pool, b, shape, self.plan.row_group(shape))
+        attn = GraphAttention(self.pool, b, shape, self.plan.row_group(shape), self.attention)
         hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)                    # [R*S, hidden]
         last = torch.arange(r, device=hidden.device) * s + (b.q_lens[:r] - 1).clamp(min=0)     # [R]
         logits = self.model.compute_logits(hidden.index_select(0, last))                       # [R, V]

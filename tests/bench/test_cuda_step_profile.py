@@ -95,3 +95,30 @@ def test_a_failing_profiler_costs_its_table_not_the_run(tiny_folder, tmp_path, m
     assert len(res["shapes"]) == 1 and res["shapes"][0]["step_ms"] > 0
     assert "Profile of decode[1x1, ctx 32] failed: RuntimeError: CUPTI unavailable" in \
         (tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.md").read_text()
+
+
+def test_the_served_step_and_its_baseline_give_the_same_tokens_and_logits(tiny_folder):
+    """The A/B's two sides compute the same step: projections fused, F.rms_norm and the attention
+    by scaled_dot_product_attention (one mask a step) vs unfused, explicit norm operations and
+    matmul / mask / softmax / matmul. Same weights (the loader's seed), same staged buffers."""
+    from gpu_backend.graphs.device import load_graph_model
+    from gpu_backend.graphs.step import GraphAttention
+    from gpu_backend.model.llama import RMSNorm
+    config, served = load_graph_model(f"random:{tiny_folder}", torch.float32, "cpu")
+    base = load_graph_model(f"random:{tiny_folder}", torch.float32, "cpu", fuse=False)[1]
+    assert served.layers[0].self_attn.qkv_proj is not None and base.layers[0].self_attn.qkv_proj is None
+    assert all(not m.fused_kernel for m in base.modules() if isinstance(m, RMSNorm))
+    prof = sp.Profiler(served, config, [(3, 1, 64)], [(2, 16, 48)], "cpu", base)
+    b = prof.buffers
+    for g in prof.shapes:
+        prof.stage(g)
+        prof.base_step.run(g)
+        want = b.tokens[:g.rows].clone()
+        prof.stage(g)
+        prof.step.run(g)
+        assert b.tokens[:g.rows].tolist() == want.tolist(), g
+        with torch.inference_mode():
+            n = g.rows * g.len
+            hidden = [m(b.input_ids[:n], b.positions[:n], GraphAttention(prof.pool, b, g, g.rows, impl))
+                      for m, impl in ((served, "sdpa"), (base, "explicit"))]
+        torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-4)
