@@ -202,7 +202,7 @@ CALLS: tuple[Call, ...] = (
                 pytest=True),
           Stage("agreement", 95, 150, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
           Stage("frontend_1000", 90, 160, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
-          Stage("step_profile", 15, 60, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
+          Stage("step_profile", 20, 60, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
                 outputs=("*-cuda_step_profile.json", "*-cuda_step_profile.md"), dry_cpu=True)),
          gguf_part=2),
     Call("bench", "the real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy "
