@@ -4,13 +4,15 @@ backend-owned slots left behind.
 
     open_ring(name, geometry) -> (ShmRegion, Ring): attach a matching ring (a
         frontend may hold its mapping, so a live file is never replaced),
-        replace a file that is not a ring at all, else create it 0600
+        replace a file that is not a ring at all, or a ring of another layout
+        (an earlier build's, other sizes) that no process maps, else create it 0600
     begin(ring): STARTING, backend_pid, backend_epoch + 1, shutdown cleared,
         slots a dead daemon was serving -> ABORT/BACKEND_SHUTDOWN
     publish_model(ring, vocab, max_len) -> READY ... end(ring) -> DOWN
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -19,6 +21,9 @@ from shared_layout import (MAGIC, BackendPort, BackendStatus, ErrorCode, FinishR
                            RingGeometry, SlotState)
 from shared_layout.shm import ShmRegion
 from shared_layout.states import ACTIVE_BACKEND_STATES
+
+
+log = logging.getLogger("blink.gpu_daemon")
 
 
 class RingError(Exception):
@@ -49,8 +54,17 @@ def open_ring(name: str, geometry: RingGeometry | None) -> tuple[ShmRegion, Ring
                 ring = Ring.attach(region.buf, expected=geometry)
             except LayoutMismatch as e:
                 region.close()
+                users = mapped_by(region.path)
+                if users == []:
+                    # Left by an earlier run (another build's layout version, other sizes) and mapped
+                    # by nobody: no frontend can be reading it, so a fresh ring replaces it.
+                    log.warning("ring %r had another layout (%s) and no process maps it: replaced", name, e)
+                    geom = geometry or RingGeometry()
+                    region = ShmRegion.create(name, geom.total_size)
+                    return region, Ring.create(region.buf, geom)
+                who = f" (pids {', '.join(map(str, users))})" if users else ""
                 raise RingError(f"ring {name!r} exists with another layout ({e}); pass matching "
-                                f"--slots/--prompt-arena-tokens/--output-arena-tokens, or stop its users "
+                                f"--slots/--prompt-arena-tokens/--output-arena-tokens, or stop its users{who} "
                                 f"and remove {region.path}") from None
             _check_no_live_daemon(name, ring)
             return region, ring
@@ -61,6 +75,28 @@ def open_ring(name: str, geometry: RingGeometry | None) -> tuple[ShmRegion, Ring
             continue
         return region, Ring.create(region.buf, geom)
     raise RingError(f"ring {name!r} keeps changing under us; is another daemon starting?")
+
+
+def mapped_by(path: str) -> list[int] | None:
+    """The other processes that map `path` (Linux: /proc/<pid>/maps); None where that cannot be
+    known (no /proc). Processes whose maps we may not read are skipped: the ring file is 0600, so
+    only our own user (or root) can map it, and our user's maps are readable."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    me, users = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].rstrip("\n") in (path, path + " (deleted)"):
+                        users.append(int(entry.name))
+                        break
+        except OSError:        # gone meanwhile, or not ours to read
+            continue
+    return users
 
 
 def _check_no_live_daemon(name: str, ring: Ring) -> None:

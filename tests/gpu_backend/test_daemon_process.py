@@ -236,7 +236,8 @@ def test_unavailable_executor_is_one_line_and_exit_2(ring_name):
     assert not ShmRegion.exists(ring_name)
 
 
-def test_ring_with_other_geometry_is_not_replaced(ring_name):
+def test_ring_with_other_geometry_is_not_replaced_while_mapped(ring_name):
+    """This process maps the ring (as a frontend would): the daemon refuses, naming the pid."""
     from shared_layout import RingGeometry
     geom = RingGeometry(8, 256, 256)
     region = ShmRegion.create(ring_name, geom.total_size)
@@ -245,7 +246,25 @@ def test_ring_with_other_geometry_is_not_replaced(ring_name):
     p = subprocess.run(BLINK + ["gpu-daemon", "--model", "null", "--ring", ring_name, "--slots", "16"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "another layout" in p.stderr and "Traceback" not in p.stderr
+    assert f"pids {os.getpid()}" in p.stderr
     assert Ring.attach(region.buf).geom == geom
+
+
+def test_a_ring_of_another_layout_that_nobody_maps_is_replaced(ring_name, daemon):
+    """Left by an earlier build (another layout version) and mapped by nobody: the daemon replaces
+    it with one warning line instead of refusing to start (what an upgrade would otherwise hit)."""
+    from shared_layout import RingGeometry
+    geom = RingGeometry(8, 256, 256)
+    region = ShmRegion.create(ring_name, geom.total_size)
+    ring = Ring.create(region.buf, geom)
+    ring.set("layout_version", ring.get("layout_version") - 1)
+    del ring
+    region.close()
+    p = daemon()
+    assert wait_ready(ring_name, p).geom.slot_count == 64
+    assert stop(p) == 0
+    err = p.stderr.read()
+    assert "had another layout (ring layout version" in err and "no process maps it: replaced" in err, err
 
 
 def test_unloadable_model_is_one_line(ring_name):
