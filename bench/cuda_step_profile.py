@@ -48,6 +48,12 @@ DECODE = "1x256,8x256,32x256,128x256,64x1024,128x1024"
 PREFILL = "1x128x512,16x128x512"
 QUICK_DECODE, QUICK_PREFILL = "1x64,4x128", "2x32x64"
 TOP = 15
+# operators that launch no kernel (views, metadata, dtype no-ops): left out of the launching count
+NO_KERNEL = frozenset(f"aten::{n}" for n in (
+    "view", "reshape", "permute", "expand", "slice", "select", "as_strided", "split", "unsqueeze", "t",
+    "transpose", "detach", "alias", "empty", "_unsafe_view", "split_with_sizes", "narrow", "empty_strided",
+    "lift_fresh", "resolve_conj", "resolve_neg", "squeeze", "unflatten", "expand_as", "view_as", "result_type",
+    "item", "_local_scalar_dense", "is_nonzero", "chunk", "unbind", "to"))
 
 
 def parse_shapes(text: str, kind: str) -> list[tuple[int, int, int]]:
@@ -209,9 +215,14 @@ class Profiler:
         top = sorted(kernel_events if cuda else events, key=key, reverse=True)[:TOP]
         kernels = sum(e.count for e in kernel_events)
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        # operators called from outside aten (the model's own calls), less those that launch nothing:
+        # on a CPU the count of what would be kernel launches on a GPU
+        launching = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL
+                        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
         return {"shape": str(g), "steps": steps, "clock": "device" if cuda else "cpu",
                 "kernels_per_step": round(kernels / steps, 1) if cuda else None,
                 "aten_ops_per_step": round(ops / steps, 1),
+                "launching_ops_per_step": round(launching / steps, 1),
                 "top": [{"name": e.key[:90], "calls_per_step": round(e.count / steps, 1),
                          "ms_per_step": round(key(e) / 1e3 / steps, 4)} for e in top]}
 
@@ -284,7 +295,7 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
                      f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
     if any("base_step_ms" in r for r in res["shapes"]):
         bp = res.get("base_profile", {})
-        count = "kernels_per_step" if p.get("kernels_per_step") is not None else "aten_ops_per_step"
+        count = "kernels_per_step" if p.get("kernels_per_step") is not None else "launching_ops_per_step"
         lines += ["", "A/B in this run: the step as served (projections fused, F.rms_norm, attention by "
                   "scaled_dot_product_attention with one mask a step) vs the baseline (unfused, explicit norm "
                   "operations, matmul / mask / softmax / matmul):", "",
@@ -305,7 +316,8 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
         cuda = p["clock"] == "device"
         lines += ["", f"Profile of {p['shape']} over {p['steps']} eager steps ({p['clock']} time): "
                   f"{p['kernels_per_step'] if cuda else '-'} kernels, "
-                  f"{p['aten_ops_per_step']} aten operators a step (nested ones included).", "",
+                  f"{p['aten_ops_per_step']} aten operators a step (nested ones included), "
+                  f"{p['launching_ops_per_step']} of them called by the model and launching kernels.", "",
                   f"| {'kernel' if cuda else 'operator'} | calls a step | ms a step |", "|---|---|---|"]
         lines += [f"| `{t['name']}` | {t['calls_per_step']} | {t['ms_per_step']} |" for t in p["top"]]
     lines += ["", "Reproduce: `python -m bench.cuda_step_profile` (on a CPU: `--device cpu --quick`)."]
