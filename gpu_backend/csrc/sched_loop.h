@@ -63,7 +63,7 @@ typedef struct blink_sched_shared {
     int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
     uint32_t reap_waiting;   /* the scan marked a waiting request aborted */
     uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
-    uint32_t commit;         /* publish: a request has full blocks to commit to the prefix cache */
+    uint32_t commit;         /* publish: chunks whose requests have full blocks to commit (blink_commit_list) */
     uint32_t scan;           /* control: this iteration scans the slots (the doorbell or epoch moved, or due) */
     uint32_t launch;         /* schedule: a step is planned and applied; the fill and launch phases follow */
     uint32_t step_kind;      /* its kind */
@@ -174,6 +174,12 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
     const uint32_t full = blink_full_blocks(p, r);
     if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
     return full > r->num_committed;
+}
+
+/* The chunks whose requests have full blocks to commit, listed by publish for the schedule phase of
+ * the same iteration: the last of plan_scratch's eight lists, which the planner leaves unused. */
+static inline BLINK_HD uint32_t *blink_commit_list(const blink_sched_params_t *p) {
+    return p->plan_scratch + 7 * p->policy.max_batch_size;
 }
 
 /* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
@@ -624,7 +630,8 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r)) plat.add_shared(&sh->commit, 1);
+        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r))
+            blink_commit_list(p)[plat.add_shared(&sh->commit, 1)] = c;   /* its full blocks, for the schedule phase */
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
@@ -673,8 +680,24 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
-    if (p->prefix_caching && sh->commit)
-        for (uint32_t i = 0; i < st->n_running; ++i) blink_commit_blocks(plat, p, p->running[i], &p->reqs[p->running[i]]);
+    if (p->prefix_caching && sh->commit) {
+        /* Only the chunks publish listed (a request's full blocks change only where its chunk was
+         * published), in chunk order: the running order the Python scheduler commits in. One GPU
+         * thread walking every running request here, at 256 of them, paid a dependent load or two
+         * each in every step where some block filled (most steps). */
+        uint32_t *list = blink_commit_list(p);
+        const uint32_t k = sh->commit;
+        for (uint32_t i = 1; i < k; ++i) {   /* insertion sort: publish's threads listed them in any order */
+            const uint32_t c = list[i];
+            uint32_t j = i;
+            for (; j > 0 && list[j - 1] > c; --j) list[j] = list[j - 1];
+            list[j] = c;
+        }
+        for (uint32_t i = 0; i < k; ++i) {
+            const uint32_t slot = p->chunk_slot[list[i]];
+            blink_commit_blocks(plat, p, slot, &p->reqs[slot]);
+        }
+    }
 
     /* engine._reap (waiting, then running) and the finished of the publish phase: walked only where
      * the scan or publish flagged one */
