@@ -63,7 +63,7 @@ typedef struct blink_sched_shared {
     int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
     uint32_t reap_waiting;   /* the scan marked a waiting request aborted */
     uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
-    uint32_t commit;         /* publish: chunks whose requests have full blocks to commit (blink_commit_list) */
+    uint32_t commit;         /* publish: chunks whose requests have full blocks to commit (BLINK_LIST_COMMIT) */
     uint32_t scan;           /* control: this iteration scans the slots (the doorbell or epoch moved, or due) */
     uint32_t launch;         /* schedule: a step is planned and applied; the fill and launch phases follow */
     uint32_t step_kind;      /* its kind */
@@ -176,10 +176,15 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
     return full > r->num_committed;
 }
 
-/* The chunks whose requests have full blocks to commit, listed by publish for the schedule phase of
- * the same iteration: the last of plan_scratch's eight lists, which the planner leaves unused. */
-static inline BLINK_HD uint32_t *blink_commit_list(const blink_sched_params_t *p) {
-    return p->plan_scratch + 7 * p->policy.max_batch_size;
+/* plan_scratch holds eight lists of max_batch_size entries: the planner's seven outputs, then the
+ * chunks whose requests have full blocks to commit, which publish lists for the schedule phase of
+ * the same iteration. */
+enum {
+    BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
+    BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT
+};
+static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
+    return p->plan_scratch + which * p->policy.max_batch_size;
 }
 
 /* scheduler._commit: the blocks that became full and computed enter the prefix cache. */
@@ -631,7 +636,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
         if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r))
-            blink_commit_list(p)[plat.add_shared(&sh->commit, 1)] = c;   /* its full blocks, for the schedule phase */
+            blink_scratch_list(p, BLINK_LIST_COMMIT)[plat.add_shared(&sh->commit, 1)] = c;   /* for the schedule phase */
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
@@ -685,7 +690,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
          * published), in chunk order: the running order the Python scheduler commits in. One GPU
          * thread walking every running request here, at 256 of them, paid a dependent load or two
          * each in every step where some block filled (most steps). */
-        uint32_t *list = blink_commit_list(p);
+        uint32_t *list = blink_scratch_list(p, BLINK_LIST_COMMIT);
         const uint32_t k = sh->commit;
         for (uint32_t i = 1; i < k; ++i) {   /* insertion sort: publish's threads listed them in any order */
             const uint32_t c = list[i];
@@ -734,15 +739,14 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     const uint64_t t_reap = plat.now_ns(p);
 
     blink_plan_t plan;
-    uint32_t *scratch = p->plan_scratch;
     const uint32_t mb = p->policy.max_batch_size;
-    plan.prefill_id = scratch;
-    plan.prefill_len = scratch + mb;
-    plan.decode_id = scratch + 2 * mb;
-    plan.preempted_id = scratch + 3 * mb;
-    plan.admitted_id = scratch + 4 * mb;
-    plan.new_blocks_id = scratch + 5 * mb;
-    plan.new_blocks_n = scratch + 6 * mb;
+    plan.prefill_id = blink_scratch_list(p, BLINK_LIST_PREFILL_ID);
+    plan.prefill_len = blink_scratch_list(p, BLINK_LIST_PREFILL_LEN);
+    plan.decode_id = blink_scratch_list(p, BLINK_LIST_DECODE_ID);
+    plan.preempted_id = blink_scratch_list(p, BLINK_LIST_PREEMPTED_ID);
+    plan.admitted_id = blink_scratch_list(p, BLINK_LIST_ADMITTED_ID);
+    plan.new_blocks_id = blink_scratch_list(p, BLINK_LIST_NEW_BLOCKS_ID);
+    plan.new_blocks_n = blink_scratch_list(p, BLINK_LIST_NEW_BLOCKS_N);
     /* scheduler._policy_input: the clock, each waiting request's prefix-cache hit (under FCFS only
      * those a free seat can admit; any of them under the others), the free count less the blocks'
      * extra holders (a preempted sharer frees fewer than the policy would assume; not clamped) */
@@ -861,7 +865,7 @@ template <class P>
 BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                 unsigned nt) {
     const uint32_t n = p->state->n_chunks;
-    const uint32_t *decode_id = p->plan_scratch + 2 * p->policy.max_batch_size;   /* plan.decode_id */
+    const uint32_t *decode_id = blink_scratch_list(p, BLINK_LIST_DECODE_ID);
     const int rows = p->graphs.shapes != 0 && n <= p->graphs.decode.max_rows;      /* within the row buffers */
     uint32_t ctx = 0;
     for (uint32_t k = tid; k < n; k += nt) {

@@ -228,7 +228,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
     uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
     uint32_t *plan_scratch;       /* [8 * max_batch_size] the planner's seven output lists, then publish's
-                                     commit list (sched_loop.h blink_commit_list) */
+                                     commit list (sched_loop.h blink_scratch_list) */
     uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
     uint32_t *row_start;          /* [max_rows] position of the row's first token */
     uint32_t *row_len;            /* [max_rows] tokens in the row */

@@ -162,6 +162,10 @@ class GraphAttention:
         self.key_pos = None                                                       # [C], made on first call
         self._masks: dict[int, torch.Tensor] = {}                                 # row group start -> mask
 
+    def _visible(self, r0: int, r1: int) -> torch.Tensor:
+        """[g, S, C] bool: key j is visible to the query at position p of rows [r0, r1) when j <= p."""
+        return self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]
+
     def _mask(self, r0: int, r1: int, grp: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask of rows [r0, r1) for queries grouped (query head of a KV head, token):
         [g, 1, G*S, C], 0 where the key is visible, -inf elsewhere. Kept from the first layer's call
@@ -169,7 +173,7 @@ class GraphAttention:
         m = self._masks.get(r0)
         if m is None:
             s, c = self.shape.len, self.shape.ctx
-            visible = self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]           # [g, S, C]
+            visible = self._visible(r0, r1)                                                   # [g, S, C]
             m = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
             m = m[:, None, None].expand(r1 - r0, 1, grp, s, c).reshape(r1 - r0, 1, grp * s, c)
             if self.group >= self.shape.rows:
@@ -200,8 +204,7 @@ class GraphAttention:
                                                            attn_mask=self._mask(r0, r1, grp, q.dtype)))
                 continue
             scores = torch.matmul(qg[r0:r1], keys.transpose(-1, -2)).float() * d ** -0.5      # [g, KV, G*S, C]
-            visible = self.key_pos[None, None, :] <= self.positions[r0:r1, :, None]            # [g, S, C]
-            scores = scores.view(g, kvh, grp, s, c).masked_fill(~visible[:, None, None], float("-inf"))
+            scores = scores.view(g, kvh, grp, s, c).masked_fill(~self._visible(r0, r1)[:, None, None], float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype).view(g, kvh, grp * s, c)
             outs.append(torch.matmul(probs, vals))                               # [g, KV, G*S, D]
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)                # [R, KV, G*S, D]
