@@ -76,7 +76,7 @@ def parse_shapes(text: str, kind: str) -> list[tuple[int, int, int]]:
 class Profiler:
     """The graph cache's pieces for a set of shapes, on one device."""
 
-    def __init__(self, model, config, decode, prefill, device: str, baseline_model=None):
+    def __init__(self, model, config, decode, prefill, device: str, baseline_model=None, kernels: str = "auto"):
         from gpu_backend.graphs.buckets import BucketConfig, BucketTable
         from gpu_backend.graphs.plan import CapturePlan
         from gpu_backend.graphs.step import GraphKVPool, KVShape, StaticBuffers, StepFunction
@@ -101,7 +101,11 @@ class Profiler:
         self.plan = CapturePlan(self.table, config, dtype_bytes=dtype_bytes)
         self.pool = GraphKVPool(KVShape.of(config, self.num_blocks, BLOCK), model.dtype, device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), device)
-        self.step = StepFunction(model, self.pool, self.buffers, self.plan)
+        self.step = StepFunction(model, self.pool, self.buffers, self.plan, kernels=kernels)
+        # where the served step takes the fused Triton kernels (a GPU), the same model with PyTorch's
+        # operators beside it: the A/B of the kernels alone
+        self.torch_step = None if self.step.kernels == "torch" else StepFunction(
+            model, self.pool, self.buffers, self.plan, kernels="torch")
         # the A/B: the step as it was before the kernel-count work (projections unfused, explicit
         # RMSNorm operations, attention as matmul / mask / softmax / matmul), same buffers and pool
         self.base_step = None if baseline_model is None else StepFunction(
@@ -148,16 +152,16 @@ class Profiler:
         from gpu_backend.graphs.sampler import sample_step
         from gpu_backend.graphs.step import GraphAttention
         b, r, s = self.buffers, g.rows, g.len
-        attn = GraphAttention(self.pool, b, g, self.plan.row_group(g))
         last = torch.arange(r, device=self.device) * s + (b.q_lens[:r] - 1)
-        hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)
+        hidden = self.step.forward(g)
         rows = hidden.index_select(0, last)
         logits = self.model.compute_logits(rows)
-        return {"forward_ms": self._timed(lambda: self.model(b.input_ids[:r * s], b.positions[:r * s], attn), runs),
+        return {"forward_ms": self._timed(lambda: self.step.forward(g), runs),
                 "logits_ms": self._timed(lambda: self.model.compute_logits(rows), runs),
                 "sample_ms": self._timed(lambda: sample_step(logits, b.row_params.view(r), b.seats), runs),
                 "step_ms": self._timed(lambda: self.step.run(g), runs),
-                "row_group": attn.group}
+                "row_group": "-" if self.step.kernels == "triton" else GraphAttention(
+                    self.pool, b, g, self.plan.row_group(g)).group}
 
     @torch.inference_mode()
     def base_step_ms(self, g, runs: int) -> float:
@@ -239,9 +243,10 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     config, model = load_graph_model(args.model, dtype, device)
     base = load_graph_model(args.model, dtype, device, fuse=False)[1] if args.baseline else None
-    prof = Profiler(model, config, decode, prefill, device, base)
+    prof = Profiler(model, config, decode, prefill, device, base, kernels=args.kernels)
     res = {"date": DATE, "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
            "model": args.model, "dtype": args.dtype, "runs": args.runs, "torch": torch.__version__,
+           "kernels": prof.step.kernels,
            "kv_pool_mib": round(prof.pool.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - t0, 1),
            "shapes": []}
     for g in prof.shapes:
@@ -251,6 +256,11 @@ def run(args) -> dict:
             row["graph_ms"] = prof.graph_ms(g, args.runs)
         except Exception as e:                 # noqa: BLE001 - recorded in the result
             row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        if prof.torch_step is not None:        # the same model on PyTorch's operators: the kernels' A/B
+            try:
+                row["torch_graph_ms"] = prof.graph_ms(g, args.runs, prof.torch_step)
+            except Exception as e:             # noqa: BLE001 - recorded in the result
+                row["torch_graph_ms"], row["graph_error"] = None, f"torch ops {type(e).__name__}: {e}"[:300]
         if prof.base_step is not None:
             row["base_step_ms"] = prof.base_step_ms(g, args.runs)
             try:
@@ -271,6 +281,11 @@ def run(args) -> dict:
         res["profile"] = prof.profile(target)
     except Exception as e:                     # noqa: BLE001 - recorded in the result
         res["profile"] = {"shape": str(target), "error": f"{type(e).__name__}: {e}"[:300]}
+    if prof.torch_step is not None:
+        try:
+            res["torch_profile"] = prof.profile(target, step=prof.torch_step)
+        except Exception as e:                 # noqa: BLE001 - recorded in the result
+            res["torch_profile"] = {"shape": str(target), "error": f"{type(e).__name__}: {e}"[:300]}
     if prof.base_step is not None:
         try:
             res["base_profile"] = prof.profile(target, step=prof.base_step)
@@ -285,7 +300,8 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     p = res["profile"]
     lines = [f"# Step graphs, shape by shape: {machine} ({res['device']})", "",
-             f"Model {res['model']} ({res['dtype']}), torch {res['torch']}, every row at its whole context, greedy; "
+             f"Model {res['model']} ({res['dtype']}), torch {res['torch']}, step kernels {res.get('kernels', 'torch')}, "
+             f"every row at its whole context, greedy; "
              f"medians of {res['runs']} runs after a warm-up. Eager parts are synchronised around each call; "
              f"`graph` is one replay of the captured step (CUDA events), the device's own time of a step.", "",
              "| shape | graph ms | eager step ms | forward ms | logits ms | sample ms | attention row group |",
@@ -293,21 +309,31 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     for r in res["shapes"]:
         lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['step_ms']} | "
                      f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
+    kernels = res.get("kernels", "torch")
     if any("base_step_ms" in r for r in res["shapes"]):
-        bp = res.get("base_profile", {})
+        bp, tp = res.get("base_profile", {}), res.get("torch_profile")
         count = "kernels_per_step" if p.get("kernels_per_step") is not None else "launching_ops_per_step"
-        lines += ["", "A/B in this run: the step as served (projections fused, F.rms_norm, attention by "
-                  "scaled_dot_product_attention with one mask a step) vs the baseline (unfused, explicit norm "
-                  "operations, matmul / mask / softmax / matmul):", "",
-                  "| shape | graph ms | baseline graph ms | eager step ms | baseline eager step ms |",
-                  "|---|---|---|---|---|"]
+        served = ("the fused Triton kernels (graphs/fused_forward.py)" if kernels == "triton" else
+                  "PyTorch's operators: projections fused, F.rms_norm, attention by scaled_dot_product_attention "
+                  "with one mask a step")
+        lines += ["", f"A/B in this run: the step as served ({served})"
+                  + (", the same model on PyTorch's operators (projections fused, F.rms_norm, SDPA)" if tp else "")
+                  + " and the baseline (unfused, explicit norm operations, matmul / mask / softmax / matmul):", "",
+                  "| shape | graph ms | " + ("PyTorch ops graph ms | " if tp else "")
+                  + "baseline graph ms | eager step ms | baseline eager step ms |",
+                  "|---|---|---|---|---|" + ("---|" if tp else "")]
+
+        def ms(v):
+            return v if v is not None else "-"
         for r in res["shapes"]:
-            lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | "
-                         f"{r.get('base_graph_ms') if r.get('base_graph_ms') is not None else '-'} | "
-                         f"{r['step_ms']} | {r['base_step_ms']} |")
+            lines.append(f"| {r['shape']} | {ms(r['graph_ms'])} | " + (f"{ms(r.get('torch_graph_ms'))} | " if tp else "")
+                         + f"{ms(r.get('base_graph_ms'))} | {r['step_ms']} | {r['base_step_ms']} |")
         if "error" not in p and "error" not in bp:
-            lines += ["", f"{count.replace('_', ' ')} of {p['shape']}: {p[count]} as served, "
-                      f"{bp.get(count)} baseline."]
+            lines += ["", f"{count.replace('_', ' ')} of {p['shape']}: {p[count]} as served"
+                      + (f", {tp.get(count)} on PyTorch's operators" if tp and "error" not in tp else "")
+                      + f", {bp.get(count)} baseline."
+                      + (" (On a CPU the Triton kernels run in Triton's interpreter, whose own operators count here.)"
+                         if kernels == "triton" and p.get("clock") == "cpu" else "")]
     errors = [f"{r['shape']}: {r['graph_error']}" for r in res["shapes"] if r.get("graph_error")]
     lines += ["", f"Capture failed: {'; '.join(errors)}"] if errors else []
     if "error" in p:
@@ -337,6 +363,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="the shape to profile (its printed name, or RxC of a decode "
                                                     "shape); default the largest decode shape")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"),
+                    help="the served step's forward (graphs/fused_forward.py); auto: Triton's on a GPU, with the "
+                         "same model on PyTorch's operators beside it")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the A/B against the step before the kernel-count work")
     ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}), 3 runs")

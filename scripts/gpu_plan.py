@@ -154,6 +154,7 @@ GRAPH_T = "tests/gpu_backend/graphs/test_graphs_gpu.py"
 REAL_T = "tests/gpu_backend/graphs/test_real_weights_gpu.py"
 SAMPLER_T = "tests/gpu_backend/graphs/test_sampler_gpu.py"
 AUTOMATON_T = "tests/gpu_backend/cuda/test_automaton_twin.py"
+TRITON_T = "tests/gpu_backend/graphs/test_triton_kernels.py"
 SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
 GGUF_COLLECT = Stage("gguf", 5, 40, (PY, "scripts/gguf_parts.py", "collect"))
 BENCH_SCHED = Stage("bench_sched", 30, 90, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
@@ -166,10 +167,14 @@ BENCH_SCHED = Stage("bench_sched", 30, 90, (PY, "-m", "bench.cuda_scheduler", "-
 # added after that run: 1.5x that here); step_profile (added after it, not yet run on a GPU: an estimate) is ~10 s on a CPU
 # with --quick. The H200 run answered tensorrt (not installed), so that stage gave its place to step_profile;
 # bench_sched moved into the first call, since the scheduler changed after that run (timed even on a short
-# lease), and echo_10k into the third (it passed there).
+# lease), and echo_10k into the third (it passed there). The triton stage (added later: the fused kernels
+# compile, ~5 s for their 6 variants here, and their diff tests) took its expected time from build (7 s on
+# the H200, was expected 30), graph_smoke (9 s, was 30) and echo_10k (12 s, was 30).
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
-         "through many tail-launch windows from a host-mapped ring and from device memory; one model graph "
+         "through many tail-launch windows from a host-mapped ring and from device memory; the step graphs' "
+         "fused Triton kernels compile there and give PyTorch's results, kernel by kernel and as a SmolLM2 step "
+         "captured into a CUDA graph; one model graph "
          "captures, instantiates for device launch and serves greedy tokens that agree with the CPU (near-tie "
          "rule); scheduler correctness: >= 5 roll-overs of the default window under load, the CPU engine's and "
          "the Python policies' exact results, cancel / stale epoch / abort; control-plane costs (scan, device "
@@ -177,10 +182,11 @@ CALLS: tuple[Call, ...] = (
          "because the scheduler changed after the last lent run and a short lease should still time it",
          (Stage("probe", 10, 40, (PY, "-m", "gpu_backend.cuda.probe")),
           GGUF_COLLECT,
-          Stage("build", 30, 120, (PY, "-c", "from gpu_backend.cuda import build; "
+          Stage("build", 20, 90, (PY, "-c", "from gpu_backend.cuda import build; "
                                    "print(build.build_device_module()); print(build.build_host_twin())")),
           Stage("sched_smoke", 15, 60, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
-          Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
+          Stage("triton", 20, 60, _pytest(TRITON_T), pytest=True),
+          Stage("graph_smoke", 20, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
           Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell"), pytest=True),
           BENCH_SCHED),
@@ -213,7 +219,7 @@ CALLS: tuple[Call, ...] = (
          "isolated; the host loop's own figure), NVML energy per token",
          (GGUF_COLLECT,
           Stage("real_weights", 50, 100, _pytest(REAL_T), pytest=True, may_skip=True),
-          Stage("echo_10k", 30, 100, _pytest(CUDA_T, k="10k_requests"), pytest=True),
+          Stage("echo_10k", 25, 100, _pytest(CUDA_T, k="10k_requests"), pytest=True),
           Stage("bench_graphs", 200, 320, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
                                            "--repeats", "1", "--buckets", SMOL_BUCKETS),
                 outputs=("*-cuda_graphs.json", "*-cuda_graphs.md"))),

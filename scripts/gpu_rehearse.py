@@ -21,6 +21,9 @@ slip. `scripts/gpu_check.sh --rehearse` runs it; exit 1 on any problem.
     collect     pytest --collect-only -m gpu: no import errors; each plan stage collects
     nvcc        every .cu for sm_90a with warnings as errors; the twin with -Werror
     twin        the twin's tests (tests/gpu_backend/cuda, not gpu-marked)
+    triton      every Triton kernel variant of the step graphs compiled for sm_90 ahead of time
+                (gpu_backend.graphs.triton_aot: Triton's own ptxas, no GPU), float32 and bf16, and
+                the kernels' diff tests under Triton's interpreter (the image's Triton is 3.6)
     runner      gpu_check.sh --call CALL, dry (pytest --collect-only), for every call:
                 verdict lines, junit files, and $OUT within the tool's limits
     timeout     a stage past its budget is stopped and still leaves a verdict and junit
@@ -52,7 +55,7 @@ PY311 = [os.path.expanduser("~/.pyenv/versions/3.11.7/bin/python3.11"), "/usr/bi
 COMMON = ["aiohttp", "tokenizers==0.23.2", "uvloop", "jinja2", "pytest", "pytest-timeout", "hypothesis", "pyyaml",
           "requests", "tqdm", "safetensors==0.8.0", "psutil", "nvidia-ml-py"]
 IMAGE_PINS = ["numpy==2.5.2", "cuda-bindings==13.0.3", *COMMON]
-TORCH_PINS = ["torch==2.13.0+cpu", "numpy==2.4.6", "cuda-bindings==13.0.3", *COMMON]
+TORCH_PINS = ["torch==2.13.0+cpu", "numpy==2.4.6", "cuda-bindings==13.0.3", "triton==3.6.0", *COMMON]
 DEVICE_CODE = ["shared_layout", "dpu_frontend", "gpu_backend", "bench/cuda_scheduler.py", "bench/cuda_graphs.py",
                "bench/cuda_step_profile.py",
                "tests/conftest.py", "tests/gpu_backend/conftest.py", "tests/gpu_backend/frontend_player.py",
@@ -339,6 +342,17 @@ def stage_twin(ctx) -> str:
     return out.strip().splitlines()[-1]
 
 
+def stage_triton(ctx) -> str:
+    env = {k: v for k, v in ctx["torch_env"].items() if k != "TRITON_INTERPRET"}
+    lines = []
+    for dtype in ("float32", "bfloat16"):
+        out = sh([ctx["py311"], "-m", "gpu_backend.graphs.triton_aot", "--dtype", dtype], 300, env=env, cwd=REPO)
+        lines += out.strip().splitlines()
+    tests = sh([ctx["py311"], "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "tests/gpu_backend/graphs/test_triton_kernels.py"], 300, env=env, cwd=REPO)
+    return f"{len(lines)} kernel variants compiled for sm_90; interpreter tests: {tests.strip().splitlines()[-1]}"
+
+
 def check_out_dir(out: pathlib.Path, declared: list[str]) -> list[str]:
     problems, files = [], [p for p in out.rglob("*") if p.is_file()]
     if len(files) > plan.OUT_FILES:
@@ -391,9 +405,9 @@ def stage_timeout(ctx) -> str:
 STAGES = [("prepare", stage_prepare), ("plan", stage_plan), ("image_venv", stage_image_venv),
           ("carried", stage_carried), ("imports", stage_imports), ("child_env", stage_child_env),
           ("torch_venv", stage_torch_venv), ("collect", stage_collect), ("nvcc", stage_nvcc), ("twin", stage_twin),
-          ("runner", stage_runner), ("timeout", stage_timeout)]
+          ("triton", stage_triton), ("runner", stage_runner), ("timeout", stage_timeout)]
 NEEDS = {"carried": "image_venv", "imports": "carried", "child_env": "carried", "collect": "torch_venv",
-         "twin": "torch_venv", "runner": "torch_venv", "timeout": "torch_venv"}
+         "twin": "torch_venv", "triton": "torch_venv", "runner": "torch_venv", "timeout": "torch_venv"}
 
 
 def main(argv: list[str]) -> int:

@@ -91,7 +91,7 @@ class CudaExecutor:
         t_model = time.monotonic()
         self.device.make_current()
         self.params_addr = int(check(bindings().cuMemAlloc(ctypes.sizeof(structs.SchedParams)), "cuMemAlloc(params)"))
-        self.graphs = ModelGraphs(model, BucketTable(g.buckets), g.num_blocks)
+        self.graphs = ModelGraphs(model, BucketTable(g.buckets), g.num_blocks, kernels=g.kernels)
         self.graphs.prepare(self.module, self.params_addr)
         self.setup_report = {"model_load_s": t_model - t0, "graphs": self.graphs.report(),
                              "setup_s": time.monotonic() - t0}

@@ -83,7 +83,7 @@ class CudaHostLoopExecutor:
             self.policy, self.num_blocks = g.policy, g.num_blocks
             self.table = BucketTable(g.buckets)
             self.device.make_current()
-            self.cache = GraphCache(model, self.table, g.num_blocks, self.module)
+            self.cache = GraphCache(model, self.table, g.num_blocks, self.module, kernels=g.kernels)
             max_rows, max_blocks = self.table.max_rows, blocks_needed(g.max_model_len, g.policy.block_size)
         t_model = time.monotonic()
         self.device.make_current()

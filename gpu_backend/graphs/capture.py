@@ -138,8 +138,10 @@ class CapturedGraph:
 
 
 class GraphCache:
-    def __init__(self, model: LlamaModel, table: BucketTable, num_blocks: int, module, instances: int = 2):
-        """model: on the GPU, in eval mode; module: gpu_backend.cuda.runtime.Module (staging kernels)."""
+    def __init__(self, model: LlamaModel, table: BucketTable, num_blocks: int, module, instances: int = 2,
+                 kernels: str = "auto"):
+        """model: on the GPU, in eval mode; module: gpu_backend.cuda.runtime.Module (staging kernels);
+        kernels: the step's forward (fused_forward.KERNELS; "auto": the Triton kernels where they apply)."""
         d = bindings()
         if instances != structs.STEP_GRAPHS:
             raise ValueError(f"the scheduler alternates {structs.STEP_GRAPHS} instances per graph, not {instances}")
@@ -151,7 +153,8 @@ class GraphCache:
         bs = table.config.block_size
         self.pool = GraphKVPool(KVShape.of(cfg, num_blocks, bs), model.dtype, model.device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), model.device)
-        self.step = StepFunction(model, self.pool, self.buffers, self.plan)
+        self.step = StepFunction(model, self.pool, self.buffers, self.plan, kernels=kernels)
+        log.info("step graphs: %s kernels in the model's forward", self.step.kernels)
         self.io = self.buffers.io(bs, self.pool.sink_block)
         self.io_addr = int(check(d.cuMemAlloc(ctypes.sizeof(self.io)), "cuMemAlloc(step io)"))
         check(d.cuMemcpyHtoD(self.io_addr, ctypes.addressof(self.io), ctypes.sizeof(self.io)), "cuMemcpyHtoD(step io)")
@@ -261,7 +264,7 @@ class GraphCache:
     def report(self) -> dict:
         est = self.plan.memory_estimate()
         nodes = [sum(g.nodes.values()) for g in self.graphs if g is not None]
-        return {"buckets": self.table.describe(), "timing": self.timing, "memory": self.memory,
+        return {"buckets": self.table.describe(), "kernels": self.step.kernels, "timing": self.timing, "memory": self.memory,
                 "estimate": est.as_dict(), "nodes_per_graph": {"min": min(nodes), "max": max(nodes)} if nodes else {},
                 "node_types": _sum_counts(g.nodes for g in self.graphs if g is not None),
                 "empty_nodes_removed": sum(g.empty_removed for g in self.graphs if g is not None)}

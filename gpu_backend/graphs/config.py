@@ -5,9 +5,11 @@ who schedules.
     ExecutorOptions + ModelConfig (+ the environment, read here and nowhere else:
     BLINK_GRAPH_BUCKETS  JSON overrides of BucketConfig fields, e.g. '{"decode_rows": [1, 64, 256]}'
     BLINK_GRAPH_BLAS     "cublas" or "cublaslt": torch's preferred BLAS library while capturing,
-                         should one library's kernels refuse device launch on some GPU)
+                         should one library's kernels refuse device launch on some GPU
+    BLINK_GRAPH_KERNELS  "auto" (default), "triton" or "torch": the kernels of the model's
+                         forward in a step graph (graphs/fused_forward.py; "torch" for an A/B)
       -> policy (max batch, prefill budget, block size), KV pool blocks,
-         max_model_len, BucketConfig (grids), dtype, BLAS choice
+         max_model_len, BucketConfig (grids), dtype, BLAS choice, step kernels
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..kv_pool import blocks_for_budget
 from ..model.config import ModelConfig
 from ..scheduler.policy import PolicyConfig, blocks_needed
 from .buckets import BucketConfig
+from .fused_forward import KERNELS
 
 DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_MAX_PREFILL_TOKENS = 2048
@@ -30,6 +33,7 @@ DEFAULT_SPLIT_LEN = 512
 CTX_CELL_TOKENS = 128
 BUCKETS_ENV = "BLINK_GRAPH_BUCKETS"
 BLAS_ENV = "BLINK_GRAPH_BLAS"
+KERNELS_ENV = "BLINK_GRAPH_KERNELS"
 
 
 class GraphConfigError(ValueError):
@@ -58,6 +62,7 @@ class GraphExecConfig:
     buckets: BucketConfig
     dtype: torch.dtype = torch.float32
     blas: str | None = None    # torch.backends.cuda.preferred_blas_library while capturing; None: torch's default
+    kernels: str = "auto"      # the step's forward: fused_forward.KERNELS
 
     def apply_blas(self) -> None:
         if self.blas is not None:
@@ -94,4 +99,7 @@ class GraphExecConfig:
         blas = os.environ.get(BLAS_ENV, "").strip() or None
         if blas not in (None, "cublas", "cublaslt"):
             raise GraphConfigError(f"{BLAS_ENV} must be cublas or cublaslt, got {blas!r}")
-        return cls(policy, num_blocks, max_len, buckets, dtype, blas)
+        kernels = os.environ.get(KERNELS_ENV, "").strip() or "auto"
+        if kernels not in KERNELS:
+            raise GraphConfigError(f"{KERNELS_ENV} must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        return cls(policy, num_blocks, max_len, buckets, dtype, blas, kernels)

@@ -31,8 +31,8 @@ from .hostloop import StepBlock
 class ModelGraphs:
     """The model's step graphs as the persistent scheduler's StepGraphSource."""
 
-    def __init__(self, model, table: BucketTable, num_blocks: int):
-        self.model, self.table, self.num_blocks = model, table, num_blocks
+    def __init__(self, model, table: BucketTable, num_blocks: int, kernels: str = "auto"):
+        self.model, self.table, self.num_blocks, self.kernels = model, table, num_blocks, kernels
         self.max_rows = table.max_rows
         self.cache: GraphCache | None = None
         self.params_addr = 0
@@ -40,7 +40,7 @@ class ModelGraphs:
     def prepare(self, module, params_addr: int) -> None:
         """Capture every graph against the parameter block at params_addr."""
         self.close()
-        self.cache = GraphCache(self.model, self.table, self.num_blocks, module)
+        self.cache = GraphCache(self.model, self.table, self.num_blocks, module, kernels=self.kernels)
         self.cache.capture(params_addr)
         self.params_addr = params_addr
 

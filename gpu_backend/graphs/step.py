@@ -11,10 +11,12 @@
       seats (sampler.SeatState [seats + 1, V]: what a request keeps between steps; filled
       when it gets a seat, updated by the graph after each sample)
     StepFunction(shape):  views of the buffers for (R rows, S len, C ctx)
-      -> LlamaModel.forward over R * S tokens with GraphAttention:
+      -> LlamaModel.forward over R * S tokens with GraphAttention ("torch" kernels):
            K/V of every token into the pool at slot_mapping (padding -> the sink block)
            per row group: gather the rows' blocks [g, C] -> masked GQA attention
            (key j is visible to the query at position p when j <= p)
+         or fused_forward.forward ("triton", the default on a GPU): the same function in
+           9 kernels a layer, attention reading the rows' blocks in place
       -> hidden of each row's last real token [R, hidden] -> logits [R, V]
       -> sampler.sample_step (processors, filtering, draw, logprobs, seat update)
          -> tokens [R] and logprob records [R]
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
+from . import fused_forward
 from .buckets import GraphShape
 from .plan import CapturePlan, StaticSizes
 from .sampler import ROW_STOPS, TOP_LOGPROBS, RowParams, SeatState, sample_step
@@ -215,15 +218,30 @@ class StepFunction:
     """model + pool + static buffers -> run(shape): one step of that shape, tokens into buffers.tokens."""
 
     def __init__(self, model: LlamaModel, pool: GraphKVPool, buffers: StaticBuffers, plan: CapturePlan,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", kernels: str = "torch"):
+        """kernels: "torch" (LlamaModel.forward with GraphAttention, PyTorch's operators), "triton"
+        (fused_forward: the fused Triton kernels), "auto" (triton where fused_forward.resolve says)."""
         self.model, self.pool, self.buffers, self.plan, self.attention = model, pool, buffers, plan, attention
+        self.kernels = fused_forward.resolve(kernels, model, pool.k.device)
+
+    @torch.inference_mode()
+    def forward(self, shape: GraphShape) -> torch.Tensor:
+        """The model over the step's R*S tokens (K/V written into the pool) -> hidden [R*S, hidden]."""
+        b = self.buffers
+        r, s, c = shape.rows, shape.len, shape.ctx
+        if self.kernels == "triton":
+            bs = self.pool.shape.block_size
+            return fused_forward.forward(self.model, b.input_ids[:r * s], b.positions[:r * s], b.slot_mapping[:r * s],
+                                         b.block_tables[:r * (c // bs)].view(r, c // bs), self.pool.k, self.pool.v,
+                                         r, s, c)
+        attn = GraphAttention(self.pool, b, shape, self.plan.row_group(shape), self.attention)
+        return self.model(b.input_ids[:r * s], b.positions[:r * s], attn)
 
     @torch.inference_mode()
     def run(self, shape: GraphShape) -> None:
         b = self.buffers
         r, s = shape.rows, shape.len
-        attn = GraphAttention(self.pool, b, shape, self.plan.row_group(shape), self.attention)
-        hidden = self.model(b.input_ids[:r * s], b.positions[:r * s], attn)                    # [R*S, hidden]
+        hidden = self.forward(shape)                                                           # [R*S, hidden]
         last = torch.arange(r, device=hidden.device) * s + (b.q_lens[:r] - 1).clamp(min=0)     # [R]
         logits = self.model.compute_logits(hidden.index_select(0, last))                       # [R, V]
         out = sample_step(logits, b.row_params.view(r), b.seats)

@@ -122,3 +122,21 @@ def test_the_served_step_and_its_baseline_give_the_same_tokens_and_logits(tiny_f
             hidden = [m(b.input_ids[:n], b.positions[:n], GraphAttention(prof.pool, b, g, g.rows, impl))
                       for m, impl in ((served, "sdpa"), (base, "explicit"))]
         torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_triton_step_is_profiled_beside_the_same_model_on_pytorchs_operators(tiny_folder, tmp_path):
+    """--kernels triton (what "auto" picks on a GPU), here under Triton's interpreter in a child: the
+    report names the kernels and carries the PyTorch-operator column of the A/B."""
+    import os
+    import subprocess
+    pytest.importorskip("triton")
+    r = subprocess.run([sys.executable, "-m", "bench.cuda_step_profile", "--device", "cpu", "--quick", "--model",
+                        f"random:{tiny_folder}", "--kernels", "triton", "--decode", "2x32", "--prefill", "",
+                        "--runs", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=pathlib.Path(sp.__file__).parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.json").read_text())
+    assert res["kernels"] == "triton" and res["shapes"][0]["row_group"] == "-"
+    assert "torch_graph_ms" in res["shapes"][0] and res["torch_profile"]["shape"] == "decode[2x1, ctx 32]"
+    md = (tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.md").read_text()
+    assert "step kernels triton" in md and "| PyTorch ops graph ms |" in md and "on PyTorch's operators" in md

@@ -1,0 +1,152 @@
+"""The model's forward inside a step graph with the fused Triton kernels (graphs/triton_kernels.py).
+
+    input_ids, positions, slot_mapping [R*S], block tables [R, C/bs], the paged pool
+      -> embedding -> x; normed = RMSNorm(x)                               (add_rms_norm)
+      -> per layer (9 kernels: 4 cuBLAS matmuls and 5 of ours):
+           qkv = normed @ W_qkv                                            (matmul)
+           q = RoPE(q); K/V <- RoPE(k), v at each token's slot             (rope_kv_write)
+           o = causal GQA attention of each row over its blocks in place   (paged_attention)
+           x += o @ W_o; normed = RMSNorm(x)                               (matmul, add_rms_norm)
+           h = SiLU(gate) * up of normed @ W_gate_up                        (matmul, silu_mul)
+           x += h @ W_down; normed = the next layer's (or the final) RMSNorm(x)
+      -> hidden = normed [R*S, hidden] (after the final norm, as LlamaModel.forward returns)
+
+The same function as LlamaModel.forward with GraphAttention (the "torch" kernels): the
+PyTorch operators of one layer launch ~20 kernels on a GPU, these 9. It applies to the
+models whose projections are fused (graphs/device.load_graph_model) and have no q/k norm
+(SmolLM2, Llama, Mistral, Qwen2), with a power-of-two head size; `supported` says why not.
+"auto" (the executors' default) takes them on a GPU once `self_test` has seen each kernel give
+PyTorch's result there; a kernel that fails to compile or disagrees costs the speed, not the run.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("blink.gpu_daemon")
+
+KERNELS = ("auto", "triton", "torch")
+
+
+def supported(model) -> str | None:
+    """None when the fused forward applies to `model`, else the reason it does not."""
+    cfg = model.config
+    d = cfg.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim {d} is not a power of two >= 16"
+    for layer in model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        if att.qkv_proj is None or not att.fused_rope or mlp.gate_up_proj is None:
+            return "the projections are not fused, or the model has q/k norms"
+        if not (layer.input_layernorm.fused_kernel and layer.post_attention_layernorm.fused_kernel):
+            return "the norms are set to the explicit operations"
+    return None
+
+
+def resolve(kernels: str, model, device: torch.device) -> str:
+    """"auto": "triton" on a CUDA device where Triton imports, the model is supported and the
+    kernels pass self_test there, else "torch" (with a warning saying why, when the kernels fail)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"step kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels != "auto":
+        if kernels == "triton" and (why := supported(model)) is not None:
+            raise ValueError(f"the Triton step kernels do not apply to this model: {why}")
+        return kernels
+    if torch.device(device).type != "cuda" or supported(model) is not None:
+        return "torch"
+    why = self_test(torch.device(device), model.dtype)
+    if why is not None:
+        log.warning("step graphs: the Triton kernels are not used (%s); PyTorch's operators instead", why)
+        return "torch"
+    return "triton"
+
+
+_SELF_TESTS: dict[tuple, str | None] = {}
+
+
+def self_test(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Each kernel once on small random inputs on `device`, against PyTorch's operators: None when
+    all agree, else why not (Triton missing, a compile or launch error, a wrong result). Once per
+    device and dtype in a process; what "auto" asks before it picks the kernels."""
+    key = (str(device), dtype)
+    if key not in _SELF_TESTS:
+        try:
+            _SELF_TESTS[key] = _self_test(device, dtype)
+        except Exception as e:      # noqa: BLE001 - a compiler or driver error is the answer
+            _SELF_TESTS[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return _SELF_TESTS[key]
+
+
+@torch.inference_mode()
+def _self_test(device: torch.device, dtype: torch.dtype) -> str | None:
+    import torch.nn.functional as F
+
+    from ..model.llama import apply_rope
+    from . import triton_kernels as tk
+    gen = torch.Generator().manual_seed(0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def off(name, got, want):
+        err = (got.float() - want.float()).abs().max().item()
+        return None if err <= tol * (1 + want.float().abs().max().item()) else f"{name} off by {err:.3g}"
+
+    x, delta, w = rnd(3, 64), rnd(3, 64), rnd(64)
+    want_x = x + delta
+    want = F.rms_norm(want_x.float(), (64,), None, 1e-5).to(dtype) * w
+    got = tk.add_rms_norm(x, delta, w, 1e-5)
+    if why := off("add_rms_norm", got, want) or off("add_rms_norm's residual", x, want_x):
+        return why
+    gu = rnd(3, 96)
+    if why := off("silu_mul", tk.silu_mul(gu), F.silu(gu[:, :48]) * gu[:, 48:]):
+        return why
+    h, kv, d, bs, blocks, t = 4, 2, 16, 4, 8, 6
+    qkv = rnd(t, (h + 2 * kv) * d)
+    pos = torch.arange(t, device=device)
+    slots = torch.arange(t, device=device) + bs
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+    kc = torch.zeros(blocks, bs, kv, d, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    q = tk.rope_kv_write(qkv, pos, inv, slots, kc, vc, h, kv)
+    freqs = pos.float()[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), -1)
+    heads = qkv.float().view(t, h + 2 * kv, d)
+    qk = apply_rope(heads[:, :h + kv], emb.cos(), emb.sin())
+    if why := off("rope_kv_write", q, qk[:, :h]) or off("rope_kv_write's k", kc.view(-1, kv, d)[slots], qk[:, h:]):
+        return why
+    tables = torch.tensor([[1, 2]], device=device)          # the t tokens at slots bs.. of one row
+    o = tk.paged_attention(q, kc, vc, tables, pos, 1, t, 2 * bs)
+    keys, vals = kc.view(-1, kv, d)[slots].float(), vc.view(-1, kv, d)[slots].float()
+    g = h // kv
+    sc = torch.einsum("qhd,khd->hqk", q.float(), keys.repeat_interleave(g, 1)) * d ** -0.5
+    sc = sc.masked_fill(torch.ones(t, t, dtype=torch.bool, device=device).triu(1), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vals.repeat_interleave(g, 1)).reshape(t, h * d)
+    return off("paged_attention", o, want)
+
+
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            tables: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, seq: int,
+            ctx: int) -> torch.Tensor:
+    """input_ids, positions, slot_mapping [R*S] int64; tables [R, C/bs] int64; k_pool / v_pool
+    [L, blocks + 1, bs, KV, D] -> hidden [R*S, hidden] after the final norm."""
+    from . import triton_kernels as tk
+    cfg = model.config
+    layers = model.layers
+    x = model.embed_tokens(input_ids)                                                     # [T, hidden]
+    first = layers[0].input_layernorm
+    normed = tk.add_rms_norm(x, None, first.weight, first.eps)
+    inv_freq = model.inv_freq.float()
+    for i, layer in enumerate(layers):
+        att, mlp = layer.self_attn, layer.mlp
+        kc, vc = k_pool[i], v_pool[i]                                                    # [blocks + 1, bs, KV, D]
+        q = tk.rope_kv_write(att.qkv_proj(normed), positions, inv_freq, slot_mapping, kc, vc,
+                             cfg.num_heads, cfg.num_kv_heads)                            # [T, H, D]
+        o = tk.paged_attention(q, kc, vc, tables, positions, rows, seq, ctx)             # [T, H*D]
+        post = layer.post_attention_layernorm
+        normed = tk.add_rms_norm(x, att.o_proj(o), post.weight, post.eps)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        normed = tk.add_rms_norm(x, mlp.down_proj(tk.silu_mul(mlp.gate_up_proj(normed))), nxt.weight, nxt.eps)
+    return normed

@@ -1,0 +1,104 @@
+"""Ahead-of-time compile of every Triton kernel variant a model's step graphs use, for a GPU
+that is not here (the rehearsal of issue 17's plan: a kernel that cannot compile for sm_90a is
+found on a CPU machine, not on a lent GPU).
+
+    ModelConfig (default SmolLM2's shape) + dtype + block size
+      -> variants(): (kernel, signature, compile-time constants, num_warps) of each launch the
+         wrappers in triton_kernels.py make for that model: both add_rms_norm forms, silu_mul,
+         rope_kv_write, the decode and prefill tiles of paged_attention
+      -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
+         driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece
+
+    python -m gpu_backend.graphs.triton_aot [--arch 90] [--dtype float32] [--block-size 16]
+
+Run without TRITON_INTERPRET (under the interpreter the kernels are not compilable functions).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, object, dict, dict, int]]:
+    """[(label, kernel, signature, constants, num_warps)] of the launches a step makes for `config`."""
+    from . import triton_kernels as tk
+    t = "*" + _TYPES[dtype]
+    h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    out = []
+    for has_delta in (False, True):
+        out.append((f"add_rms_norm[delta={has_delta}]", tk._add_rms_norm_kernel,
+                    {"x_ptr": t, "d_ptr": t, "w_ptr": t, "out_ptr": t, "n_cols": "i32", "stride_x": "i32",
+                     "stride_d": "i32", "stride_o": "i32", "eps": "fp32", "HAS_DELTA": "constexpr", "BLOCK": "constexpr"},
+                    {"HAS_DELTA": has_delta, "BLOCK": tk._pow2(config.hidden_size)}, 4))
+    out.append(("silu_mul", tk._silu_mul_kernel,
+                {"gu_ptr": t, "out_ptr": t, "n_cols": "i32", "stride_gu": "i32", "stride_o": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": tk.silu_block(config.intermediate_size)}, 4))
+    out.append(("rope_kv_write", tk._rope_kv_write_kernel,
+                {"qkv_ptr": t, "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "q_out_ptr": t,
+                 "k_cache_ptr": t, "v_cache_ptr": t, "stride_qkv_t": "i32", "stride_q_t": "i32", "stride_c_slot": "i32",
+                 "H": "constexpr", "KV": "constexpr", "D": "constexpr", "HALF": "constexpr", "BLOCK_H": "constexpr",
+                 "BLOCK_KV": "constexpr"},
+                {"H": h, "KV": kv, "D": d, "HALF": d // 2, "BLOCK_H": tk._pow2(h), "BLOCK_KV": tk._pow2(kv)}, 2))
+    g = h // kv
+    for kind, seq in (("decode", 1), ("prefill", 64)):
+        bm, bn = tk.attention_tiles(seq, g)
+        out.append((f"paged_attention[{kind} {bm}x{bn}]", tk._paged_attention_kernel,
+                    {"q_ptr": t, "k_cache_ptr": t, "v_cache_ptr": t, "tables_ptr": "*i64", "pos_ptr": "*i64",
+                     "out_ptr": t, "scale": "fp32", "stride_q_t": "i32", "stride_o_t": "i32", "stride_c_slot": "i32",
+                     "n_tables": "i32", "ctx": "i32", "S": "i32", "G": "constexpr", "KV": "constexpr", "D": "constexpr",
+                     "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
+                    {"G": g, "KV": kv, "D": d, "BS": block_size, "BLOCK_M": bm, "BLOCK_N": bn,
+                     "IEEE": dtype == torch.float32}, 4))
+    return out
+
+
+def compile_all(config, dtype: torch.dtype, block_size: int, arch: int = 90) -> list[dict]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    res = []
+    for label, fn, sig, consts, warps in variants(config, dtype, block_size):
+        t0 = time.perf_counter()
+        # pointers 16-byte aligned, as the JIT specialises them for torch's allocations
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v.startswith("*")}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        md = k.metadata
+        res.append({"kernel": label, "name": md.name, "shared": md.shared, "num_warps": md.num_warps,
+                    "cubin_bytes": len(k.asm.get("cubin", b"")), "s": round(time.perf_counter() - t0, 2)})
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--model", default="smollm2", help="'smollm2' (its shape) or a folder with config.json")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("triton_aot: unset TRITON_INTERPRET (interpreted kernels do not compile)", file=sys.stderr)
+        return 2
+    if args.model == "smollm2":
+        from .device import smollm2_shape_config
+        config = smollm2_shape_config(tied=False)
+    else:
+        import json
+        import pathlib
+        from ..model.config import ModelConfig
+        config = ModelConfig.from_hf(json.loads((pathlib.Path(args.model) / "config.json").read_text()))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    for r in compile_all(config, dtype, args.block_size, args.arch):
+        print(f"triton_aot: sm_{args.arch} {r['kernel']:<34} {r['num_warps']} warps, shared {r['shared']} B, "
+              f"cubin {r['cubin_bytes']} B, {r['s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The step graphs' fused Triton kernels (graphs/triton_kernels.py) and the forward made of them
+(graphs/fused_forward.py), diffed with the PyTorch operators they replace: each kernel on fresh
+random inputs (outputs poisoned first, so an element left unwritten fails), then a whole step of
+a random model, "triton" vs "torch", on the same staged buffers and pool.
+
+Without a GPU, Triton's interpreter runs the kernels on the CPU (CI); with one (the tests are then
+marked `gpu`, and the plan's `triton` stage selects them), the compiled kernels run on it, and a
+step of SmolLM2's shape is also captured into a CUDA graph and replayed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are decorated (their module's import)
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+triton = pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from gpu_backend.graphs import fused_forward  # noqa: E402
+from gpu_backend.graphs import triton_kernels as tk  # noqa: E402
+from gpu_backend.model.llama import apply_rope  # noqa: E402
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_is_the_residual_add_then_hf_rmsnorm(dtype, tol, with_delta):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    delta = torch.randn(7, 96, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    want_x = x + delta if with_delta else x.clone()
+    x32 = want_x.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    x_dev = x.to(DEVICE)
+    got = tk.add_rms_norm(x_dev, delta.to(DEVICE) if with_delta else None, w.to(DEVICE), 1e-5).cpu()
+    x = x_dev.cpu()
+    # the residual stream updated in place (bf16: the interpreter rounds toward zero, a GPU to nearest)
+    torch.testing.assert_close(x, want_x, rtol=0 if dtype == torch.float32 else tol, atol=0 if dtype == torch.float32 else tol)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_silu_mul_is_silu_of_gate_times_up(dtype, tol):
+    gu = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(dtype)   # two column blocks
+    want = F.silu(gu[:, :1500]) * gu[:, 1500:]
+    torch.testing.assert_close(tk.silu_mul(gu.to(DEVICE)).cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rope_kv_write_rotates_q_and_writes_k_and_v_at_their_slots(dtype, tol):
+    h, kv, d, t, bs, blocks = 9, 3, 64, 6, 16, 5
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (h + 2 * kv) * d, generator=gen).to(dtype)
+    pos = torch.randint(0, 500, (t,), generator=gen)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    inv = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))
+    kc = _poisoned(torch.empty(blocks, bs, kv, d, dtype=dtype, device=DEVICE))
+    vc = _poisoned(torch.empty(blocks, bs, kv, d, dtype=dtype, device=DEVICE))
+    q = tk.rope_kv_write(qkv.to(DEVICE), pos.to(DEVICE), inv.to(DEVICE), slots.to(DEVICE), kc, vc, h, kv).cpu()
+    kc, vc = kc.cpu(), vc.cpu()
+    freqs = pos.float()[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), -1)
+    heads = qkv.float().view(t, h + 2 * kv, d)
+    qk = apply_rope(heads[:, :h + kv], emb.cos(), emb.sin())
+    torch.testing.assert_close(q.float(), qk[:, :h], rtol=tol, atol=tol)
+    torch.testing.assert_close(kc.view(-1, kv, d)[slots].float(), qk[:, h:], rtol=tol, atol=tol)
+    assert torch.equal(vc.view(-1, kv, d)[slots], qkv.view(t, h + 2 * kv, d)[:, h + kv:])      # v as it came
+    others = torch.ones(blocks * bs, dtype=torch.bool)
+    others[slots] = False
+    assert kc.view(-1, kv, d)[others].isnan().all()        # no other slot touched
+
+
+def _attention_reference(q, kc, vc, tables, positions, rows, seq, ctx):
+    """Per query: softmax(q k^T / sqrt(D)) v over its row's keys 0..p, in float64."""
+    t, h, d = q.shape
+    kv = kc.shape[2]
+    out = torch.empty(t, h, d, dtype=torch.float64)
+    for r in range(rows):
+        keys = kc[tables[r]].reshape(ctx, kv, d).double()
+        vals = vc[tables[r]].reshape(ctx, kv, d).double()
+        for s in range(seq):
+            i = r * seq + s
+            p = int(positions[i])
+            for head in range(h):
+                g = head // (h // kv)
+                w = torch.softmax(keys[:p + 1, g] @ q[i, head].double() * d ** -0.5, 0)
+                out[i, head] = w @ vals[:p + 1, g]
+    return out.view(t, h * d)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows,seq,ctx", [(5, 1, 160), (2, 23, 64), (1, 40, 96)])
+def test_paged_attention_reads_each_rows_blocks_in_place(dtype, tol, rows, seq, ctx):
+    """Decode (one query a row, 16 query rows a tile) and prefill (query tiles of 64 over tokens
+    x heads, causal within the piece), rows at different positions, blocks scattered."""
+    h, kv, d, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(4 + seq)
+    blocks = rows * ctx // bs + 3
+    kc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    vc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:ctx // bs] for _ in range(rows)])
+    first = torch.randint(0, ctx - seq + 1, (rows, 1), generator=gen)
+    positions = (first + torch.arange(seq)).reshape(-1)
+    q = torch.randn(rows * seq, h, d, generator=gen).to(dtype)
+    got = tk.paged_attention(*(t.to(DEVICE) for t in (q, kc, vc, tables, positions)), rows, seq, ctx).cpu()
+    want = _attention_reference(q, kc, vc, tables, positions, rows, seq, ctx)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's switch")
+def test_the_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setattr(tk, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="CUDA device, or on the CPU under TRITON_INTERPRET=1"):
+        tk.silu_mul(torch.zeros(1, 4))
+
+
+# --- the whole step ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    from gpu_backend.model import LlamaModel, tiny_config
+    config = tiny_config(head_dim=16, num_heads=6, num_kv_heads=2, hidden_size=96)
+    return config, LlamaModel.random(config, seed=0).eval().fuse_projections().to(DEVICE)
+
+
+def test_auto_picks_triton_only_on_a_gpu_for_a_supported_model(tiny):
+    config, model = tiny
+    assert fused_forward.supported(model) is None
+    assert fused_forward.resolve("auto", model, torch.device("cpu")) == "torch"
+    assert fused_forward.resolve("triton", model, torch.device("cpu")) == "triton"
+    from gpu_backend.model import LlamaModel
+    unfused = LlamaModel.random(config, seed=0).eval().to(DEVICE)
+    assert "not fused" in fused_forward.supported(unfused)
+    assert fused_forward.resolve("auto", unfused, torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="do not apply to this model"):
+        fused_forward.resolve("triton", unfused, torch.device("cpu"))
+    with pytest.raises(ValueError, match="step kernels must be one of"):
+        fused_forward.resolve("cutlass", model, torch.device("cpu"))
+
+
+def test_auto_takes_the_kernels_only_when_they_pass_their_self_test(monkeypatch, caplog, tiny):
+    _, model = tiny
+    monkeypatch.setattr(fused_forward, "self_test", lambda device, dtype: None)
+    assert fused_forward.resolve("auto", model, torch.device("cuda")) == "triton"
+    monkeypatch.setattr(fused_forward, "self_test", lambda device, dtype: "paged_attention off by 0.02")
+    assert fused_forward.resolve("auto", model, torch.device("cuda")) == "torch"
+    assert "Triton kernels are not used (paged_attention off by 0.02)" in caplog.text
+
+
+def test_the_self_test_passes_here_and_names_a_kernel_that_is_off(monkeypatch):
+    dev = torch.device(DEVICE)
+    fused_forward._SELF_TESTS.clear()
+    assert fused_forward.self_test(dev, torch.float32) is None
+    assert fused_forward.self_test(dev, torch.bfloat16) is None
+    good = tk.paged_attention
+    monkeypatch.setattr(tk, "paged_attention", lambda *a: good(*a) * 1.01)
+    fused_forward._SELF_TESTS.clear()
+    assert fused_forward.self_test(dev, torch.float32).startswith("paged_attention off by")
+
+    def broken(*a):
+        raise RuntimeError("ptxas fatal: something\nand more")
+    monkeypatch.setattr(tk, "silu_mul", broken)
+    fused_forward._SELF_TESTS.clear()
+    assert fused_forward.self_test(dev, torch.float32) == "RuntimeError: ptxas fatal: something"
+    fused_forward._SELF_TESTS.clear()
+
+
+def test_a_bad_kernels_setting_is_one_line(monkeypatch, tiny):
+    from gpu_backend.executors import ExecutorOptions
+    from gpu_backend.graphs.config import GraphConfigError, GraphExecConfig
+    monkeypatch.setenv("BLINK_GRAPH_KERNELS", "cutlass")
+    with pytest.raises(GraphConfigError, match="BLINK_GRAPH_KERNELS must be one of auto, triton, torch"):
+        GraphExecConfig.from_options(ExecutorOptions(), tiny[0])
+    monkeypatch.setenv("BLINK_GRAPH_KERNELS", "torch")
+    assert GraphExecConfig.from_options(ExecutorOptions(), tiny[0]).kernels == "torch"
+    monkeypatch.delenv("BLINK_GRAPH_KERNELS")
+    assert GraphExecConfig.from_options(ExecutorOptions(), tiny[0]).kernels == "auto"
+
+
+def test_a_step_with_the_triton_kernels_is_the_step_with_pytorchs(tiny):
+    """Same staged buffers, same pool: decode and prefill steps give the same hidden states,
+    the same K/V in the pool and the same greedy tokens ("torch" is what CI's CPU graphs run)."""
+    from bench import cuda_step_profile as sp
+    from gpu_backend.graphs.step import StepFunction
+    config, model = tiny
+    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
+    steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
+    assert steps["triton"].kernels == "triton"
+    b = prof.buffers
+    for g in prof.shapes:
+        out = {}
+        for kind, step in steps.items():
+            prof.pool.k.copy_(torch.randn(prof.pool.k.shape, generator=torch.Generator().manual_seed(5)))
+            prof.pool.v.copy_(torch.randn(prof.pool.v.shape, generator=torch.Generator().manual_seed(6)))
+            prof.stage(g)
+            hidden = step.forward(g)
+            pool = (prof.pool.k.clone(), prof.pool.v.clone())
+            prof.stage(g)
+            step.run(g)
+            out[kind] = (hidden, pool, b.tokens[:g.rows].clone(), b.lp_token[:g.rows].clone())
+        (h0, p0, t0, l0), (h1, p1, t1, l1) = out["torch"], out["triton"]
+        torch.testing.assert_close(h1, h0, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(p1[0], p0[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p1[1], p0[1], rtol=1e-5, atol=1e-5)
+        assert t1.tolist() == t0.tolist(), g
+        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="SmolLM2's shape compiled and captured: a GPU")
+def test_smollm2_steps_with_the_triton_kernels_capture_and_agree_with_pytorchs():
+    """SmolLM2's shape (random float32 weights), decode 64 rows at ctx 256 and a prefill piece: the
+    Triton step's hidden states are PyTorch's, its greedy tokens too (near ties aside), and the step
+    captured into a CUDA graph replays to the eager step's tokens."""
+    from bench import cuda_step_profile as sp
+    from gpu_backend.graphs.device import load_graph_model
+    from gpu_backend.graphs.step import StepFunction
+    config, model = load_graph_model("random:smollm2", torch.float32, "cuda")
+    prof = sp.Profiler(model, config, [(64, 1, 256)], [(4, 128, 256)], "cuda")
+    torch_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="torch")
+    assert prof.step.kernels == "torch"                 # the Profiler's own step: "auto" is the bench's switch
+    triton_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
+    b = prof.buffers
+    for g in prof.shapes:
+        prof.stage(g)
+        h0 = torch_step.forward(g).clone()
+        with torch.inference_mode():
+            logits = model.compute_logits(h0[torch.arange(g.rows, device="cuda") * g.len + g.len - 1])
+        prof.stage(g)
+        h1 = triton_step.forward(g).clone()
+        torch.testing.assert_close(h1, h0, rtol=1e-3, atol=1e-3)
+        prof.stage(g)
+        triton_step.run(g)
+        eager = b.tokens[:g.rows].clone()
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        assert (eager == logits.argmax(-1))[clear].all(), g
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            triton_step.run(g)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            triton_step.run(g)
+        b.tokens.fill_(-1)
+        prof.stage(g)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert b.tokens[:g.rows].tolist() == eager.tolist(), g
+        del graph
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="records launches under the interpreter")
+def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypatch):
+    """triton_aot.variants (what the rehearsal compiles for sm_90a) lists exactly the kernels and
+    compile-time constants a decode and a prefill step launch."""
+    from bench import cuda_step_profile as sp
+    from gpu_backend.graphs.step import StepFunction
+    from gpu_backend.graphs.triton_aot import variants
+    config, model = tiny
+    launched = set()
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, **consts):
+                launched.add((self.kernel.__name__, tuple(sorted(consts.items())), num_warps))
+                return self.kernel[grid](*args, num_warps=num_warps, **consts)
+            return launch
+
+    for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel"):
+        monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
+    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
+    step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
+    for g in prof.shapes:
+        prof.stage(g)
+        step.run(g)
+    want = {(fn.kernel.__name__, tuple(sorted(consts.items())), warps)
+            for _, fn, _, consts, warps in variants(config, torch.float32, sp.BLOCK)}
+    assert launched == want
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the rehearsal's check")
+def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from gpu_backend.graphs.device import smollm2_shape_config
+    (tmp_path / "config.json").write_text(json.dumps(smollm2_shape_config().to_hf()))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for dtype in ("float32", "bfloat16"):
+        r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot", "--model", str(tmp_path),
+                            "--dtype", dtype], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = r.stdout.splitlines()
+        assert len(lines) == 6 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
+    r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
+                       env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr
