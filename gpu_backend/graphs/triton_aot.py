@@ -7,7 +7,9 @@ found on a CPU machine, not on a lent GPU).
          wrappers in triton_kernels.py make for that model: both add_rms_norm forms, silu_mul,
          rope_kv_write, the decode and prefill tiles of paged_attention
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
-         driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece
+         driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece; an error
+         for a variant that needs what a device-launched graph cannot hold (a scratch buffer
+         allocated at launch, a cooperative or cluster launch, programmatic dependent launch)
 
     python -m gpu_backend.graphs.triton_aot [--arch 90] [--dtype float32] [--block-size 16]
 
@@ -70,6 +72,15 @@ def compile_all(config, dtype: torch.dtype, block_size: int, arch: int = 90) -> 
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         md = k.metadata
+        # what a device-launchable graph node cannot take: a scratch buffer Triton allocates at launch,
+        # a cooperative or cluster launch, programmatic dependent launch
+        odd = {name: v for name, v in (("global_scratch_size", md.global_scratch_size),
+                                       ("profile_scratch_size", getattr(md, "profile_scratch_size", 0)),
+                                       ("num_ctas", md.num_ctas - 1),
+                                       ("launch_cooperative_grid", getattr(md, "launch_cooperative_grid", False)),
+                                       ("launch_pdl", getattr(md, "launch_pdl", False))) if v}
+        if odd:
+            raise RuntimeError(f"{label}: launches a step graph cannot capture for device launch: {odd}")
         res.append({"kernel": label, "name": md.name, "shared": md.shared, "num_warps": md.num_warps,
                     "cubin_bytes": len(k.asm.get("cubin", b"")), "s": round(time.perf_counter() - t0, 2)})
     return res
