@@ -158,7 +158,8 @@ class Profiler:
         logits = self.model.compute_logits(rows)
         return {"forward_ms": self._timed(lambda: self.step.forward(g), runs),
                 "logits_ms": self._timed(lambda: self.model.compute_logits(rows), runs),
-                "sample_ms": self._timed(lambda: sample_step(logits, b.row_params.view(r), b.seats), runs),
+                "sample_ms": self._timed(lambda: sample_step(logits, b.row_params.view(r), b.seats, self.step.kernels),
+                                         runs),
                 "step_ms": self._timed(lambda: self.step.run(g), runs),
                 "row_group": "-" if self.step.kernels == "triton" else GraphAttention(
                     self.pool, b, g, self.plan.row_group(g)).group}

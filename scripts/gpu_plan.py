@@ -156,6 +156,7 @@ REAL_T = "tests/gpu_backend/graphs/test_real_weights_gpu.py"
 SAMPLER_T = "tests/gpu_backend/graphs/test_sampler_gpu.py"
 AUTOMATON_T = "tests/gpu_backend/cuda/test_automaton_twin.py"
 TRITON_T = "tests/gpu_backend/graphs/test_triton_kernels.py"
+TRITON_SAMPLER_T = "tests/gpu_backend/graphs/test_triton_sampler.py"
 SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
 GGUF_COLLECT = Stage("gguf", 5, 40, (PY, "scripts/gguf_parts.py", "collect"))
 BENCH_SCHED = Stage("bench_sched", 30, 90, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
@@ -186,7 +187,7 @@ CALLS: tuple[Call, ...] = (
           Stage("build", 20, 90, (PY, "-c", "from gpu_backend.cuda import build; "
                                    "print(build.build_device_module()); print(build.build_host_twin())")),
           Stage("sched_smoke", 15, 60, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
-          Stage("triton", 20, 60, _pytest(TRITON_T, gpu_only=False), pytest=True),
+          Stage("triton", 20, 60, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
           Stage("graph_smoke", 20, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
           Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell"), pytest=True),

@@ -349,7 +349,8 @@ def stage_triton(ctx) -> str:
         out = sh([ctx["py311"], "-m", "gpu_backend.graphs.triton_aot", "--dtype", dtype], 300, env=env, cwd=REPO)
         lines += out.strip().splitlines()
     tests = sh([ctx["py311"], "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                "tests/gpu_backend/graphs/test_triton_kernels.py"], 300, env=env, cwd=REPO)
+                "tests/gpu_backend/graphs/test_triton_kernels.py", "tests/gpu_backend/graphs/test_triton_sampler.py"],
+               300, env=env, cwd=REPO)
     return f"{len(lines)} kernel variants compiled for sm_90; interpreter tests: {tests.strip().splitlines()[-1]}"
 
 

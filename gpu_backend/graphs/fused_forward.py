@@ -124,7 +124,29 @@ def _self_test(device: torch.device, dtype: torch.dtype) -> str | None:
     sc = torch.einsum("qhd,khd->hqk", q.float(), keys.repeat_interleave(g, 1)) * d ** -0.5
     sc = sc.masked_fill(torch.ones(t, t, dtype=torch.bool, device=device).triu(1), float("-inf"))
     want = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vals.repeat_interleave(g, 1)).reshape(t, h * d)
-    return off("paged_attention", o, want)
+    if why := off("paged_attention", o, want):
+        return why
+    return _sampler_self_test(device, gen)
+
+
+def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None:
+    """The sampler's kernels give the PyTorch sampler's results bit for bit (penalties, a bias, a stop id)."""
+    from . import sampler, triton_sampler
+    vocab, rows = 96, 3
+    s = sampler.SeatState(2, vocab, device)
+    p = sampler.RowParams.neutral(rows, s.sink, device)
+    p.seat[:2] = torch.tensor([0, 1], device=device)
+    p.repetition[0], p.frequency[1], p.presence[1], p.min_tokens[0] = 1.3, 0.5, 0.7, 4
+    p.stop_ids[0, 0] = 7
+    s.fill(0, [1, 2, 3], [4, 4], logit_bias=((5, 2.0),))
+    s.fill(1, [9], [10], bad_words=((10, 11),))
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+    if not torch.equal(triton_sampler.process(logits, p, s), sampler.process(logits, p, s)):
+        return "sampler process differs from PyTorch's"
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
+    if not torch.equal(triton_sampler.uniform(seeds, p.index), sampler.uniform(seeds, p.index)):
+        return "sampler uniform differs from PyTorch's"
+    return None
 
 
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -264,13 +264,13 @@ def filtered_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
-         index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+         index: torch.Tensor, min_p: torch.Tensor | None = None, uniform_fn=uniform) -> torch.Tensor:
     """processed logits [R, V] -> tokens [R] int64: argmax for greedy and degenerate rows, else
     the filtered distribution's inverse CDF at the row's hash uniform."""
     greedy = x.argmax(dim=-1)                                                                   # [R]
     probs, order = filtered_sorted(x, temperature, top_p, top_k, min_p)                         # [R, V]
     cdf = torch.cumsum(probs, dim=-1)                                                           # [R, V]
-    u = uniform(seed, index) * cdf[:, -1]                                                       # [R]
+    u = uniform_fn(seed, index) * cdf[:, -1]                                                    # [R]
     pick = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=x.shape[-1] - 1)         # [R, 1]
     drawn = order.gather(1, pick)[:, 0]                                                         # [R]
     ok = torch.isfinite(probs).all(dim=-1) & (temperature >= MIN_TEMPERATURE)
@@ -314,11 +314,17 @@ def update(s: SeatState, p: RowParams, tokens: torch.Tensor) -> None:
     s.recent.index_copy_(0, p.seat, torch.where(seated[:, None], new, old))
 
 
-def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState) -> StepSample:
-    """The graph's sampling: raw logits [R, V] -> StepSample; the seats updated in place."""
+def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState, kernels: str = "torch") -> StepSample:
+    """The graph's sampling: raw logits [R, V] -> StepSample; the seats updated in place. kernels
+    "triton": the processing and the uniform draw by triton_sampler's fused kernels (same results)."""
     raw = logits.float()
-    x = process(raw, p, s)
-    tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
+    if kernels == "triton":
+        from . import triton_sampler
+        x = triton_sampler.process(raw.contiguous(), p, s)
+        tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p, triton_sampler.uniform)
+    else:
+        x = process(raw, p, s)
+        tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
     lp, rank, ids, vals = logprobs(raw, tokens, min(TOP_LOGPROBS, raw.shape[-1]))
     update(s, p, tokens)
     return StepSample(tokens, lp, rank, ids, vals)

@@ -244,7 +244,7 @@ class StepFunction:
         hidden = self.forward(shape)                                                           # [R*S, hidden]
         last = torch.arange(r, device=hidden.device) * s + (b.q_lens[:r] - 1).clamp(min=0)     # [R]
         logits = self.model.compute_logits(hidden.index_select(0, last))                       # [R, V]
-        out = sample_step(logits, b.row_params.view(r), b.seats)
+        out = sample_step(logits, b.row_params.view(r), b.seats, self.kernels)
         b.tokens[:r].copy_(out.tokens)
         b.lp_token[:r].copy_(out.logprob)
         b.lp_rank[:r].copy_(out.rank)

@@ -4,8 +4,9 @@ found on a CPU machine, not on a lent GPU).
 
     ModelConfig (default SmolLM2's shape) + dtype + block size
       -> variants(): (kernel, signature, compile-time constants, num_warps) of each launch the
-         wrappers in triton_kernels.py make for that model: both add_rms_norm forms, silu_mul,
-         rope_kv_write, the decode and prefill tiles of paged_attention
+         wrappers in triton_kernels.py and triton_sampler.py make for that model: both
+         add_rms_norm forms, silu_mul, rope_kv_write, the decode and prefill tiles of
+         paged_attention, the sampler's processing (with and without an automaton), bans, uniform
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
          driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece; an error
          for a variant that needs what a device-launched graph cannot hold (a scratch buffer
@@ -57,7 +58,35 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                      "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
                     {"G": g, "KV": kv, "D": d, "BS": block_size, "BLOCK_M": bm, "BLOCK_N": bn,
                      "IEEE": dtype == torch.float32}, 4))
+    # the sampler's (float32 logits whatever the model's dtype); step graphs always stage an automaton
+    from . import triton_sampler as ts
+    from .sampler import ROW_STOPS
+    auto_types = {True: ("*i1", "*i1"), False: ("*i64", "*fp32")}
+    for auto in (True, False):
+        on_t, allowed_t = auto_types[auto]
+        out.append((f"sampler.process[automaton={auto}]", ts._process_kernel,
+                    {"logits_ptr": "*fp32", "out_ptr": "*fp32", "seat_ptr": "*i64", "bias_ptr": "*fp32",
+                     "counts_ptr": "*fp32", "prompt_ptr": "*i1", "rep_ptr": "*fp32", "freq_ptr": "*fp32",
+                     "pres_ptr": "*fp32", "auto_on_ptr": on_t, "auto_allowed_ptr": allowed_t, "vocab": "i32",
+                     "stride_l": "i32", "stride_s": "i32", "stride_a": "i32", "HAS_AUTOMATON": "constexpr",
+                     "BLOCK": "constexpr"},
+                    {"HAS_AUTOMATON": auto, "BLOCK": ts.PROCESS_BLOCK}, 4))
+    out.append(("sampler.bans", ts._ban_kernel,
+                {**{k: "*fp32" if k == "out_ptr" else "*i64" for k in (
+                    "out_ptr", "seat_ptr", "index_ptr", "min_tokens_ptr", "stop_ptr", "recent_ptr", "prefix_ptr",
+                    "plen_ptr", "last_ptr")},
+                 "vocab": "i32", "stride_o": "i32", "n_words": "i32", "word_len": "i32", "n_stops": "i32",
+                 "WORDS": "constexpr", "LEN": "constexpr", "STOPS": "constexpr"},
+                {"WORDS": ts.BAN_WORDS_BLOCK, "LEN": ts.BAN_LEN_BLOCK, "STOPS": tk._pow2(ROW_STOPS)}, 4))
+    out.append(("sampler.uniform", ts._uniform_kernel,
+                {"seed_ptr": "*i64", "index_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": ts.UNIFORM_BLOCK}, 1))
     return out
+
+
+def options(label: str, warps: int) -> dict:
+    """The compile options a variant launches with (the sampler's processing: no FMA contraction)."""
+    return {"num_warps": warps, **({"enable_fp_fusion": False} if label.startswith("sampler.process") else {})}
 
 
 def compile_all(config, dtype: torch.dtype, block_size: int, arch: int = 90) -> list[dict]:
@@ -70,7 +99,7 @@ def compile_all(config, dtype: torch.dtype, block_size: int, arch: int = 90) -> 
         # pointers 16-byte aligned, as the JIT specialises them for torch's allocations
         attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v.startswith("*")}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                           target=GPUTarget("cuda", arch, 32), options=options(label, warps))
         md = k.metadata
         # what a device-launchable graph node cannot take: a scratch buffer Triton allocates at launch,
         # a cooperative or cluster launch, programmatic dependent launch

@@ -1,0 +1,147 @@
+"""Fused Triton kernels for the step graphs' sampling (graphs/sampler.py): ~120 of its ~170 kernels
+are the logits processing (48 PyTorch operators) and the counter-based uniform (69 int64
+operators); here they are 3 kernels, with the same results bit for bit.
+
+    process(logits, RowParams, SeatState) -> processed logits [R, V]   (2 kernels)
+      _process_kernel, one program per (row, column tile):
+        x = logit + bias[seat]; -inf where the row's automaton does not allow the token;
+        repetition (x > 0: x * (1 / p), else x * p on prompt or output tokens), frequency
+        (- f * count), presence (- p * [count > 0]), each rounded as PyTorch's operators round
+        (float32, no fused multiply-add, division correctly rounded)
+      _ban_kernel, one program per row: the bad words whose prefix ends the seat's recent
+        tokens, and the stop ids while the output is shorter than min_tokens -> -inf at those
+        ids (after the penalties: a banned logit is -inf either way, penalties being > 0)
+    uniform(seed, index) -> [R] float32 in [0, 1)                      (1 kernel)
+      sampler.uniform's murmur3-style hash in 32-bit unsigned integers
+
+The PyTorch versions in sampler.py stay the reference (and the CPU graphs' code); sample_step
+takes these where the step's kernels are "triton" (graphs/fused_forward.py). CPU tests run them
+under Triton's interpreter against the reference (tests/gpu_backend/graphs/test_triton_sampler.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kernels import INTERPRETED, _check_device
+
+BAN_WORDS_BLOCK = 64         # bad words a seat holds (sampler.BAD_WORDS), one tile
+BAN_LEN_BLOCK = 64           # their prefix length (sampler.BAD_WORD_LEN - 1 = 63), padded
+PROCESS_BLOCK = 1024         # columns of one program of _process_kernel
+UNIFORM_BLOCK = 128          # rows of one program of _uniform_kernel (one variant for every graph)
+
+
+@triton.jit(do_not_specialize=["vocab", "stride_l", "stride_s", "stride_a"])
+def _process_kernel(logits_ptr, out_ptr, seat_ptr, bias_ptr, counts_ptr, prompt_ptr, rep_ptr, freq_ptr, pres_ptr,
+                    auto_on_ptr, auto_allowed_ptr, vocab, stride_l, stride_s, stride_a,
+                    HAS_AUTOMATON: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = v < vocab
+    seat = tl.load(seat_ptr + r)
+    x = tl.load(logits_ptr + r * stride_l + v, mask=m, other=0.0)
+    x = x + tl.load(bias_ptr + seat * stride_s + v, mask=m, other=0.0)
+    if HAS_AUTOMATON:
+        on = tl.load(auto_on_ptr + r).to(tl.int1)
+        allowed = tl.load(auto_allowed_ptr + r * stride_a + v, mask=m, other=1).to(tl.int1)
+        x = tl.where(on & (allowed == 0), float("-inf"), x)
+    counts = tl.load(counts_ptr + seat * stride_s + v, mask=m, other=0.0)
+    out_mask = counts > 0
+    seen = out_mask | (tl.load(prompt_ptr + seat * stride_s + v, mask=m, other=0).to(tl.int1))
+    rep = tl.load(rep_ptr + r)
+    penalty = tl.where(seen, rep, 1.0)
+    x = x * tl.where(x > 0, tl.math.div_rn(1.0, penalty), penalty)
+    x = x - tl.load(freq_ptr + r) * counts
+    x = x - tl.load(pres_ptr + r) * out_mask.to(tl.float32)
+    tl.store(out_ptr + r * stride_l + v, x, mask=m)
+
+
+@triton.jit(do_not_specialize=["vocab", "stride_o", "n_words", "word_len", "n_stops"])
+def _ban_kernel(out_ptr, seat_ptr, index_ptr, min_tokens_ptr, stop_ptr, recent_ptr, prefix_ptr, plen_ptr, last_ptr,
+                vocab, stride_o, n_words, word_len, n_stops,
+                WORDS: tl.constexpr, LEN: tl.constexpr, STOPS: tl.constexpr):
+    r = tl.program_id(0)
+    seat = tl.load(seat_ptr + r)
+    index = tl.load(index_ptr + r)
+    # multi-token bad words: prefix (right-aligned, -1 padding) == the seat's last tokens
+    w = tl.arange(0, WORDS)
+    j = tl.arange(0, LEN)
+    wm = w < n_words
+    jm = j < word_len
+    recent = tl.load(recent_ptr + seat * word_len + j, mask=jm, other=-1)                      # [LEN]
+    prefix = tl.load(prefix_ptr + (seat * n_words + w[:, None]) * word_len + j[None, :],
+                     mask=wm[:, None] & jm[None, :], other=-1)                                  # [WORDS, LEN]
+    same = (prefix == recent[None, :]) | (prefix < 0)
+    match = tl.min(same.to(tl.int32), axis=1) > 0                                             # [WORDS]
+    plen = tl.load(plen_ptr + seat * n_words + w, mask=wm, other=-1)
+    last = tl.load(last_ptr + seat * n_words + w, mask=wm, other=vocab)
+    ban = wm & match & (plen >= 0) & (plen <= index) & (last >= 0) & (last < vocab)
+    tl.store(out_ptr + r * stride_o + last, tl.full([WORDS], float("-inf"), tl.float32), mask=ban)
+    # stop ids (EOS included unless ignore_eos) while the output is shorter than min_tokens
+    k = tl.arange(0, STOPS)
+    ids = tl.load(stop_ptr + r * n_stops + k, mask=k < n_stops, other=-1)
+    on = (ids >= 0) & (ids < vocab) & (index < tl.load(min_tokens_ptr + r))
+    tl.store(out_ptr + r * stride_o + ids, tl.full([STOPS], float("-inf"), tl.float32), mask=on)
+
+
+def process(logits: torch.Tensor, p, s) -> torch.Tensor:
+    """sampler.process in 2 kernels: raw logits [R, V] float32 (contiguous) -> processed [R, V]."""
+    _check_device(logits)
+    r, v = logits.shape
+    out = torch.empty_like(logits)
+    if r == 0:
+        return out
+    auto = p.automaton_allowed is not None and p.automaton_allowed.shape[-1] == v
+    allowed = p.automaton_allowed if auto else logits
+    _process_kernel[(r, triton.cdiv(v, PROCESS_BLOCK))](
+        logits, out, p.seat, s.bias, s.counts, s.prompt_mask, p.repetition, p.frequency, p.presence,
+        p.automaton_on if auto else p.seat, allowed, v, logits.stride(0), s.bias.stride(0),
+        allowed.stride(0), HAS_AUTOMATON=auto, BLOCK=PROCESS_BLOCK, num_warps=4, **_no_fma())
+    words, word_len = s.bad_last.shape[1], s.recent.shape[1]
+    if words > BAN_WORDS_BLOCK or word_len > BAN_LEN_BLOCK:
+        raise ValueError(f"seats of {words} bad words of {word_len + 1} tokens exceed the ban kernel's tiles")
+    _ban_kernel[(r,)](out, p.seat, p.index, p.min_tokens, p.stop_ids, s.recent, s.bad_prefix, s.bad_len,
+                      s.bad_last, v, out.stride(0), words, word_len, p.stop_ids.shape[1],
+                      WORDS=BAN_WORDS_BLOCK, LEN=BAN_LEN_BLOCK, STOPS=triton.next_power_of_2(p.stop_ids.shape[1]),
+                      num_warps=4)
+    return out
+
+
+def _no_fma() -> dict:  # triton_aot.options says the same for its ahead-of-time compile
+    """x - f * count rounded twice, as PyTorch's two operators round it (no contraction into an FMA)."""
+    return {} if INTERPRETED else {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _uniform_kernel(seed_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    seed = tl.load(seed_ptr + i, mask=m, other=0)
+    index = tl.load(index_ptr + i, mask=m, other=0)
+    # 64-bit unsigned products, kept to their low 32 bits: (h * c) mod 2^32 exactly
+    lo = (seed & 0xFFFFFFFF).to(tl.uint64)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)
+    h = _fmix32((index & 0xFFFFFFFF).to(tl.uint64) ^ 0x9E3779B9)
+    h = _fmix32(lo ^ h)
+    h = _fmix32(hi ^ ((h * 0x27D4EB2D) & 0xFFFFFFFF))
+    tl.store(out_ptr + i, (h >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=m)
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """sampler.uniform in one kernel: [R] int64 seeds and token indices -> [R] float32 in [0, 1)."""
+    _check_device(seed)
+    n = seed.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=seed.device)
+    if n:
+        _uniform_kernel[(triton.cdiv(n, UNIFORM_BLOCK),)](seed, index, out, n, BLOCK=UNIFORM_BLOCK, num_warps=1)
+    return out

@@ -1,0 +1,96 @@
+"""The sampler's fused Triton kernels (graphs/triton_sampler.py) against the PyTorch sampler they
+stand in for (graphs/sampler.py, itself diffed with the CPU daemon by test_sampler_twin.py), bit
+for bit: the processed logits of a batch mixing every rule, the counter-based uniform over seeds
+of all 64 bits, and whole sampling steps (tokens, logprob records, seat updates) over several
+steps. Under Triton's interpreter without a GPU; compiled, and marked `gpu`, with one."""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"      # before the kernels are decorated (their module's import)
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+pytest.importorskip("triton")
+
+from gpu_backend.graphs import sampler  # noqa: E402
+from gpu_backend.graphs import triton_sampler as ts  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from test_sampler_twin import V, _graph_side, _logits, _requests  # noqa: E402
+
+
+def _on(p: sampler.RowParams, s: sampler.SeatState):
+    """The staged parameters and seats on DEVICE (copies)."""
+    p = sampler.RowParams(*(None if t is None else t.to(DEVICE, copy=True) for t in vars(p).values()))
+    s2 = sampler.SeatState.__new__(sampler.SeatState)
+    s2.__dict__.update({k: v.to(DEVICE, copy=True) if isinstance(v, torch.Tensor) else v for k, v in vars(s).items()})
+    return p, s2
+
+
+def _with_automaton(p: sampler.RowParams, rows: int) -> sampler.RowParams:
+    gen = torch.Generator().manual_seed(9)
+    on = torch.zeros(rows, dtype=torch.bool)
+    on[[1, 4, 6]] = True
+    allowed = torch.rand(rows, V, generator=gen) < 0.3
+    return sampler.RowParams(**{**vars(p), "automaton_on": on, "automaton_allowed": allowed})
+
+
+@pytest.mark.parametrize("automaton", [False, True])
+def test_processed_logits_are_the_pytorch_samplers_bit_for_bit(automaton):
+    seqs = _requests()
+    p, s = _graph_side(seqs)
+    if automaton:
+        p = _with_automaton(p, len(seqs))
+    p, s = _on(p, s)
+    for step in range(4):
+        raw = (_logits(len(seqs), 200 + step)).to(DEVICE)
+        raw[0, 5] = 0.0                                   # a zero logit (x > 0 decides the penalty's side)
+        want = sampler.process(raw, p, s)
+        got = ts.process(raw, p, s)
+        assert torch.equal(got, want), (got - want).abs().nan_to_num().max()
+        greedy = sampler.RowParams(**{**vars(p), "temperature": torch.zeros(len(seqs), device=DEVICE)})
+        sampler.update(s, greedy, want.argmax(-1))       # bad-word prefixes and counts move on
+        p.index += 1
+
+
+def test_the_uniform_is_the_pytorch_hash_bit_for_bit():
+    gen = torch.Generator().manual_seed(7)
+    seeds = torch.cat([torch.randint(-2**63, 2**63 - 1, (500,), generator=gen, dtype=torch.int64),
+                       torch.tensor([0, 1, -1, 2**63 - 1, -2**63, 5 - 2**63], dtype=torch.int64)])
+    index = torch.randint(0, 2**40, (seeds.numel(),), generator=gen, dtype=torch.int64)
+    want = sampler.uniform(seeds, index)
+    got = ts.uniform(seeds.to(DEVICE), index.to(DEVICE)).cpu()
+    assert torch.equal(got, want)
+    assert got.min() >= 0 and got.max() < 1
+    assert sampler.uniform_reference(int(seeds[3]), int(index[3])) == float(got[3])
+
+
+def test_sampling_steps_with_the_fused_kernels_are_the_pytorch_samplers():
+    """Tokens (greedy, seeded sampling, bans, penalties), logprob records and seat updates."""
+    seqs = _requests()
+    p0, s0 = _graph_side(seqs)
+    sides = {k: _on(p0, s0) for k in ("torch", "triton")}
+    for step in range(5):
+        raw = (_logits(len(seqs), 300 + step)).to(DEVICE)
+        outs = {k: sampler.sample_step(raw, p, s, kernels=k) for k, (p, s) in sides.items()}
+        a, b = outs["torch"], outs["triton"]
+        assert b.tokens.tolist() == a.tokens.tolist(), step
+        for x, y in ((a.logprob, b.logprob), (a.rank, b.rank), (a.top_ids, b.top_ids), (a.top_logprobs, b.top_logprobs)):
+            assert torch.equal(x, y)
+        for p, _ in sides.values():
+            p.index += 1
+    (_, st), (_, sr) = sides["torch"], sides["triton"]
+    assert torch.equal(st.counts, sr.counts) and torch.equal(st.recent, sr.recent)
+
+
+def test_a_seat_wider_than_the_ban_tile_is_refused():
+    p, s = _on(*_graph_side(_requests()[:2]))
+    s.bad_last = torch.full((s.seats + 1, 65), V, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="exceed the ban kernel's tiles"):
+        ts.process(torch.zeros(2, V, device=DEVICE), p, s)
