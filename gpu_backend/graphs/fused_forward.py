@@ -146,6 +146,15 @@ def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
     if not torch.equal(triton_sampler.uniform(seeds, p.index), sampler.uniform(seeds, p.index)):
         return "sampler uniform differs from PyTorch's"
+    counts, recent = s.counts.clone(), s.recent.clone()
+    tokens = torch.tensor([3, 5, 7], device=device)
+    sampler.update(s, p, tokens)
+    want = (s.counts.clone(), s.recent.clone())
+    s.counts.copy_(counts)
+    s.recent.copy_(recent)
+    triton_sampler.update(s, p, tokens)
+    if not (torch.equal(s.counts, want[0]) and torch.equal(s.recent, want[1])):
+        return "sampler seat update differs from PyTorch's"
     return None
 
 

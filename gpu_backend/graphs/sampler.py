@@ -326,5 +326,8 @@ def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState, kernels: str =
         x = process(raw, p, s)
         tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
     lp, rank, ids, vals = logprobs(raw, tokens, min(TOP_LOGPROBS, raw.shape[-1]))
-    update(s, p, tokens)
+    if kernels == "triton":
+        triton_sampler.update(s, p, tokens)
+    else:
+        update(s, p, tokens)
     return StepSample(tokens, lp, rank, ids, vals)

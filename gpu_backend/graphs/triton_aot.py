@@ -6,7 +6,8 @@ found on a CPU machine, not on a lent GPU).
       -> variants(): (kernel, signature, compile-time constants, num_warps) of each launch the
          wrappers in triton_kernels.py and triton_sampler.py make for that model: both
          add_rms_norm forms, silu_mul, rope_kv_write, the decode and prefill tiles of
-         paged_attention, the sampler's processing (with and without an automaton), bans, uniform
+         paged_attention, the sampler's processing (with and without an automaton), bans, uniform,
+         seat update
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
          driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece; an error
          for a variant that needs what a device-launched graph cannot hold (a scratch buffer
@@ -81,6 +82,11 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
     out.append(("sampler.uniform", ts._uniform_kernel,
                 {"seed_ptr": "*i64", "index_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                 {"BLOCK": ts.UNIFORM_BLOCK}, 1))
+    from .sampler import BAD_WORD_LEN
+    out.append(("sampler.update", ts._update_kernel,
+                {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",
+                 "sink": "i32", "recent_len": "i32", "LEN": "constexpr"},
+                {"LEN": tk._pow2(BAD_WORD_LEN - 1)}, 1))
     return out
 
 

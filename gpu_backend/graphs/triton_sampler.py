@@ -1,6 +1,6 @@
 """Fused Triton kernels for the step graphs' sampling (graphs/sampler.py): ~120 of its ~170 kernels
 are the logits processing (48 PyTorch operators) and the counter-based uniform (69 int64
-operators); here they are 3 kernels, with the same results bit for bit.
+operators); here they are 3 kernels (and the seat update's 8 one), with the same results bit for bit.
 
     process(logits, RowParams, SeatState) -> processed logits [R, V]   (2 kernels)
       _process_kernel, one program per (row, column tile):
@@ -13,6 +13,8 @@ operators); here they are 3 kernels, with the same results bit for bit.
         ids (after the penalties: a banned logit is -inf either way, penalties being > 0)
     uniform(seed, index) -> [R] float32 in [0, 1)                      (1 kernel)
       sampler.uniform's murmur3-style hash in 32-bit unsigned integers
+    update(SeatState, RowParams, tokens)                               (1 kernel)
+      each seated row's token counted in its seat and appended to the seat's recent tokens
 
 The PyTorch versions in sampler.py stay the reference (and the CPU graphs' code); sample_step
 takes these where the step's kernels are "triton" (graphs/fused_forward.py). CPU tests run them
@@ -145,3 +147,30 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if n:
         _uniform_kernel[(triton.cdiv(n, UNIFORM_BLOCK),)](seed, index, out, n, BLOCK=UNIFORM_BLOCK, num_warps=1)
     return out
+
+
+@triton.jit(do_not_specialize=["vocab", "sink", "recent_len"])
+def _update_kernel(tokens_ptr, seat_ptr, counts_ptr, recent_ptr, vocab, sink, recent_len, LEN: tl.constexpr):
+    r = tl.program_id(0)
+    seat = tl.load(seat_ptr + r)
+    if seat != sink:
+        token = tl.load(tokens_ptr + r)
+        tl.atomic_add(counts_ptr + seat * vocab + token, 1.0)
+        j = tl.arange(0, LEN)
+        row = recent_ptr + seat * recent_len
+        nxt = tl.load(row + j + 1, mask=j + 1 < recent_len, other=0)              # shifted left by one
+        nxt = tl.where(j == recent_len - 1, token, nxt)                            # the token appended
+        tl.debug_barrier()                                                         # every load before a store
+        tl.store(row + j, nxt, mask=j < recent_len)
+
+
+def update(s, p, tokens: torch.Tensor) -> None:
+    """sampler.update in one kernel: each seated row's token counted in its seat (an atomic add on
+    device memory: rows never share a seat, the sink aside) and appended to its recent tokens."""
+    _check_device(tokens)
+    r = tokens.shape[0]
+    if r == 0:
+        return
+    n = s.recent.shape[1]
+    _update_kernel[(r,)](tokens, p.seat, s.counts, s.recent, s.vocab, s.sink, n,
+                         LEN=triton.next_power_of_2(n), num_warps=1)

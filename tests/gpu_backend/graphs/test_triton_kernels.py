@@ -285,7 +285,7 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
     from gpu_backend.graphs import triton_sampler as ts
     for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel"):
         monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
-    for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel"):
+    for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel"):
         monkeypatch.setattr(ts, name, Recorder(getattr(ts, name)))
     prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
     step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
@@ -311,7 +311,7 @@ def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
                             "--dtype", dtype], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.splitlines()
-        assert len(lines) == 10 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
+        assert len(lines) == 11 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
     r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
                        env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr
