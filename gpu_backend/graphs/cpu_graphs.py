@@ -25,8 +25,9 @@ from .step import GraphKVPool, KVShape, StaticBuffers, StepFunction
 
 
 class CpuGraphs:
-    def __init__(self, model: LlamaModel, table: BucketTable, num_blocks: int):
-        """`num_blocks`: the allocator's pool; the tensors get one more, the padding sink."""
+    def __init__(self, model: LlamaModel, table: BucketTable, num_blocks: int, kernels: str = "torch"):
+        """`num_blocks`: the allocator's pool; the tensors get one more, the padding sink. `kernels`:
+        StepFunction's ("triton" here runs the GPU's fused kernels under Triton's interpreter, for tests)."""
         from ..cuda import twin
         self.lib = twin.lib()
         cfg = model.config
@@ -35,7 +36,7 @@ class CpuGraphs:
         bs = table.config.block_size
         self.pool = GraphKVPool(KVShape.of(cfg, num_blocks, bs), model.dtype, model.device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), model.device)
-        self.step = StepFunction(model, self.pool, self.buffers, self.plan)
+        self.step = StepFunction(model, self.pool, self.buffers, self.plan, kernels=kernels)
         self.io = self.buffers.io(bs, num_blocks)
         self._arrays = table.device_arrays()     # kept alive: the tables point into them
         self.launches = [0] * len(table.shapes)

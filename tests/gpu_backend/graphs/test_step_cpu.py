@@ -82,10 +82,11 @@ def hostloop_engine(model, ring: Ring, num_blocks: int, table: BucketTable | Non
     return engine, runner
 
 
-def serve_twin(model, ring: Ring, num_blocks: int, work, table: BucketTable | None = None, threads: int = 2):
+def serve_twin(model, ring: Ring, num_blocks: int, work, table: BucketTable | None = None, threads: int = 2,
+               kernels: str = "torch"):
     from gpu_backend.cuda.twin import TwinScheduler
     table = table or BucketTable(BUCKETS)
-    graphs = CpuGraphs(model, table, num_blocks)
+    graphs = CpuGraphs(model, table, num_blocks, kernels)
     cfg = SchedulerConfig(max_batch_size=BATCH, max_prefill_tokens=BUDGET, block_size=BS, num_blocks=num_blocks,
                           max_model_len=MAX_LEN, vocab_size=model.config.vocab_size, launch_retry_limit=0,
                           idle_sleep_ns=20_000, beat_interval_s=0.005)

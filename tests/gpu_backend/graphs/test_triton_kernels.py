@@ -9,6 +9,7 @@ step of SmolLM2's shape is also captured into a CUDA graph and replayed."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -315,3 +316,22 @@ def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
                        env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU twin of the persistent scheduler")
+def test_the_persistent_twin_serves_the_references_tokens_with_the_triton_kernels(twin_lib, shm_ring):
+    """The scheduler's C++ twin, the real staging (padding rows on the sink block and seat, split
+    prefill rows, preemption) and the step with the fused kernels (interpreted): greedy_generate's
+    tokens, request for request."""
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from test_step_cpu import BS, GEOM, MAX_LEN, serve_twin, workload
+    from gpu_backend.model import LlamaModel, greedy_generate, tiny_config
+    from gpu_backend.scheduler.policy import blocks_needed
+    model = LlamaModel.random(tiny_config(), seed=3).eval()
+    fused = LlamaModel.random(tiny_config(), seed=3).eval().fuse_projections()
+    work = workload(model.config.vocab_size, 8, seed=4)
+    got, tw, graphs = serve_twin(fused, shm_ring(GEOM), blocks_needed(MAX_LEN, BS) + 2, work, kernels="triton")
+    assert graphs.step.kernels == "triton"
+    assert got == [greedy_generate(model, p, n) for p, n, _ in work]
+    assert tw.stats.preempted > 0 and tw.stats.steps_prefill > 0 and tw.stats.steps_decode > 0
