@@ -56,9 +56,10 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                     {"q_ptr": t, "k_cache_ptr": t, "v_cache_ptr": t, "tables_ptr": "*i64", "pos_ptr": "*i64",
                      "out_ptr": t, "scale": "fp32", "stride_q_t": "i32", "stride_o_t": "i32", "stride_c_slot": "i32",
                      "n_tables": "i32", "ctx": "i32", "S": "i32", "G": "constexpr", "KV": "constexpr", "D": "constexpr",
-                     "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
+                     "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr",
+                     "FOR_LOOP": "constexpr"},
                     {"G": g, "KV": kv, "D": d, "BS": block_size, "BLOCK_M": bm, "BLOCK_N": bn,
-                     "IEEE": dtype == torch.float32}, 4))
+                     "IEEE": dtype == torch.float32, "FOR_LOOP": True}, 4))
     # the sampler's (float32 logits whatever the model's dtype); step graphs always stage an automaton
     from . import triton_sampler as ts
     from .sampler import ROW_STOPS

@@ -181,12 +181,43 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 # ---------------------------------------------------------------------------------------------
 # causal GQA attention over the paged pool
 
+@triton.jit
+def _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr, n_tables, scale,
+                 stride_c_slot, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile [n0, n0 + BLOCK_N) of the online softmax: keys gathered through the block table."""
+    d = tl.arange(0, D)
+    j = n0 + tl.arange(0, BLOCK_N)                                              # key positions
+    jm = j < hi
+    blk = tl.load(tables_ptr + r * n_tables + j // BS, mask=jm, other=0)
+    slot = blk * BS + j % BS
+    kv_off = slot[:, None] * stride_c_slot + kvh * D + d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=jm[:, None], other=0.0)
+    if IEEE:
+        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = sc * scale
+    visible = (j[None, :] <= pos[:, None]) & jm[None, :]
+    sc = tl.where(visible, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                      # rows with nothing visible yet
+    p = tl.exp(sc - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=jm[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["scale", "stride_q_t", "stride_o_t", "stride_c_slot", "n_tables", "ctx", "S"])
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr, out_ptr, scale,
                             stride_q_t, stride_o_t, stride_c_slot, n_tables, ctx, S,
                             G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                             BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            IEEE: tl.constexpr, FOR_LOOP: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     mt = tl.program_id(2)
@@ -203,33 +234,16 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n0 = 0
-    while n0 < hi:      # (a while loop: Triton's interpreter cannot take a tensor bound in range)
-        j = n0 + tl.arange(0, BLOCK_N)                                          # key positions
-        jm = j < hi
-        blk = tl.load(tables_ptr + r * n_tables + j // BS, mask=jm, other=0)
-        slot = blk * BS + j % BS
-        kv_off = slot[:, None] * stride_c_slot + kvh * D + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=jm[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * scale
-        visible = (j[None, :] <= pos[:, None]) & jm[None, :]
-        sc = tl.where(visible, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # rows with nothing visible yet
-        p = tl.exp(sc - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=jm[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        n0 += BLOCK_N
+    if FOR_LOOP:        # compiled: a counted loop, which Triton software-pipelines
+        for n0 in range(0, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    else:               # the interpreter cannot take a tensor bound in range(): the same tiles by a while loop
+        n0 = 0
+        while n0 < hi:
+            m_i, l_i, acc = _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+            n0 += BLOCK_N
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * D + d[None, :], o.to(q.dtype), mask=mm[:, None])
 
@@ -269,5 +283,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](q, k_cache, v_cache, tables, positions, out, d ** -0.5,
                                   q.stride(0), out.stride(0), kv * d, tables.shape[1], ctx, seq,
                                   G=g, KV=kv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  IEEE=ieee_products(q.dtype), num_warps=4)
+                                  IEEE=ieee_products(q.dtype), FOR_LOOP=not INTERPRETED, num_warps=4)
     return out
