@@ -366,13 +366,14 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
                   f"persistent retention under interference min {t['persistent_min_retention']} (target >= "
                   f"{t['retention_target']}: {'met' if t['retention_met'] else 'NOT met'}); the host loop's with every "
                   f"core busy: {t.get('hostloop_min_retention_all_cores')}.", "",
-              "| executor | setup s (spawn -> READY) | graphs | capture + instantiate s | graph cache MiB | "
-              "estimate MiB | KV pool MiB |", "|---|---|---|---|---|---|---|"]
+              "| executor | setup s (spawn -> READY) | graphs | step kernels | nodes per graph | capture + instantiate s | "
+              "graph cache MiB | estimate MiB | KV pool MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for name, e in ex.items():
         g = e.get("report", {}).get("graphs", {})
         mem, est, tim = g.get("memory", {}), g.get("estimate", {}), g.get("timing", {})
-        lines.append(f"| {name} | {e['setup_s']} | {g.get('buckets', {}).get('graphs', '-')} | "
-                     f"{round(tim.get('total_s', 0), 1)} | {round(mem.get('graph_cache_bytes', 0) / 2**20)} | "
+        npg = g.get("nodes_per_graph", {})
+        lines.append(f"| {name} | {e['setup_s']} | {g.get('buckets', {}).get('graphs', '-')} | {g.get('kernels', '-')} | "
+                     f"{npg.get('min', '-')}-{npg.get('max', '-')} | {round(tim.get('total_s', 0), 1)} | {round(mem.get('graph_cache_bytes', 0) / 2**20)} | "
                      f"{round(est.get('total_bytes', 0) / 2**20)} | {round(mem.get('kv_pool_bytes', 0) / 2**20)} |")
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_graphs`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))

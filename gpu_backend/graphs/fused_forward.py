@@ -2,10 +2,11 @@
 
     input_ids, positions, slot_mapping [R*S], block tables [R, C/bs], the paged pool
       -> embedding -> x; normed = RMSNorm(x)                               (add_rms_norm)
-      -> per layer (9 kernels: 4 cuBLAS matmuls and 5 of ours):
+      -> per layer (9 kernels: 4 cuBLAS matmuls and 5 of ours; 8 in a decode step):
            qkv = normed @ W_qkv                                            (matmul)
            q = RoPE(q); K/V <- RoPE(k), v at each token's slot             (rope_kv_write)
            o = causal GQA attention of each row over its blocks in place   (paged_attention)
+             (one token a row: both in one kernel                          (decode_attention))
            x += o @ W_o; normed = RMSNorm(x)                               (matmul, add_rms_norm)
            h = SiLU(gate) * up of normed @ W_gate_up                        (matmul, silu_mul)
            x += h @ W_down; normed = the next layer's (or the final) RMSNorm(x)
@@ -126,6 +127,11 @@ def _self_test(device: torch.device, dtype: torch.dtype) -> str | None:
     want = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vals.repeat_interleave(g, 1)).reshape(t, h * d)
     if why := off("paged_attention", o, want):
         return why
+    # decode: the last token of that row again, its K/V rewritten in place, against the two kernels' result
+    tables_r = torch.tensor([[1, 2]], device=device)
+    dec = tk.decode_attention(qkv[-1:], pos[-1:], inv, slots[-1:], kc, vc, tables_r, h, 2 * bs)
+    if why := off("decode_attention", dec, want[-1:]):
+        return why
     return _sampler_self_test(device, gen)
 
 
@@ -173,9 +179,13 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, slot_mappin
     for i, layer in enumerate(layers):
         att, mlp = layer.self_attn, layer.mlp
         kc, vc = k_pool[i], v_pool[i]                                                    # [blocks + 1, bs, KV, D]
-        q = tk.rope_kv_write(att.qkv_proj(normed), positions, inv_freq, slot_mapping, kc, vc,
-                             cfg.num_heads, cfg.num_kv_heads)                            # [T, H, D]
-        o = tk.paged_attention(q, kc, vc, tables, positions, rows, seq, ctx)             # [T, H*D]
+        qkv = att.qkv_proj(normed)
+        if seq == 1:                    # decode: RoPE, the K/V store and the attention in one kernel
+            o = tk.decode_attention(qkv, positions, inv_freq, slot_mapping, kc, vc, tables, cfg.num_heads, ctx)
+        else:
+            q = tk.rope_kv_write(qkv, positions, inv_freq, slot_mapping, kc, vc,
+                                 cfg.num_heads, cfg.num_kv_heads)                        # [T, H, D]
+            o = tk.paged_attention(q, kc, vc, tables, positions, rows, seq, ctx)         # [T, H*D]
         post = layer.post_attention_layernorm
         normed = tk.add_rms_norm(x, att.o_proj(o), post.weight, post.eps)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm

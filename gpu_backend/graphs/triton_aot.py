@@ -5,7 +5,7 @@ found on a CPU machine, not on a lent GPU).
     ModelConfig (default SmolLM2's shape) + dtype + block size
       -> variants(): (kernel, signature, compile-time constants, num_warps) of each launch the
          wrappers in triton_kernels.py and triton_sampler.py make for that model: both
-         add_rms_norm forms, silu_mul, rope_kv_write, the decode and prefill tiles of
+         add_rms_norm forms, silu_mul, rope_kv_write, decode_attention, the prefill tile of
          paged_attention, the sampler's processing (with and without an automaton), bans, uniform,
          seat update
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
@@ -50,7 +50,15 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                  "BLOCK_KV": "constexpr"},
                 {"H": h, "KV": kv, "D": d, "HALF": d // 2, "BLOCK_H": tk._pow2(h), "BLOCK_KV": tk._pow2(kv)}, 2))
     g = h // kv
-    for kind, seq in (("decode", 1), ("prefill", 64)):
+    out.append(("decode_attention", tk._decode_attention_kernel,
+                {"qkv_ptr": t, "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": t,
+                 "v_cache_ptr": t, "tables_ptr": "*i64", "out_ptr": t, "scale": "fp32", "stride_qkv_t": "i32",
+                 "stride_o_t": "i32", "stride_c_slot": "i32", "n_tables": "i32", "ctx": "i32", "H": "constexpr",
+                 "G": "constexpr", "KV": "constexpr", "D": "constexpr", "HALF": "constexpr", "BS": "constexpr",
+                 "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr", "FOR_LOOP": "constexpr"},
+                {"H": h, "G": g, "KV": kv, "D": d, "HALF": d // 2, "BS": block_size, "BLOCK_G": max(16, tk._pow2(g)),
+                 "BLOCK_N": 64, "IEEE": dtype == torch.float32, "FOR_LOOP": True}, 4))
+    for kind, seq in (("prefill", 64),):       # one-token rows go to decode_attention in a step graph
         bm, bn = tk.attention_tiles(seq, g)
         out.append((f"paged_attention[{kind} {bm}x{bn}]", tk._paged_attention_kernel,
                     {"q_ptr": t, "k_cache_ptr": t, "v_cache_ptr": t, "tables_ptr": "*i64", "pos_ptr": "*i64",

@@ -2,7 +2,7 @@
 
 A step graph of SmolLM2 is made of small kernels (30 layers, ~20 each with PyTorch's
 operators, plus sampling), and on a GPU the step time is mostly their launch gaps. These
-kernels cut a layer to 9 (4 matmuls from cuBLAS and these 5):
+kernels cut a layer to 9 (4 matmuls from cuBLAS and these 5), 8 in a decode step:
 
     add_rms_norm(x, delta, w)          x += delta (the residual), then RMSNorm of x
                                        (in place on x; delta None: the norm only)
@@ -13,6 +13,8 @@ kernels cut a layer to 9 (4 matmuls from cuBLAS and these 5):
                                        blocks read in place (no gather, no mask tensor):
                                        flash style, an online softmax over key tiles; one
                                        program per (row, KV head, query tile)
+    decode_attention(qkv, ...)         one token a row (decode): rope_kv_write and paged_attention
+                                       in one kernel, the token's own key and value from registers
     silu_mul(gate_up)                  SiLU(gate) * up of the fused gate/up projection
 
 Every kernel computes in float32 and rounds to the tensors' dtype where PyTorch's operators
@@ -248,6 +250,91 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * D + d[None, :], o.to(q.dtype), mask=mm[:, None])
 
 
+@triton.jit(do_not_specialize=["scale", "stride_qkv_t", "stride_o_t", "stride_c_slot", "n_tables", "ctx"])
+def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, out_ptr,
+                             scale, stride_qkv_t, stride_o_t, stride_c_slot, n_tables, ctx,
+                             H: tl.constexpr, G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                             FOR_LOOP: tl.constexpr):
+    """One token a row (decode): RoPE of its q heads (of this KV head) and k, k and v stored at the
+    token's slot, attention over the row's cached keys 0..p-1 and the token's own key at p."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.minimum(tl.load(pos_ptr + r), ctx - 1)
+    d = tl.arange(0, D)
+    half = d % HALF
+    partner = (d + HALF) % D                                                    # rotate_half's other element
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + half)                    # [D]: cat(freqs, freqs)
+    cos = tl.cos(freq)
+    sin = tl.sin(freq)
+    base = qkv_ptr + r * stride_qkv_t
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    qh = (kvh * G + g)[:, None] * D
+    qa = tl.load(base + qh + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    qb = tl.load(base + qh + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    q = qa * cos[None, :] + sign[None, :] * qb * sin[None, :]                   # [BLOCK_G, D] rotated
+    kb = base + (H + kvh) * D
+    k_cur = tl.load(kb + d).to(tl.float32) * cos + sign * tl.load(kb + partner).to(tl.float32) * sin
+    v_cur = tl.load(base + (H + KV + kvh) * D + d)
+    slot = tl.load(slot_ptr + r)
+    tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
+    if not IEEE:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    posv = tl.full([BLOCK_G], 0, tl.int64) + pos
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    hi = pos                                                                    # cached keys 0..p-1
+    if FOR_LOOP:
+        for n0 in range(0, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    else:
+        n0 = 0
+        while n0 < hi:
+            m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+            n0 += BLOCK_N
+    # the token's own key, from registers (its store above is for later steps)
+    k_own = k_cur.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
+    sc = tl.sum(q.to(tl.float32) * k_own[None, :], axis=1) * scale             # [BLOCK_G]
+    m_new = tl.maximum(m_i, sc)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new)
+    l_i = l_i * alpha + p
+    v_own = v_cur.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * v_own[None, :]
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + r * stride_o_t + (kvh * G + g)[:, None] * D + d[None, :], o.to(v_cur.dtype), mask=gm[:, None])
+
+
+def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, slot_mapping: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, num_heads: int,
+                     ctx: int) -> torch.Tensor:
+    """rope_kv_write + paged_attention for one token a row, in one kernel: qkv [R, (H + 2 KV) * D],
+    positions and slot_mapping [R], inv_freq [D / 2], the pool [blocks, bs, KV, D], tables [R, C / bs]
+    -> o [R, H * D]. The token's own key and value enter its attention from registers."""
+    _check_device(qkv, k_cache, tables)
+    r = qkv.shape[0]
+    bs, kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if d & (d - 1) or d < 16 or num_heads % kv:
+        raise ValueError(f"decode_attention: head_dim {d} (a power of two >= 16), {num_heads} heads / {kv} KV heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous() and qkv.stride(1) == 1):
+        raise ValueError("decode_attention needs contiguous qkv rows, pool and block tables")
+    out = torch.empty((r, num_heads * d), dtype=qkv.dtype, device=qkv.device)
+    if r == 0:
+        return out
+    g = num_heads // kv
+    _decode_attention_kernel[(r, kv)](qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, tables, out, d ** -0.5,
+                                      qkv.stride(0), out.stride(0), kv * d, tables.shape[1], ctx,
+                                      H=num_heads, G=g, KV=kv, D=d, HALF=d // 2, BS=bs, BLOCK_G=max(16, _pow2(g)),
+                                      BLOCK_N=64, IEEE=ieee_products(qkv.dtype), FOR_LOOP=not INTERPRETED, num_warps=4)
+    return out
+
+
 def ieee_products(dtype: torch.dtype) -> bool:
     """float32: the attention's products in float32 on the FMA units (tf32 would be ~1e-3 off the
     CPU executor); bf16 / fp16: tensor-core products, float32 sums (the interpreter has no bf16
@@ -256,9 +343,10 @@ def ieee_products(dtype: torch.dtype) -> bool:
 
 
 def attention_tiles(seq: int, group: int) -> tuple[int, int]:
-    """(BLOCK_M query rows, BLOCK_N keys) of a tile: decode (one token a row, a few query heads a KV
-    head) takes 16 x 64, prefill 64 x 32; the two compiled variants of the attention kernel."""
-    return (16, 64) if seq * group <= 16 else (64, 32)
+    """(BLOCK_M query rows, BLOCK_N keys) of a tile: one token a row takes 16 x 64, longer pieces 64 x
+    32 whatever their length, so the step graphs (which give one-token rows to decode_attention)
+    use one variant, compiled by the warm-up of any prefill shape, never first inside a capture."""
+    return (16, 64) if seq == 1 else (64, 32)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

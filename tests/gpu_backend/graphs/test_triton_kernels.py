@@ -120,6 +120,35 @@ def test_paged_attention_reads_each_rows_blocks_in_place(dtype, tol, rows, seq, 
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_decode_attention_is_rope_kv_write_then_paged_attention(dtype, tol):
+    """One token a row, rows at their first position, inside a block, at block edges; each row's own
+    blocks. Same output and the same K/V in the pool as the two kernels it fuses."""
+    rows, h, kv, d, bs, ctx = 6, 9, 3, 64, 16, 160
+    gen = torch.Generator().manual_seed(11)
+    blocks = rows * ctx // bs + 2
+    kc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    vc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[:rows * ctx // bs].view(rows, ctx // bs)
+    pos = torch.tensor([0, 5, 15, 16, 64, 159])
+    slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    qkv = torch.randn(rows, (h + 2 * kv) * d, generator=gen).to(dtype)
+    inv = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))
+    ref_k, ref_v = kc.clone(), vc.clone()
+    q = tk.rope_kv_write(qkv, pos, inv, slots, ref_k, ref_v, h, kv)
+    want = tk.paged_attention(q, ref_k, ref_v, tables, pos, rows, 1, ctx) if DEVICE == "cpu" else None
+    kd, vd = kc.to(DEVICE), vc.to(DEVICE)
+    got = tk.decode_attention(*(t.to(DEVICE) for t in (qkv, pos, inv, slots)), kd, vd, tables.to(DEVICE), h, ctx).cpu()
+    if want is None:                            # on a GPU: the reference kernels there
+        kr, vr = kc.to(DEVICE), vc.to(DEVICE)
+        qd = tk.rope_kv_write(*(t.to(DEVICE) for t in (qkv, pos, inv, slots)), kr, vr, h, kv)
+        want = tk.paged_attention(qd, kr, vr, tables.to(DEVICE), pos.to(DEVICE), rows, 1, ctx).cpu()
+        ref_k, ref_v = kr.cpu(), vr.cpu()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(kd.cpu().float(), ref_k.float(), rtol=tol, atol=tol)
+    assert torch.equal(vd.cpu(), ref_v)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's switch")
 def test_the_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.setattr(tk, "INTERPRETED", False)
@@ -286,7 +315,8 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
             return launch
 
     from gpu_backend.graphs import triton_sampler as ts
-    for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel"):
+    for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel",
+                 "_decode_attention_kernel"):
         monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
     for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel"):
         monkeypatch.setattr(ts, name, Recorder(getattr(ts, name)))
