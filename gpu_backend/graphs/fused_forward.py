@@ -152,6 +152,13 @@ def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
     if not torch.equal(triton_sampler.uniform(seeds, p.index), sampler.uniform(seeds, p.index)):
         return "sampler uniform differs from PyTorch's"
+    # the draw: greedy and top-k 1 rows take the argmax, a top-k 5 row one of its 5 best
+    temp = torch.tensor([0.0, 1.0, 0.8], device=device)
+    top_k = torch.tensor([0, 1, 5], device=device)
+    drawn = triton_sampler.draw(logits, temp, torch.ones(rows, device=device), top_k, seeds, p.index)
+    best = logits.topk(5, dim=-1).indices
+    if not (bool((drawn[:2] == best[:2, 0]).all()) and bool((best[2] == drawn[2]).any())):
+        return "sampler draw breaks its rules"
     counts, recent = s.counts.clone(), s.recent.clone()
     tokens = torch.tensor([3, 5, 7], device=device)
     sampler.update(s, p, tokens)

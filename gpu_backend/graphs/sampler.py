@@ -316,12 +316,13 @@ def update(s: SeatState, p: RowParams, tokens: torch.Tensor) -> None:
 
 def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState, kernels: str = "torch") -> StepSample:
     """The graph's sampling: raw logits [R, V] -> StepSample; the seats updated in place. kernels
-    "triton": the processing and the uniform draw by triton_sampler's fused kernels (same results)."""
+    "triton": the processing, the draw and the seat update by triton_sampler's fused kernels (the
+    same results; a draw may part from this one where u falls within rounding of a CDF step)."""
     raw = logits.float()
     if kernels == "triton":
         from . import triton_sampler
         x = triton_sampler.process(raw.contiguous(), p, s)
-        tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p, triton_sampler.uniform)
+        tokens = triton_sampler.draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
     else:
         x = process(raw, p, s)
         tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)

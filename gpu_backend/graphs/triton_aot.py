@@ -7,7 +7,7 @@ found on a CPU machine, not on a lent GPU).
          wrappers in triton_kernels.py and triton_sampler.py make for that model: both
          add_rms_norm forms, silu_mul, rope_kv_write, decode_attention, the prefill tile of
          paged_attention, the sampler's processing (with and without an automaton), bans, uniform,
-         seat update
+         seat update, the draw's two kernels
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
          driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece; an error
          for a variant that needs what a device-launched graph cannot hold (a scratch buffer
@@ -55,19 +55,18 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                  "v_cache_ptr": t, "tables_ptr": "*i64", "out_ptr": t, "scale": "fp32", "stride_qkv_t": "i32",
                  "stride_o_t": "i32", "stride_c_slot": "i32", "n_tables": "i32", "ctx": "i32", "H": "constexpr",
                  "G": "constexpr", "KV": "constexpr", "D": "constexpr", "HALF": "constexpr", "BS": "constexpr",
-                 "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr", "FOR_LOOP": "constexpr"},
+                 "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
                 {"H": h, "G": g, "KV": kv, "D": d, "HALF": d // 2, "BS": block_size, "BLOCK_G": max(16, tk._pow2(g)),
-                 "BLOCK_N": 64, "IEEE": dtype == torch.float32, "FOR_LOOP": True}, 4))
+                 "BLOCK_N": 64, "IEEE": dtype == torch.float32}, 4))
     for kind, seq in (("prefill", 64),):       # one-token rows go to decode_attention in a step graph
         bm, bn = tk.attention_tiles(seq, g)
         out.append((f"paged_attention[{kind} {bm}x{bn}]", tk._paged_attention_kernel,
                     {"q_ptr": t, "k_cache_ptr": t, "v_cache_ptr": t, "tables_ptr": "*i64", "pos_ptr": "*i64",
                      "out_ptr": t, "scale": "fp32", "stride_q_t": "i32", "stride_o_t": "i32", "stride_c_slot": "i32",
                      "n_tables": "i32", "ctx": "i32", "S": "i32", "G": "constexpr", "KV": "constexpr", "D": "constexpr",
-                     "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr",
-                     "FOR_LOOP": "constexpr"},
+                     "BS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
                     {"G": g, "KV": kv, "D": d, "BS": block_size, "BLOCK_M": bm, "BLOCK_N": bn,
-                     "IEEE": dtype == torch.float32, "FOR_LOOP": True}, 4))
+                     "IEEE": dtype == torch.float32}, 4))
     # the sampler's (float32 logits whatever the model's dtype); step graphs always stage an automaton
     from . import triton_sampler as ts
     from .sampler import ROW_STOPS
@@ -91,6 +90,14 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
     out.append(("sampler.uniform", ts._uniform_kernel,
                 {"seed_ptr": "*i64", "index_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                 {"BLOCK": ts.UNIFORM_BLOCK}, 1))
+    for name, fn in (("sampler.draw_prep", ts._draw_prep_kernel), ("sampler.draw_pick", ts._draw_pick_kernel)):
+        ptrs = (("x_ptr", "*fp32"), ("y_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
+                ("min_p_ptr", "*fp32")) if name.endswith("prep") else (
+                ("sorted_ptr", "*fp32"), ("order_ptr", "*i64"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
+                ("top_p_ptr", "*fp32"), ("top_k_ptr", "*i64"), ("seed_ptr", "*i64"), ("index_ptr", "*i64"),
+                ("tokens_ptr", "*i64"))
+        out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"},
+                    {"BLOCK": ts.DRAW_BLOCK}, 4))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",

@@ -39,6 +39,26 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter holds a kernel's scalars as 1-element arrays and turns one into an
+    int with int(array), which numpy 2 refuses: a loop over range(0, n) with a runtime n fails
+    there (compiled kernels are unaffected). Convert the single element instead."""
+    from triton.runtime import interpreter
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "blink_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    patched.blink_index_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _fix_interpreter_index()
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device.type != "cuda" and not INTERPRETED:
@@ -219,7 +239,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
                             stride_q_t, stride_o_t, stride_c_slot, n_tables, ctx, S,
                             G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                             BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            IEEE: tl.constexpr, FOR_LOOP: tl.constexpr):
+                            IEEE: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     mt = tl.program_id(2)
@@ -236,16 +256,9 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if FOR_LOOP:        # compiled: a counted loop, which Triton software-pipelines
-        for n0 in range(0, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
-    else:               # the interpreter cannot take a tensor bound in range(): the same tiles by a while loop
-        n0 = 0
-        while n0 < hi:
-            m_i, l_i, acc = _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
-            n0 += BLOCK_N
+    for n0 in range(0, hi, BLOCK_N):     # a counted loop: Triton software-pipelines its loads
+        m_i, l_i, acc = _attend_tile(n0, q, pos, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * D + d[None, :], o.to(q.dtype), mask=mm[:, None])
 
@@ -254,8 +267,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
 def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, out_ptr,
                              scale, stride_qkv_t, stride_o_t, stride_c_slot, n_tables, ctx,
                              H: tl.constexpr, G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                             BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                             FOR_LOOP: tl.constexpr):
+                             BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One token a row (decode): RoPE of its q heads (of this KV head) and k, k and v stored at the
     token's slot, attention over the row's cached keys 0..p-1 and the token's own key at p."""
     r = tl.program_id(0)
@@ -288,16 +300,9 @@ def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_p
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     hi = pos                                                                    # cached keys 0..p-1
-    if FOR_LOOP:
-        for n0 in range(0, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
-    else:
-        n0 = 0
-        while n0 < hi:
-            m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                         n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
-            n0 += BLOCK_N
+    for n0 in range(0, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
     # the token's own key, from registers (its store above is for later steps)
     k_own = k_cur.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
     sc = tl.sum(q.to(tl.float32) * k_own[None, :], axis=1) * scale             # [BLOCK_G]
@@ -331,7 +336,7 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch
     _decode_attention_kernel[(r, kv)](qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, tables, out, d ** -0.5,
                                       qkv.stride(0), out.stride(0), kv * d, tables.shape[1], ctx,
                                       H=num_heads, G=g, KV=kv, D=d, HALF=d // 2, BS=bs, BLOCK_G=max(16, _pow2(g)),
-                                      BLOCK_N=64, IEEE=ieee_products(qkv.dtype), FOR_LOOP=not INTERPRETED, num_warps=4)
+                                      BLOCK_N=64, IEEE=ieee_products(qkv.dtype), num_warps=4)
     return out
 
 
@@ -371,5 +376,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](q, k_cache, v_cache, tables, positions, out, d ** -0.5,
                                   q.stride(0), out.stride(0), kv * d, tables.shape[1], ctx, seq,
                                   G=g, KV=kv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  IEEE=ieee_products(q.dtype), FOR_LOOP=not INTERPRETED, num_warps=4)
+                                  IEEE=ieee_products(q.dtype), num_warps=4)
     return out

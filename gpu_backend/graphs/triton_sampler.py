@@ -1,6 +1,7 @@
 """Fused Triton kernels for the step graphs' sampling (graphs/sampler.py): ~120 of its ~170 kernels
 are the logits processing (48 PyTorch operators) and the counter-based uniform (69 int64
-operators); here they are 3 kernels (and the seat update's 8 one), with the same results bit for bit.
+operators); here they are 3 kernels (and the seat update's 8 one), with the same results bit for
+bit; the draw's ~40 are 2 kernels around PyTorch's sort.
 
     process(logits, RowParams, SeatState) -> processed logits [R, V]   (2 kernels)
       _process_kernel, one program per (row, column tile):
@@ -15,6 +16,12 @@ operators); here they are 3 kernels (and the seat update's 8 one), with the same
       sampler.uniform's murmur3-style hash in 32-bit unsigned integers
     update(SeatState, RowParams, tokens)                               (1 kernel)
       each seated row's token counted in its seat and appended to the seat's recent tokens
+    draw(x, temperature, top_p, top_k, seed, index, min_p) -> tokens   (2 kernels and the sort)
+      _draw_prep_kernel: the greedy token, x / temperature, min_p's cut; PyTorch's sort;
+      _draw_pick_kernel: top-k, top-p and the inverse CDF over the sorted prefix they keep (the
+      hash uniform inline); greedy rows take their argmax without the passes. Its sums run in
+      another order than PyTorch's softmax and cumsum: a draw may differ from sampler.draw's
+      where u falls within rounding of a CDF step (rules and hash are the same)
 
 The PyTorch versions in sampler.py stay the reference (and the CPU graphs' code); sample_step
 takes these where the step's kernels are "triton" (graphs/fused_forward.py). CPU tests run them
@@ -174,3 +181,139 @@ def update(s, p, tokens: torch.Tensor) -> None:
     n = s.recent.shape[1]
     _update_kernel[(r,)](tokens, p.seat, s.counts, s.recent, s.vocab, s.sink, n,
                          LEN=triton.next_power_of_2(n), num_warps=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the draw: temperature, min_p, then (after PyTorch's sort) top-k, top-p and the inverse CDF
+
+DRAW_BLOCK = 1024            # columns of one tile of the draw kernels
+MIN_TEMPERATURE = 1e-5       # sampler.MIN_TEMPERATURE
+
+
+@triton.jit(do_not_specialize=["vocab", "stride"])
+def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, temp_ptr, min_p_ptr, vocab, stride, BLOCK: tl.constexpr):
+    """Per row: the greedy token (first argmax of x); y = x / temperature, -inf where min_p cuts
+    (softmax(y) < min_p * its largest); greedy rows: y = x (their draw is not used)."""
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    temp = tl.load(temp_ptr + r)
+    t = tl.where(temp < 1e-5, 1.0, temp)
+    min_p = tl.load(min_p_ptr + r)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = cols                                        # a row of -inf: token 0, as argmax gives
+    y_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    for n0 in range(0, vocab, BLOCK):
+        v = n0 + cols
+        m = v < vocab
+        x = tl.load(x_ptr + r * stride + v, mask=m, other=float("-inf"))
+        take = x > best                                  # strictly: the first index of each lane's max
+        best_i = tl.where(take, v, best_i)
+        best = tl.where(take, x, best)
+        y = x / t
+        y_max = tl.maximum(y_max, y)
+        tl.store(y_ptr + r * stride + v, y, mask=m)
+    top = tl.max(best, axis=0)
+    tl.store(greedy_ptr + r, tl.min(tl.where(best == top, best_i, 2147483647), axis=0).to(tl.int64))
+    if min_p > 0:
+        ym = tl.max(y_max, axis=0)
+        z = tl.zeros([BLOCK], tl.float32)
+        for n0 in range(0, vocab, BLOCK):
+            v = n0 + cols
+            y = tl.load(y_ptr + r * stride + v, mask=v < vocab, other=float("-inf"))
+            z += tl.exp(y - ym)
+        total = tl.sum(z, axis=0)
+        cut = min_p * (1.0 / total)                      # min_p x the largest probability (1 / total)
+        for n0 in range(0, vocab, BLOCK):
+            v = n0 + cols
+            m = v < vocab
+            y = tl.load(y_ptr + r * stride + v, mask=m, other=float("-inf"))
+            y = tl.where(tl.exp(y - ym) / total < cut, float("-inf"), y)
+            tl.store(y_ptr + r * stride + v, y, mask=m)
+
+
+@triton.jit(do_not_specialize=["vocab", "stride"])
+def _draw_pick_kernel(sorted_ptr, order_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr, index_ptr,
+                      tokens_ptr, vocab, stride, BLOCK: tl.constexpr):
+    """Per row, over its values sorted in descending order: top-k (ties with the k-th kept), top-p
+    (a value stays while those before it hold less than top_p), the inverse CDF at the row's
+    hash uniform; the greedy token for greedy rows and rows whose distribution is not finite."""
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    token = tl.load(greedy_ptr + r)
+    temp = tl.load(temp_ptr + r)
+    s0 = tl.load(sorted_ptr + r * stride)
+    if (temp >= 1e-5) & (s0 > float("-inf")) & (s0 < float("inf")):
+        k = tl.load(top_k_ptr + r)
+        k = tl.where((k > 0) & (k < vocab), k, vocab)
+        kth = tl.load(sorted_ptr + r * stride + k - 1)
+        top_p = tl.load(top_p_ptr + r)
+        limit = tl.where(top_p < 1.0, top_p, float("inf"))
+        # the kept prefix (sorted values: top-k keeps a prefix, so does top-p); its end bounds every pass
+        z1 = tl.zeros([BLOCK], tl.float32)
+        n_keep = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(0, vocab, BLOCK):
+            v = n0 + cols
+            sv = tl.load(sorted_ptr + r * stride + v, mask=v < vocab, other=float("-inf"))
+            keep = (sv >= kth) & (v < vocab)
+            z1 += tl.where(keep, tl.exp(sv - s0), 0.0)
+            n_keep += keep.to(tl.int32)
+        total1 = tl.sum(z1, axis=0)
+        kept = tl.sum(n_keep, axis=0)
+        # top-p: a value stays while the probabilities before it sum to less than top_p; the sums
+        # grow along the sorted values, so the kept values are a prefix of n2
+        run = 0.0
+        z2 = tl.zeros([BLOCK], tl.float32)
+        n2 = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(0, kept, BLOCK):
+            v = n0 + cols
+            m = v < kept
+            e = tl.where(m, tl.exp(tl.load(sorted_ptr + r * stride + v, mask=m, other=float("-inf")) - s0), 0.0)
+            p = e / total1
+            stay = m & ((run + tl.cumsum(p, axis=0) - p) < limit)
+            z2 += tl.where(stay, e, 0.0)
+            n2 += stay.to(tl.int32)
+            run += tl.sum(p, axis=0)
+        total2 = tl.sum(z2, axis=0)
+        kept2 = tl.sum(n2, axis=0)
+        # the inverse CDF at the row's hash uniform u: the values whose cumulative weight is at most
+        # u x the total come before the drawn one
+        seed = tl.load(seed_ptr + r)
+        index = tl.load(index_ptr + r)
+        lo = (seed & 0xFFFFFFFF).to(tl.uint64)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)
+        h = _fmix32((index & 0xFFFFFFFF).to(tl.uint64) ^ 0x9E3779B9)
+        h = _fmix32(lo ^ h)
+        h = _fmix32(hi ^ ((h * 0x27D4EB2D) & 0xFFFFFFFF))
+        target = (h >> 8).to(tl.float32) * (1.0 / 16777216.0) * total2
+        acc = 0.0
+        below = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(0, kept2, BLOCK):
+            v = n0 + cols
+            m = v < kept2
+            e = tl.where(m, tl.exp(tl.load(sorted_ptr + r * stride + v, mask=m, other=float("-inf")) - s0), 0.0)
+            below += (m & ((acc + tl.cumsum(e, axis=0)) <= target)).to(tl.int32)
+            acc += tl.sum(e, axis=0)
+        pick = tl.minimum(tl.sum(below, axis=0), kept2 - 1)       # never past the kept values (rounding)
+        token = tl.load(order_ptr + r * stride + pick)
+    tl.store(tokens_ptr + r, token)
+
+
+def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
+         index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """sampler.draw in 2 kernels around PyTorch's sort: processed logits [R, V] float32 -> tokens [R].
+    The same rules and the same hash uniform; sums in another order than PyTorch's softmax and
+    cumsum, so a draw can differ from sampler.draw's where u falls within rounding of a boundary."""
+    _check_device(x)
+    r, v = x.shape
+    tokens = torch.empty(r, dtype=torch.int64, device=x.device)
+    if r == 0:
+        return tokens
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    greedy = torch.empty(r, dtype=torch.int64, device=x.device)
+    mp = min_p if min_p is not None else torch.zeros_like(temperature)
+    _draw_prep_kernel[(r,)](x, y, greedy, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
+    sorted_y, order = torch.sort(y, dim=-1, descending=True)
+    _draw_pick_kernel[(r,)](sorted_y, order, greedy, temperature, top_p, top_k, seed, index, tokens, v,
+                            sorted_y.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
+    return tokens

@@ -308,9 +308,7 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
 
         def __getitem__(self, grid):
             def launch(*args, num_warps, **consts):
-                # FOR_LOOP: the attention's loop form, a while loop under the interpreter (the same tiles)
-                launched.add((self.kernel.__name__, tuple(sorted((k, v) for k, v in consts.items() if k != "FOR_LOOP")),
-                              num_warps))
+                launched.add((self.kernel.__name__, tuple(sorted(consts.items())), num_warps))
                 return self.kernel[grid](*args, num_warps=num_warps, **consts)
             return launch
 
@@ -318,16 +316,18 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
     for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel",
                  "_decode_attention_kernel"):
         monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
-    for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel"):
+    for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel", "_draw_prep_kernel",
+                 "_draw_pick_kernel"):
         monkeypatch.setattr(ts, name, Recorder(getattr(ts, name)))
     prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
     step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
     for g in prof.shapes:
         prof.stage(g)
         step.run(g)
-    want = {(fn.kernel.__name__, tuple(sorted((k, v) for k, v in consts.items() if k != "FOR_LOOP")), warps)
+    want = {(fn.kernel.__name__, tuple(sorted(consts.items())), warps)
             for label, fn, _, consts, warps in variants(config, torch.float32, sp.BLOCK)
-            if label != "sampler.process[automaton=False]"}      # step graphs always stage an automaton
+            if label not in ("sampler.process[automaton=False]",    # step graphs always stage an automaton
+                             "sampler.uniform")}                     # the draw hashes inline
     assert launched == want
 
 
@@ -344,7 +344,7 @@ def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
                             "--dtype", dtype], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.splitlines()
-        assert len(lines) == 11 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
+        assert len(lines) == 13 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
     r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
                        env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr

@@ -94,3 +94,58 @@ def test_a_seat_wider_than_the_ban_tile_is_refused():
     s.bad_last = torch.full((s.seats + 1, 65), V, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="exceed the ban kernel's tiles"):
         ts.process(torch.zeros(2, V, device=DEVICE), p, s)
+
+
+def _draw_params(rows: int, gen: torch.Generator):
+    """A batch of rows under every rule: greedy, temperature only, top-k (1, small, the vocabulary),
+    top-p (tight, loose), min_p, combinations; seeds over all 64 bits."""
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.5, 0.7, 1.0, 1.0, 2.0, 0.5, 1.0, 1e-6, 1.0]).repeat(rows // 12)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.95, 1.0, 0.8, 1.0, 1.0, 1.0, 0.3]).repeat(rows // 12)
+    top_k = torch.tensor([0, 0, 50, 0, 5, 20, 0, 0, 1, V, 0, 10]).repeat(rows // 12)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.2]).repeat(rows // 12)
+    seed = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen, dtype=torch.int64)
+    return temp, top_p, top_k, min_p, seed
+
+
+def test_the_fused_draw_draws_the_pytorch_samplers_tokens():
+    """Same rules, same hash: the same token at (nearly) every draw; sums run in another order, so a
+    draw whose u falls within rounding of a CDF step may part (none did here). Greedy rows and rows
+    below the minimum temperature take the argmax exactly."""
+    gen = torch.Generator().manual_seed(21)
+    rows = 24
+    temp, top_p, top_k, min_p, seed = _draw_params(rows, gen)
+    same = total = 0
+    for step in range(10):
+        x = torch.randn(rows, V, generator=gen) * 3
+        x[5, :10] = float("-inf")                                         # banned tokens in a sampled row
+        x[12] = float("-inf")                                             # a greedy row with every token banned
+        index = torch.full((rows,), step, dtype=torch.int64)
+        want = sampler.draw(x, temp, top_p, top_k, seed, index, min_p)
+        got = ts.draw(*(t.to(DEVICE) for t in (x, temp, top_p, top_k, seed, index, min_p))).cpu()
+        greedy = (temp < sampler.MIN_TEMPERATURE) | (top_k == 1)
+        assert torch.equal(got[greedy], x.argmax(-1)[greedy])
+        same += int((got == want).sum())
+        total += rows
+    assert same >= 0.99 * total, (same, total)
+
+
+def test_the_fused_draw_follows_the_filtered_distribution():
+    """One distribution, 1,200 draws (one row each, different seeds): the frequencies are the
+    temperature / top-k / top-p filtered softmax's, and nothing outside it is ever drawn."""
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] + [-9.0] * (V - 8))
+    rows = 300
+    x = logits.repeat(rows, 1)
+    temp, top_p, top_k = torch.full((rows,), 0.8), torch.full((rows,), 0.9), torch.full((rows,), 6)
+    probs, order = sampler.filtered_sorted(logits[None], temp[:1], top_p[:1], top_k[:1])
+    want = torch.zeros(V)
+    want[order[0]] = probs[0]
+    counts = torch.zeros(V)
+    for step in range(4):
+        seed = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen, dtype=torch.int64)
+        index = torch.full((rows,), step, dtype=torch.int64)
+        got = ts.draw(*(t.to(DEVICE) for t in (x, temp, top_p, top_k, seed, index))).cpu()
+        counts += torch.bincount(got, minlength=V).float()
+    freq = counts / counts.sum()
+    assert float(freq[want == 0].sum()) == 0.0                          # outside the nucleus: never
+    assert float((freq - want).abs().max()) < 0.045, (freq[:8], want[:8])        # ~3.4 sigma at p = 0.3
