@@ -51,7 +51,7 @@ TOP = 15
 # operators that launch no kernel (views, metadata, dtype no-ops): left out of the launching count
 NO_KERNEL = frozenset(f"aten::{n}" for n in (
     "view", "reshape", "permute", "expand", "slice", "select", "as_strided", "split", "unsqueeze", "t",
-    "transpose", "detach", "alias", "empty", "_unsafe_view", "split_with_sizes", "narrow", "empty_strided",
+    "transpose", "detach", "alias", "empty", "_unsafe_view", "split_with_sizes", "narrow", "empty_strided", "empty_like",
     "lift_fresh", "resolve_conj", "resolve_neg", "squeeze", "unflatten", "expand_as", "view_as", "result_type",
     "item", "_local_scalar_dense", "is_nonzero", "chunk", "unbind", "to"))
 
