@@ -3,7 +3,8 @@
     GraphCache(model on the GPU, BucketTable, KV blocks, device Module)
       one GraphKVPool, one StaticBuffers (largest shape), the StepIO struct in
       device memory, one torch memory pool shared by every capture
-    capture(params_addr): for each shape, largest activation first:
+    capture(params_addr): for each shape, largest activation first (once more with PyTorch's
+      operators should "auto"'s Triton kernels fail to capture):
       torch.cuda.CUDAGraph(keep_graph=True) capturing, on one stream:
         blink_stage_inputs<<<R, 128>>>(params, io, S, C)   (cuLaunchKernel: a kernel node)
         StepFunction.run(shape)                            (PyTorch's kernels, memsets, copies)
@@ -154,6 +155,7 @@ class GraphCache:
         self.pool = GraphKVPool(KVShape.of(cfg, num_blocks, bs), model.dtype, model.device)
         self.buffers = StaticBuffers(self.plan.static_sizes(), model.device)
         self.step = StepFunction(model, self.pool, self.buffers, self.plan, kernels=kernels)
+        self.kernels_requested, self.kernels_fallback = kernels, None
         log.info("step graphs: %s kernels in the model's forward", self.step.kernels)
         self.io = self.buffers.io(bs, self.pool.sink_block)
         self.io_addr = int(check(d.cuMemAlloc(ctypes.sizeof(self.io)), "cuMemAlloc(step io)"))
@@ -200,7 +202,34 @@ class GraphCache:
 
     def capture(self, params_addr: int) -> None:
         """Capture, check, instantiate for device launch (twice) and upload every graph; the
-        staging and finish kernels read the parameter block at params_addr."""
+        staging and finish kernels read the parameter block at params_addr. Where "auto" took the
+        Triton kernels and capturing them fails (a node the device cannot launch, a compile or
+        launch error), the graphs are captured again with PyTorch's operators, the reason logged
+        and reported (`kernels_fallback`): the step is slower, the executor still serves."""
+        try:
+            self._capture(params_addr)
+        except Exception as e:      # noqa: BLE001 - retried once with the other kernels, else raised
+            if self.kernels_requested != "auto" or self.step.kernels != "triton":
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            log.warning("step graphs: capturing the Triton kernels failed (%s); capturing PyTorch's operators", why)
+            self._release_graphs()
+            torch.cuda.synchronize()
+            self.step = StepFunction(self.model, self.pool, self.buffers, self.plan, kernels="torch")
+            self.kernels_fallback = why
+            self._capture(params_addr)
+
+    def _release_graphs(self) -> None:
+        d = bindings()
+        for g in self.graphs:
+            if g is None:
+                continue
+            for exe in g.execs:
+                check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+            g.torch_graph.reset()
+        self.graphs = [None] * len(self.table.shapes)
+
+    def _capture(self, params_addr: int) -> None:
         d = bindings()
         t0 = time.monotonic()
         self.warm_up()
@@ -264,20 +293,15 @@ class GraphCache:
     def report(self) -> dict:
         est = self.plan.memory_estimate()
         nodes = [sum(g.nodes.values()) for g in self.graphs if g is not None]
-        return {"buckets": self.table.describe(), "kernels": self.step.kernels, "timing": self.timing, "memory": self.memory,
+        return {"buckets": self.table.describe(), "kernels": self.step.kernels, "kernels_fallback": self.kernels_fallback,
+                "timing": self.timing, "memory": self.memory,
                 "estimate": est.as_dict(), "nodes_per_graph": {"min": min(nodes), "max": max(nodes)} if nodes else {},
                 "node_types": _sum_counts(g.nodes for g in self.graphs if g is not None),
                 "empty_nodes_removed": sum(g.empty_removed for g in self.graphs if g is not None)}
 
     def close(self) -> None:
         d = bindings()
-        for g in self.graphs:
-            if g is None:
-                continue
-            for exe in g.execs:
-                check(d.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
-            g.torch_graph.reset()
-        self.graphs = [None] * len(self.table.shapes)
+        self._release_graphs()
         for addr in [*self._tables.values(), self.io_addr]:
             if addr:
                 try:

@@ -124,7 +124,27 @@ def test_capture_is_device_launchable_and_reported(tiny_folder, shm_ring, tiny_b
         assert all(len(g.execs) == 2 for g in ex.graphs.cache.graphs)
         print("graph cache report", json.dumps(rep, indent=1))
         # the fused Triton kernels, as "auto" picks them on a GPU (the triton stage says why, should they fail)
-        assert rep["kernels"] == "triton", rep["kernels"]
+        assert rep["kernels"] == "triton", rep.get("kernels_fallback")
+    finally:
+        ex.close()
+
+
+def test_capture_is_device_launchable_with_pytorchs_operators_when_the_triton_kernels_fail(
+        tiny_folder, shm_ring, tiny_buckets, monkeypatch):
+    """"auto" took the Triton kernels, then their capture failed: the graphs are captured again with
+    PyTorch's operators, the reason is in the report, and the executor's graphs are complete."""
+    from gpu_backend.executors.cuda import CudaExecutor
+    from gpu_backend.graphs import fused_forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure of a fused kernel")
+    monkeypatch.setattr(fused_forward, "forward", broken)
+    ex = CudaExecutor(_options(tiny_folder))
+    try:
+        rep = ex.setup_report["graphs"]
+        assert rep["kernels"] == "torch" and "planted failure" in rep["kernels_fallback"]
+        assert all(g is not None and len(g.execs) == 2 for g in ex.graphs.cache.graphs)
+        assert set(rep["node_types"]) <= {"KERNEL", "MEMCPY", "MEMSET"}
     finally:
         ex.close()
 
