@@ -259,7 +259,7 @@ def test_smollm2_steps_with_the_triton_kernels_capture_and_agree_with_pytorchs()
     config, model = load_graph_model("random:smollm2", torch.float32, "cuda")
     prof = sp.Profiler(model, config, [(64, 1, 256)], [(4, 128, 256)], "cuda")
     torch_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="torch")
-    assert prof.step.kernels == "torch"                 # the Profiler's own step: "auto" is the bench's switch
+    assert prof.step.kernels == "triton"                # "auto" took them: the self-test passed on this GPU
     triton_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
     b = prof.buffers
     for g in prof.shapes:
