@@ -107,7 +107,7 @@ class Daemon:
                "--ring", ring_name, "--slots", str(args.slots), "--prompt-arena-tokens", str(1 << 18),
                "--output-arena-tokens", str(1 << 18), "--max-batch-size", str(args.max_batch_size),
                "--max-prefill-tokens", str(args.max_prefill_tokens), "--max-model-len", str(args.max_model_len),
-               "--kv-cache-mb", str(args.kv_cache_mb)]
+               "--kv-cache-mb", str(args.kv_cache_mb), "--dtype", args.dtype]
         self.cmd = " ".join(cmd)
         self.t_spawn = time.monotonic()
         self._log = open(self.log_path, "w")
@@ -240,7 +240,7 @@ def run(args) -> dict:
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    res = {"date": DATE, "machine": args.machine, "model": args.model, "dtype": "float32",
+    res = {"date": DATE, "machine": args.machine, "model": args.model, "dtype": args.dtype,
            "daemon_cpu": DAEMON_CPU, "interferer_cpus": list(others), "interferer": kind or why_not,
            "energy": "nvml" if energy.handle is not None else energy.why, "config": {
                "max_batch_size": args.max_batch_size, "max_prefill_tokens": args.max_prefill_tokens,
@@ -385,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--machine", default="auto", help="result files' label; auto: the card's model (h100, h200)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
     ap.add_argument("--model", default="random:smollm2")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the daemons' --dtype (both executors alike)")
     ap.add_argument("--workloads", default=",".join(f"{n}x{i}x{o}" for n, i, o in WORKLOADS),
                     help="comma-separated NxIxO (requests x prompt tokens x output tokens)")
     ap.add_argument("--repeats", type=int, default=3)

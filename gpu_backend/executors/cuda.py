@@ -75,12 +75,13 @@ class CudaExecutor:
 
         from ..cuda.driver import bindings, check
         from ..graphs.buckets import BucketTable
-        from ..graphs.config import GraphExecConfig
+        from ..graphs.config import GraphExecConfig, graph_dtype
         from ..graphs.device import ModelGraphs, load_graph_model
         t0 = time.monotonic()
         torch.cuda.set_device(self.device.ordinal)        # torch on the primary context the driver API uses
-        model_config, model = load_graph_model(options.model, torch.float32)
-        g = GraphExecConfig.from_options(options, model_config)
+        dtype = graph_dtype(options.dtype)
+        model_config, model = load_graph_model(options.model, dtype)
+        g = GraphExecConfig.from_options(options, model_config, dtype)
         g.apply_blas()
         self.vocab_size, self.max_model_len = model_config.vocab_size, g.max_model_len
         self.config = SchedulerConfig(

@@ -72,11 +72,12 @@ class CudaHostLoopExecutor:
 
             from ..graphs.buckets import BucketTable
             from ..graphs.capture import GraphCache
-            from ..graphs.config import GraphExecConfig
+            from ..graphs.config import GraphExecConfig, graph_dtype
             from ..graphs.device import load_graph_model
             torch.cuda.set_device(self.device.ordinal)
-            model_config, model = load_graph_model(options.model, torch.float32)
-            g = GraphExecConfig.from_options(options, model_config)
+            dtype = graph_dtype(options.dtype)
+            model_config, model = load_graph_model(options.model, dtype)
+            g = GraphExecConfig.from_options(options, model_config, dtype)
             g.apply_blas()
             self.vocab_size, self.max_model_len = model_config.vocab_size, g.max_model_len
             self.eos_ids = tuple(model_config.eos_token_ids)

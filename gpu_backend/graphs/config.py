@@ -40,6 +40,16 @@ class GraphConfigError(ValueError):
     """The flags cannot make a graph cache; str() is one line for the user."""
 
 
+def graph_dtype(option: str) -> torch.dtype:
+    """--dtype of the CUDA executors: auto and float32 -> float32 (the step graphs then agree with
+    the CPU reference but for near ties), bfloat16 -> bfloat16 weights, activations and KV cache
+    (tensor-core matmuls, half the bytes; the sampler stays float32)."""
+    dtypes = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    if option not in dtypes:
+        raise GraphConfigError(f"--dtype must be one of {', '.join(dtypes)}, got {option!r}")
+    return dtypes[option]
+
+
 def _bucket_overrides() -> dict:
     raw = os.environ.get(BUCKETS_ENV, "").strip()
     if not raw:

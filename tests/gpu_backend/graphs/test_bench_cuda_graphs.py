@@ -16,7 +16,7 @@ from gpu_backend.graphs import tensorrt
 
 def test_workloads_through_a_real_daemon(tmp_path, ring_name):
     args = argparse.Namespace(buckets=None, slots=64, max_batch_size=16, max_prefill_tokens=256,
-                              max_model_len=256, kv_cache_mb=16, startup_timeout_s=120)
+                              max_model_len=256, kv_cache_mb=16, startup_timeout_s=120, dtype="float32")
     daemon = bench.Daemon("cpu", "null", ring_name, args, tmp_path)
     try:
         assert daemon.setup_s > 0

@@ -8,6 +8,7 @@ marked `gpu`, and the plan's `triton` stage selects them), the compiled kernels 
 step of SmolLM2's shape is also captured into a CUDA graph and replayed."""
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 
@@ -205,6 +206,48 @@ def test_the_self_test_passes_here_and_names_a_kernel_that_is_off(monkeypatch):
     fused_forward._SELF_TESTS.clear()
     assert fused_forward.self_test(dev, torch.float32) == "RuntimeError: ptxas fatal: something"
     fused_forward._SELF_TESTS.clear()
+
+
+def test_the_cuda_executors_dtype_option():
+    from gpu_backend.graphs.config import GraphConfigError, graph_dtype
+    assert graph_dtype("auto") == graph_dtype("float32") == torch.float32
+    assert graph_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(GraphConfigError, match="--dtype must be one of auto, float32, bfloat16"):
+        graph_dtype("float16")
+
+
+def test_a_bfloat16_step_with_the_triton_kernels_is_the_bfloat16_step_with_pytorchs(tiny):
+    """The CUDA executors' --dtype bfloat16: weights, activations and the pool in bf16, logits and
+    sampling in float32. The two kernel sets round differently, so: hidden states within bf16's
+    precision, the pool's K/V too, and the greedy tokens where the top two logits stand apart."""
+    from bench import cuda_step_profile as sp
+    from gpu_backend.graphs.step import StepFunction
+    config, model = tiny
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE, kernels="torch")
+    assert prof.pool.k.dtype == torch.bfloat16
+    steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
+    b = prof.buffers
+    for g in prof.shapes:
+        out = {}
+        for kind, step in steps.items():
+            prof.pool.k.copy_(torch.randn(prof.pool.k.shape, generator=torch.Generator().manual_seed(5)))
+            prof.pool.v.copy_(torch.randn(prof.pool.v.shape, generator=torch.Generator().manual_seed(6)))
+            prof.stage(g)
+            hidden = step.forward(g).float()
+            pool = prof.pool.k.float().clone()
+            prof.stage(g)
+            step.run(g)
+            out[kind] = (hidden, pool, b.tokens[:g.rows].clone())
+        (h0, k0, t0), (h1, k1, t1) = out["torch"], out["triton"]
+        torch.testing.assert_close(h1, h0, rtol=6e-2, atol=6e-2)
+        torch.testing.assert_close(k1, k0, rtol=6e-2, atol=6e-2)
+        with torch.inference_mode():
+            last = h0.view(g.rows, g.len, -1)[:, -1].to(torch.bfloat16)
+            logits = model.compute_logits(last)
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.25
+        assert (t1 == t0)[clear].all(), (g, t0.tolist(), t1.tolist())
 
 
 def test_a_bad_kernels_setting_is_one_line(monkeypatch, tiny):
