@@ -208,6 +208,30 @@ def test_the_self_test_passes_here_and_names_a_kernel_that_is_off(monkeypatch):
     fused_forward._SELF_TESTS.clear()
 
 
+def _both_steps(model, config):
+    """[(shape, {kind: (hidden, K pool, V pool, tokens, token logprobs)})]: a decode and a prefill step
+    of `model` with PyTorch's operators and with the Triton kernels, from the same staged buffers and pool."""
+    from bench import cuda_step_profile as sp
+    from gpu_backend.graphs.step import StepFunction
+    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE, kernels="torch")
+    assert prof.pool.k.dtype == model.dtype
+    steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
+    b, res = prof.buffers, []
+    for g in prof.shapes:
+        out = {}
+        for kind, step in steps.items():
+            prof.pool.k.copy_(torch.randn(prof.pool.k.shape, generator=torch.Generator().manual_seed(5)))
+            prof.pool.v.copy_(torch.randn(prof.pool.v.shape, generator=torch.Generator().manual_seed(6)))
+            prof.stage(g)
+            hidden = step.forward(g)
+            pool = (prof.pool.k.clone(), prof.pool.v.clone())
+            prof.stage(g)
+            step.run(g)
+            out[kind] = (hidden, *pool, b.tokens[:g.rows].clone(), b.lp_token[:g.rows].clone())
+        res.append((g, out))
+    return res
+
+
 def test_the_cuda_executors_dtype_option():
     from gpu_backend.graphs.config import GraphConfigError, graph_dtype
     assert graph_dtype("auto") == graph_dtype("float32") == torch.float32
@@ -220,28 +244,13 @@ def test_a_bfloat16_step_with_the_triton_kernels_is_the_bfloat16_step_with_pytor
     """The CUDA executors' --dtype bfloat16: weights, activations and the pool in bf16, logits and
     sampling in float32. The two kernel sets round differently, so: hidden states within bf16's
     precision, the pool's K/V too, and the greedy tokens where the top two logits stand apart."""
-    from bench import cuda_step_profile as sp
-    from gpu_backend.graphs.step import StepFunction
     config, model = tiny
     model = copy.deepcopy(model).to(torch.bfloat16)
-    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE, kernels="torch")
-    assert prof.pool.k.dtype == torch.bfloat16
-    steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
-    b = prof.buffers
-    for g in prof.shapes:
-        out = {}
-        for kind, step in steps.items():
-            prof.pool.k.copy_(torch.randn(prof.pool.k.shape, generator=torch.Generator().manual_seed(5)))
-            prof.pool.v.copy_(torch.randn(prof.pool.v.shape, generator=torch.Generator().manual_seed(6)))
-            prof.stage(g)
-            hidden = step.forward(g).float()
-            pool = prof.pool.k.float().clone()
-            prof.stage(g)
-            step.run(g)
-            out[kind] = (hidden, pool, b.tokens[:g.rows].clone())
-        (h0, k0, t0), (h1, k1, t1) = out["torch"], out["triton"]
+    for g, out in _both_steps(model, config):
+        (h0, k0, _, t0, _), (h1, k1, _, t1, _) = out["torch"], out["triton"]
+        h0, h1 = h0.float(), h1.float()
         torch.testing.assert_close(h1, h0, rtol=6e-2, atol=6e-2)
-        torch.testing.assert_close(k1, k0, rtol=6e-2, atol=6e-2)
+        torch.testing.assert_close(k1.float(), k0.float(), rtol=6e-2, atol=6e-2)
         with torch.inference_mode():
             last = h0.view(g.rows, g.len, -1)[:, -1].to(torch.bfloat16)
             logits = model.compute_logits(last)
@@ -265,28 +274,12 @@ def test_a_bad_kernels_setting_is_one_line(monkeypatch, tiny):
 def test_a_step_with_the_triton_kernels_is_the_step_with_pytorchs(tiny):
     """Same staged buffers, same pool: decode and prefill steps give the same hidden states,
     the same K/V in the pool and the same greedy tokens ("torch" is what CI's CPU graphs run)."""
-    from bench import cuda_step_profile as sp
-    from gpu_backend.graphs.step import StepFunction
     config, model = tiny
-    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
-    steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
-    assert steps["triton"].kernels == "triton"
-    b = prof.buffers
-    for g in prof.shapes:
-        out = {}
-        for kind, step in steps.items():
-            prof.pool.k.copy_(torch.randn(prof.pool.k.shape, generator=torch.Generator().manual_seed(5)))
-            prof.pool.v.copy_(torch.randn(prof.pool.v.shape, generator=torch.Generator().manual_seed(6)))
-            prof.stage(g)
-            hidden = step.forward(g)
-            pool = (prof.pool.k.clone(), prof.pool.v.clone())
-            prof.stage(g)
-            step.run(g)
-            out[kind] = (hidden, pool, b.tokens[:g.rows].clone(), b.lp_token[:g.rows].clone())
-        (h0, p0, t0, l0), (h1, p1, t1, l1) = out["torch"], out["triton"]
+    for g, out in _both_steps(model, config):
+        (h0, k0, v0, t0, l0), (h1, k1, v1, t1, l1) = out["torch"], out["triton"]
         torch.testing.assert_close(h1, h0, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(p1[0], p0[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(p1[1], p0[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
         assert t1.tolist() == t0.tolist(), g
         torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
 
