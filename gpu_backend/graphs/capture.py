@@ -42,6 +42,7 @@ from ..cuda.driver import CudaError, bindings, check
 from ..model.llama import LlamaModel
 from .buckets import BucketTable, GraphShape
 from .plan import CapturePlan
+from . import fused_forward
 from .step import GraphKVPool, KVShape, StaticBuffers, StepFunction
 
 log = logging.getLogger("blink.gpu_daemon")
@@ -156,6 +157,8 @@ class GraphCache:
         self.buffers = StaticBuffers(self.plan.static_sizes(), model.device)
         self.step = StepFunction(model, self.pool, self.buffers, self.plan, kernels=kernels)
         self.kernels_requested, self.kernels_fallback = kernels, None
+        if kernels == "auto" and self.step.kernels == "torch":     # why "auto" did not take the Triton kernels
+            self.kernels_fallback = fused_forward.supported(model) or fused_forward.self_test(model.device, model.dtype)
         log.info("step graphs: %s kernels in the model's forward", self.step.kernels)
         self.io = self.buffers.io(bs, self.pool.sink_block)
         self.io_addr = int(check(d.cuMemAlloc(ctypes.sizeof(self.io)), "cuMemAlloc(step io)"))
