@@ -38,14 +38,16 @@ def count(step, shape) -> tuple[int, collections.Counter]:
 class _Counted:
     """A Triton kernel whose launches are counted instead of run."""
 
-    def __init__(self, name: str, seen: collections.Counter):
+    def __init__(self, name: str, kernel, seen: collections.Counter):
         self.name, self.seen = name, seen
+        # the draw's output: valid token ids for the logprobs that follow (set by numpy: no operator counted)
+        self.tokens_at = kernel.arg_names.index("tokens_ptr") if "tokens_ptr" in kernel.arg_names else None
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.seen[self.name] += 1
-            if self.name == "_draw_pick_kernel":
-                args[8].numpy()[:] = 0            # valid token ids for the logprobs (no operator: not counted)
+            if self.tokens_at is not None:
+                args[self.tokens_at].numpy()[:] = 0
         return launch
 
 
@@ -71,8 +73,8 @@ def main(argv=None) -> int:
     kernels = {(mod, name): getattr(mod, name) for mod in (tk, ts)
                for name in vars(mod) if name.startswith("_") and name.endswith("_kernel")}
     try:
-        for (mod, name) in kernels:
-            setattr(mod, name, _Counted(name, seen))
+        for (mod, name), kernel in kernels.items():
+            setattr(mod, name, _Counted(name, kernel, seen))
         step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
         prof.stage(g)
         step.run(g)                                         # warm (first-call allocations)

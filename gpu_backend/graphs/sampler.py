@@ -264,13 +264,13 @@ def filtered_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
-         index: torch.Tensor, min_p: torch.Tensor | None = None, uniform_fn=uniform) -> torch.Tensor:
+         index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """processed logits [R, V] -> tokens [R] int64: argmax for greedy and degenerate rows, else
     the filtered distribution's inverse CDF at the row's hash uniform."""
     greedy = x.argmax(dim=-1)                                                                   # [R]
     probs, order = filtered_sorted(x, temperature, top_p, top_k, min_p)                         # [R, V]
     cdf = torch.cumsum(probs, dim=-1)                                                           # [R, V]
-    u = uniform_fn(seed, index) * cdf[:, -1]                                                    # [R]
+    u = uniform(seed, index) * cdf[:, -1]                                                       # [R]
     pick = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=x.shape[-1] - 1)         # [R, 1]
     drawn = order.gather(1, pick)[:, 0]                                                         # [R]
     ok = torch.isfinite(probs).all(dim=-1) & (temperature >= MIN_TEMPERATURE)
@@ -318,17 +318,14 @@ def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState, kernels: str =
     """The graph's sampling: raw logits [R, V] -> StepSample; the seats updated in place. kernels
     "triton": the processing, the draw and the seat update by triton_sampler's fused kernels (the
     same results; a draw may part from this one where u falls within rounding of a CDF step)."""
-    raw = logits.float()
     if kernels == "triton":
         from . import triton_sampler
-        x = triton_sampler.process(raw.contiguous(), p, s)
-        tokens = triton_sampler.draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
+        process_, draw_, update_ = triton_sampler.process, triton_sampler.draw, triton_sampler.update
     else:
-        x = process(raw, p, s)
-        tokens = draw(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
+        process_, draw_, update_ = process, draw, update
+    raw = logits.float()
+    x = process_(raw, p, s)
+    tokens = draw_(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
     lp, rank, ids, vals = logprobs(raw, tokens, min(TOP_LOGPROBS, raw.shape[-1]))
-    if kernels == "triton":
-        triton_sampler.update(s, p, tokens)
-    else:
-        update(s, p, tokens)
+    update_(s, p, tokens)
     return StepSample(tokens, lp, rank, ids, vals)

@@ -97,6 +97,7 @@ def _ban_kernel(out_ptr, seat_ptr, index_ptr, min_tokens_ptr, stop_ptr, recent_p
 def process(logits: torch.Tensor, p, s) -> torch.Tensor:
     """sampler.process in 2 kernels: raw logits [R, V] float32 (contiguous) -> processed [R, V]."""
     _check_device(logits)
+    logits = logits.contiguous()
     r, v = logits.shape
     out = torch.empty_like(logits)
     if r == 0:
@@ -131,19 +132,24 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _uniform_kernel(seed_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    seed = tl.load(seed_ptr + i, mask=m, other=0)
-    index = tl.load(index_ptr + i, mask=m, other=0)
-    # 64-bit unsigned products, kept to their low 32 bits: (h * c) mod 2^32 exactly
+@triton.jit
+def _hash_uniform(seed, index):
+    """sampler.uniform of int64 seeds and token indices: float32 in [0, 1). 64-bit unsigned
+    products kept to their low 32 bits: (h * c) mod 2^32 exactly."""
     lo = (seed & 0xFFFFFFFF).to(tl.uint64)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)
     h = _fmix32((index & 0xFFFFFFFF).to(tl.uint64) ^ 0x9E3779B9)
     h = _fmix32(lo ^ h)
     h = _fmix32(hi ^ ((h * 0x27D4EB2D) & 0xFFFFFFFF))
-    tl.store(out_ptr + i, (h >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=m)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _uniform_kernel(seed_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    u = _hash_uniform(tl.load(seed_ptr + i, mask=m, other=0), tl.load(index_ptr + i, mask=m, other=0))
+    tl.store(out_ptr + i, u, mask=m)
 
 
 def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -277,14 +283,7 @@ def _draw_pick_kernel(sorted_ptr, order_ptr, greedy_ptr, temp_ptr, top_p_ptr, to
         kept2 = tl.sum(n2, axis=0)
         # the inverse CDF at the row's hash uniform u: the values whose cumulative weight is at most
         # u x the total come before the drawn one
-        seed = tl.load(seed_ptr + r)
-        index = tl.load(index_ptr + r)
-        lo = (seed & 0xFFFFFFFF).to(tl.uint64)
-        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)
-        h = _fmix32((index & 0xFFFFFFFF).to(tl.uint64) ^ 0x9E3779B9)
-        h = _fmix32(lo ^ h)
-        h = _fmix32(hi ^ ((h * 0x27D4EB2D) & 0xFFFFFFFF))
-        target = (h >> 8).to(tl.float32) * (1.0 / 16777216.0) * total2
+        target = _hash_uniform(tl.load(seed_ptr + r), tl.load(index_ptr + r)) * total2
         acc = 0.0
         below = tl.zeros([BLOCK], tl.int32)
         for n0 in range(0, kept2, BLOCK):
