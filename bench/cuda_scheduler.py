@@ -208,6 +208,9 @@ class Bench:
         out["persistent"] = self._persistent(geom, cfg, n_req, prompt_len, tokens)
         out["persistent_scan_every_iteration"] = self._persistent(
             geom, dataclasses.replace(cfg, full_scan_us=0), n_req, prompt_len, tokens)
+        # and with every step planned by thread 0's walks (fast_plan=False), the A/B of the survey
+        out["persistent_full_plan"] = self._persistent(
+            geom, dataclasses.replace(cfg, fast_plan=False), n_req, prompt_len, tokens)
 
         # the same over a ring in device memory (the DPU deployment); a failure costs these columns only
         try:
@@ -298,7 +301,8 @@ class Bench:
             err, = d.cuGraphLaunch(exe, stream)
             return 0 if err == d.CUresult.CUDA_SUCCESS else int(err)
 
-        tw = TwinScheduler(ring, cfg, threads=1, launch_cb=launch, buffers={k: b.host_addr for k, b in bufs.items()})
+        tw = TwinScheduler(ring, cfg, threads=1, launch_cb=launch, buffers={k: b.host_addr for k, b in bufs.items()},
+                           check_plans=False)
         t0 = time.monotonic_ns()
         tw.start()
         self._wait_done(ring, n_req)
@@ -332,6 +336,7 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
             **{f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3)
                for k in ("reap", "policy", "apply", "rows")},
+            "fast_plan_share": round(c.get("fast_plans", 0) / max(1, c["steps_decode"]), 3),
             "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
 
@@ -393,6 +398,19 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         lines.append(f"| {w['batch']} | {p['us_per_step']} | {p.get('scans_per_step', '-')} | "
                      f"{p['scheduler_overhead_us_per_step']} | {e['us_per_step']} | "
                      f"{e['scheduler_overhead_us_per_step']} | {round(e['us_per_step'] / p['us_per_step'], 2)}x |")
+    lines += ["", "The survey, A/B in this run: steady decode steps planned from the block's parallel survey of "
+              "the running list (the default) vs by thread 0 walking it (fast_plan=False):", "",
+              "| batch | decode steps fast-planned | plan us/step, survey | reap | policy | apply | "
+              "plan us/step, walks | reap | policy | apply | walks / survey |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in results["workloads"]:
+        p, f = w["persistent"], w.get("persistent_full_plan")
+        if f is None:
+            continue
+        def parts(x):
+            return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("plan", "reap", "policy", "apply"))
+        ratio = round(f["plan_us_per_step"] / p["plan_us_per_step"], 2) if p.get("plan_us_per_step") else "-"
+        lines.append(f"| {w['batch']} | {round(100 * p.get('fast_plan_share', 0))}% | {parts(p)} | {parts(f)} | "
+                     f"{ratio}x |")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
               "| batch | us/step | overhead us/step | scan | publish | plan | host-mapped overhead us/step |",

@@ -20,6 +20,10 @@
  *                        blocks it filled (ring reads, in parallel across requests)
  *                        (scan and publish raise flags where a request is to be reaped, dropped
  *                        or committed, so the schedule phase walks its lists only then)
+ *   survey   (all)       FCFS, nobody waiting or no seat free: does every running request
+ *                        decode one token, and which cross a block boundary (a needy
+ *                        bitmap by warp ballot); then the schedule phase plans that steady
+ *                        decode step without walking the running list (blink_fast_plan)
  *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
@@ -71,6 +75,12 @@ typedef struct blink_sched_shared {
     uint32_t step_ctx;       /* fill: the longest context after the step (max over its rows) */
     int32_t step_err;        /* schedule: nonzero when an allocation failed (the step's requests fail) */
     uint64_t t_sched, t_reap, t_policy, t_apply;   /* the schedule phase's clock: plan_ns in parts */
+    uint64_t t_survey;       /* the survey's start (plan_ns and reap_ns count it) */
+    uint32_t survey;         /* wait: this iteration surveys the running list (blink_survey_decide) */
+    uint32_t sv_other;       /* survey: running requests that do not decode one token next */
+    uint32_t sv_gone;        /* survey: running requests the reap will drop (finished or aborted) */
+    uint32_t sv_need;        /* survey: KV blocks the decoding ones need for their next token */
+    uint32_t step_from_running;   /* schedule: the fast plan's decode chunks are the running list itself */
 } blink_sched_shared_t;
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
@@ -176,12 +186,14 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
     return full > r->num_committed;
 }
 
-/* plan_scratch holds eight lists of max_batch_size entries: the planner's seven outputs, then the
+/* plan_scratch holds eleven lists of max_batch_size entries: the planner's seven outputs; the
  * chunks whose requests have full blocks to commit, which publish lists for the schedule phase of
- * the same iteration. */
+ * the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
+ * plan's new-block lists made from it (blink_fast_plan). */
 enum {
     BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
-    BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT
+    BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT,
+    BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_SCRATCH_LISTS
 };
 static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
     return p->plan_scratch + which * p->policy.max_batch_size;
@@ -670,6 +682,123 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
     }
 }
 
+/* ---- The steady decode step, planned in parallel ----
+ * Under FCFS, with nobody waiting or no seat free, and every running request decoding one token,
+ * the planner's rules reduce to: decode them all, in running order, each with the KV block its next
+ * token needs, unless the pool lacks blocks (rule 3 preempts then). Thread 0 walking 64-256 requests for that, twice in
+ * blink_plan_core and once to allocate, paid a dependent global load or two per request each time:
+ * the schedule phase's main cost per step on the H200 (43 / 160 us at 64 / 256 running). The survey
+ * has every thread check its requests instead; thread 0 then only allocates for the few that cross
+ * a block boundary. Anything else (an arrival waiting, a prefill, too few free blocks, another
+ * policy) goes to the full planner; the CPU twin runs that planner beside every fast plan and
+ * counts a disagreement (stats fast_plan_mismatches, which the tests hold at 0). */
+
+/* thread 0, after the wait phase (the intake has queued this iteration's arrivals): whether this
+ * iteration surveys (the same value to every thread after the next barrier), its counters and needy
+ * bitmap zeroed. */
+static inline BLINK_HD void blink_survey_decide(const blink_sched_params_t *p, blink_sched_shared_t *sh) {
+    const blink_sched_state_t *st = p->state;
+    sh->survey = p->fast_plan && p->rules.policy == BLINK_POLICY_FCFS && st->n_running > 0 &&
+                 (st->w_count == 0 || st->n_running >= p->policy.max_batch_size);
+    sh->sv_other = sh->sv_gone = sh->sv_need = 0;
+    if (!sh->survey) return;
+    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    for (uint32_t w = 0; w < (st->n_running + 31) / 32; ++w) bits[w] = 0;
+}
+
+/* all threads, after publish: running position i -> gone (reaped below: finished, or aborted),
+ * other (not one token to decode), or a decoder, marked in the needy bitmap where its next token
+ * needs a KV block. Every thread runs every round (the ballot wants whole warps; nt is a multiple
+ * of 32 on the device), so position i of round i0 is i0 + tid. */
+template <class P>
+BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                  unsigned nt) {
+    const uint32_t n = p->state->n_running;
+    const int64_t bs = p->policy.block_size;
+    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    uint32_t other = 0, gone = 0, need = 0;
+    for (uint32_t i0 = 0; i0 < n; i0 += nt) {
+        const uint32_t i = i0 + tid;
+        int needy = 0;
+        if (i < n) {
+            const blink_req_t *r = &p->reqs[p->running[i]];
+            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {   /* the reap's own test */
+                ++gone;
+            } else if ((int64_t)blink_req_tokens(r) - r->num_computed != 1) {
+                ++other;
+            } else {
+                const int64_t k = blink_blocks_needed((int64_t)r->num_computed + 1, bs) - r->num_blocks;
+                if (k > 0) {
+                    need += (uint32_t)k;
+                    needy = 1;
+                }
+            }
+        }
+        plat.ballot_bit(bits, i, needy);
+    }
+    if (other) plat.add_shared(&sh->sv_other, other);
+    if (gone) plat.add_shared(&sh->sv_gone, gone);
+    if (need) plat.add_shared(&sh->sv_need, need);
+}
+
+/* thread 0, before the reap compacts the running list: the survey's counts describe the list the
+ * planner will see when no request it skipped is left behind (the reap drops them only when flagged);
+ * the needy positions, in running order, become slots while the positions still hold. */
+template <class P>
+BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
+    (void)plat;
+    if (!sh->survey || sh->sv_other || (sh->sv_gone && !sh->reap_running)) return 0;
+    const uint32_t n = p->state->n_running;
+    const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    uint32_t *ids = blink_scratch_list(p, BLINK_LIST_NEEDY_ID), k = 0;
+    for (uint32_t w = 0; w < (n + 31) / 32; ++w)
+        for (uint32_t b = bits[w]; b; b &= b - 1) ids[k++] = p->running[w * 32 + blink_ctz32(b)];
+    return k + 1;   /* 0: no fast plan; else 1 + the number of needy requests */
+}
+
+/* thread 0, after the reap: the fast plan (the full planner's own result for this case), or 0 where
+ * it does not hold: nobody left running, a seat free for a waiting request (the reap freed one:
+ * rule 2b admits), or a pool that cannot give every decoder its block without preempting. */
+static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
+                                           uint32_t n_needy, int64_t free_blocks, blink_plan_t *plan) {
+    const blink_sched_state_t *st = p->state;
+    if (st->n_running == 0 || (st->w_count && st->n_running < p->policy.max_batch_size) ||
+        (int64_t)sh->sv_need > free_blocks)
+        return 0;
+    const int64_t bs = p->policy.block_size;
+    plan->kind = BLINK_STEP_DECODE;
+    plan->n_prefill = plan->n_preempted = plan->n_admitted = 0;
+    plan->n_decode = st->n_running;
+    plan->decode_id = p->running;
+    plan->new_blocks_id = blink_scratch_list(p, BLINK_LIST_NEEDY_ID);
+    plan->new_blocks_n = blink_scratch_list(p, BLINK_LIST_NEEDY_N);
+    plan->n_new_blocks = n_needy;
+    for (uint32_t k = 0; k < n_needy; ++k) {
+        const blink_req_t *r = &p->reqs[plan->new_blocks_id[k]];
+        plan->new_blocks_n[k] = (uint32_t)(blink_blocks_needed((int64_t)r->num_computed + 1, bs) - r->num_blocks);
+    }
+    return 1;
+}
+
+/* The CPU twin's check: the full planner's plan `want` against the fast plan `got` (its new blocks
+ * without the zero entries the full planner lists). */
+static inline BLINK_HD int blink_plans_agree(const blink_plan_t *want, const blink_plan_t *got) {
+    if (want->kind != got->kind || want->n_prefill || want->n_preempted || want->n_admitted ||
+        want->n_decode != got->n_decode)
+        return 0;
+    for (uint32_t k = 0; k < got->n_decode; ++k)
+        if (want->decode_id[k] != got->decode_id[k]) return 0;
+    uint32_t j = 0;
+    for (uint32_t k = 0; k < want->n_new_blocks; ++k) {
+        if (want->new_blocks_n[k] == 0) continue;
+        if (j >= got->n_new_blocks || want->new_blocks_id[k] != got->new_blocks_id[j] ||
+            want->new_blocks_n[k] != got->new_blocks_n[j])
+            return 0;
+        ++j;
+    }
+    return j == got->n_new_blocks;
+}
+
 /* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
 template <class P>
 BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
@@ -683,6 +812,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     stats->tokens += sh->n_tokens;
     stats->completed += sh->n_completed;
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
+    const uint32_t fast_needy = blink_survey_needy(plat, p, sh);   /* before the reap moves positions */
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
     if (p->prefix_caching && sh->commit) {
@@ -753,17 +883,31 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     blink_sched_rules_t rules = p->rules;
     rules.now_us = (int64_t)(t0 / 1000);
     st->plan_stamp += 1;
-    const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
-    /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again before
-     * it is read (FCFS; under the other policies seats == w_count) */
-    for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {
-        const uint32_t slot = p->waiting[(st->w_head + k) % cap];
-        blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
-    }
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
-    blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count, (uint32_t)cap,
-                           p->running, st->n_running, free_blocks, st->prev_kind, &plan, p->plan_w_out,
-                           p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+    blink_plan_t fast;
+    const int use_fast = fast_needy && blink_fast_plan(p, sh, fast_needy - 1, free_blocks, &fast);
+    if (!use_fast || plat.check_plans) {
+        const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
+        /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again
+         * before it is read (FCFS; under the other policies seats == w_count) */
+        for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {
+            const uint32_t slot = p->waiting[(st->w_head + k) % cap];
+            blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
+        }
+        blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
+                               (uint32_t)cap, p->running, st->n_running, free_blocks, st->prev_kind, &plan,
+                               p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+    }
+    if (use_fast) {
+        if (plat.check_plans) {
+            if (!blink_plans_agree(&plan, &fast)) stats->fast_plan_mismatches += 1;
+            /* then the full plan's lists are gone, as on the device, where nothing wrote them */
+            for (uint32_t which = BLINK_LIST_PREFILL_ID; which <= BLINK_LIST_NEW_BLOCKS_N; ++which)
+                for (uint32_t k = 0; k < mb; ++k) blink_scratch_list(p, which)[k] = 0xffffffffu;
+        }
+        plan = fast;
+    }
+    sh->step_from_running = (uint32_t)use_fast;
     const uint64_t t_policy = plat.now_ns(p);
 
     if (plan.kind != BLINK_STEP_IDLE && sh->launches >= p->window_limit) {
@@ -771,6 +915,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         sh->exit = plat.tail_relaunch() == 0 ? BLINK_EXIT_RELAUNCH : BLINK_EXIT_LAUNCH_FAILED;
         return;
     }
+    stats->fast_plans += (uint64_t)use_fast;   /* applied (a full window plans it again) */
 
     for (uint32_t v = 0; v < plan.n_preempted; ++v) {        /* engine._preempt */
         const uint32_t slot = plan.preempted_id[v];
@@ -850,7 +995,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     sh->step_kind = plan.kind;
     sh->step_err = err;
     sh->step_ctx = 0;
-    sh->t_sched = t0;
+    sh->t_sched = sh->survey ? sh->t_survey : t0;   /* the survey is the plan's first part */
     sh->t_reap = t_reap;
     sh->t_policy = t_policy;
     sh->t_apply = plat.now_ns(p);
@@ -865,7 +1010,7 @@ template <class P>
 BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                 unsigned nt) {
     const uint32_t n = p->state->n_chunks;
-    const uint32_t *decode_id = blink_scratch_list(p, BLINK_LIST_DECODE_ID);
+    const uint32_t *decode_id = sh->step_from_running ? p->running : blink_scratch_list(p, BLINK_LIST_DECODE_ID);
     const int rows = p->graphs.shapes != 0 && n <= p->graphs.decode.max_rows;      /* within the row buffers */
     uint32_t ctx = 0;
     for (uint32_t k = tid; k < n; k += nt) {
@@ -1011,16 +1156,26 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         }
         blink_phase_intake(plat, p, sh, tid, nt);
         plat.sync();
-        if (tid == 0) blink_phase_wait(plat, p, sh);
+        if (tid == 0) {
+            blink_phase_wait(plat, p, sh);
+            blink_survey_decide(p, sh);
+        }
         plat.sync();
         if (sh->exit) break;
         const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
-        if (tid == 0) {
+        if (sh->survey) {   /* the same value in every thread: written before the barrier above */
+            if (tid == 0) {
+                sh->t_survey = plat.now_ns(p);
+                p->stats->publish_ns += sh->t_survey - t_pub;
+            }
+            blink_phase_survey(plat, p, sh, tid, nt);
+            plat.sync();
+        } else if (tid == 0) {
             p->stats->publish_ns += plat.now_ns(p) - t_pub;
-            blink_phase_schedule(plat, p, sh);
         }
+        if (tid == 0) blink_phase_schedule(plat, p, sh);
         plat.sync();
         if (sh->exit) break;
         if (sh->launch) {   /* the loop's first barrier orders the launch phase before the next iteration */

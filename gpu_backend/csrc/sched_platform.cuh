@@ -11,7 +11,8 @@
  * on host memory are not atomic with respect to the CPU, and a NIC's RDMA
  * WRITE never takes part in one. Every ring word has one writer per state
  * (shared_layout's owner table), ordered by fences; the only atomics here are
- * add_shared and max_shared, on the block's shared memory among the scheduler's threads.
+ * add_shared and max_shared, on the block's shared memory among the scheduler's threads
+ * (ballot_bit is a warp vote and a plain store to the scheduler's own device memory).
  */
 #ifndef BLINK_SCHED_PLATFORM_CUH
 #define BLINK_SCHED_PLATFORM_CUH
@@ -32,6 +33,14 @@ struct blink_device_platform {
     /* Shared memory only (the block's counters): never the ring, never host memory. */
     __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd_block(p, v); }
     __device__ uint32_t max_shared(uint32_t *p, uint32_t v) const { return atomicMax_block(p, v); }
+    /* Bit i % 32 of words[i / 32] = pred, for the 32 consecutive i of a warp (all its lanes call it
+     * together, i aligned to the warp): one ballot and one store a warp, no atomic. */
+    __device__ void ballot_bit(uint32_t *words, uint32_t i, int pred) const {
+        const uint32_t bits = __ballot_sync(0xffffffffu, pred);
+        if ((threadIdx.x & 31u) == 0) words[i >> 5] = bits;
+    }
+    /* The CPU twin checks its fast plans against the full planner; the kernel does not. */
+    static constexpr bool check_plans = false;
     __device__ void sync() const { __syncthreads(); }
     __device__ int sync_or(int v) const { return __syncthreads_or(v); }
     __device__ uint64_t now_ns(const blink_sched_params_t *p) const {

@@ -31,6 +31,15 @@
 #define BLINK_UNROLL _Pragma("GCC unroll 8")   /* g++ -Werror knows no plain `#pragma unroll` */
 #endif
 
+/* The index of x's lowest set bit (x != 0). */
+static inline BLINK_HD uint32_t blink_ctz32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+    return (uint32_t)__ffs((int)x) - 1u;
+#else
+    return (uint32_t)__builtin_ctz(x);
+#endif
+}
+
 #define BLINK_MAX_EOS_IDS 8
 #define BLINK_ROW_STOPS (BLINK_MAX_STOP_IDS + BLINK_MAX_EOS_IDS)   /* ids the sampler masks before min_tokens */
 #define BLINK_TOP_LOGPROBS BLINK_MAX_LOGPROBS   /* top entries the graph computes for every row */
@@ -207,6 +216,8 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     /* plan_ns of the launched steps in parts: commit + reap walks, the policy (prefix lookups
      * included), applying it (preempt, admit, allocate, chunks), the graph's key, lookup and rows */
     uint64_t reap_ns, policy_ns, apply_ns, rows_ns;
+    uint64_t fast_plans;          /* decode steps planned from the survey's counts (sched_loop.h blink_fast_plan) */
+    uint64_t fast_plan_mismatches; /* the CPU twin only: fast plans the full planner, run beside them, disagreed with */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
     uint32_t max_window_launches; /* most launch attempts any one instance made (<= BLINK_DEVICE_LAUNCH_CAP) */
 } blink_sched_control_t;
@@ -227,8 +238,8 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t *chunk_sample;       /* [max_batch_size] 1: the chunk ends its sequence, sample a token */
     int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
     uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
-    uint32_t *plan_scratch;       /* [8 * max_batch_size] the planner's seven output lists, then publish's
-                                     commit list (sched_loop.h blink_scratch_list) */
+    uint32_t *plan_scratch;       /* [11 * max_batch_size] the planner's seven output lists, publish's commit
+                                     list, the survey's needy lists (sched_loop.h blink_scratch_list) */
     uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
     uint32_t *row_start;          /* [max_rows] position of the row's first token */
     uint32_t *row_len;            /* [max_rows] tokens in the row */
@@ -275,6 +286,8 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t prefix_caching;      /* 1: admission looks up cached prefix blocks, full blocks are committed */
     int64_t ttft_slo_us;          /* a request's targets when its slot says 0 */
     int64_t tbt_slo_us;
+    uint32_t fast_plan;           /* 1: steady decode steps are planned from the survey (sched_loop.h); 0: the A/B */
+    uint32_t reserved;            /* zero; pads the struct to 8 bytes */
 } blink_sched_params_t;
 
 static inline BLINK_HD blink_slot_t *blink_slot_ptr(const blink_sched_params_t *p, uint64_t i) {

@@ -42,6 +42,9 @@ class SchedulerConfig:
     step_timeout_s: float = 30.0
     scheduling_policy: str = "fcfs"     # the daemon's --scheduling-policy: fcfs | priority | lvf (policy.py)
     prefix_caching: bool = True         # admission takes cached prefix blocks; full blocks are committed
+    # Steady decode steps (FCFS, every running request decoding) planned from the block's parallel
+    # survey instead of one thread's walk of the running list; False: the A/B (bench.cuda_scheduler).
+    fast_plan: bool = True
     lvf_alpha_milli: int = 3000         # policy.PolicyConfig's LVF weights
     lvf_beta_b_milli: int = 0
     lvf_beta_f_milli: int = 500
@@ -117,7 +120,7 @@ class SchedulerConfig:
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
             clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks, rules=self.rules(),
             pkv_table_cap=structs.pkv_table_cap(self.kv_blocks), prefix_caching=int(self.prefix_caching),
-            ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000)
+            ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000, fast_plan=int(self.fast_plan))
         for name, addr in buffers.items():
             setattr(p, name, addr)
         p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)

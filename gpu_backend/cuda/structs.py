@@ -68,10 +68,13 @@ class SchedState(_Struct):
                 ("scan_epoch", u64), ("scan_ns", u64)]
 
 
+SCRATCH_LISTS = 11    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
+
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
-            "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns")
+            "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
+            "fast_plan_mismatches")
 
 
 class SchedControl(_Struct):
@@ -149,7 +152,7 @@ class SchedParams(_Struct):
                 ("pkv_refs", ptr), ("pkv_key", ptr), ("pkv_has_key", ptr), ("pkv_lru_prev", ptr),
                 ("pkv_lru_next", ptr), ("pkv_table_key", ptr), ("pkv_table_block", ptr), ("pkv_claimed", ptr),
                 ("kv_keys", ptr), ("pkv_table_cap", u32), ("prefix_caching", u32), ("ttft_slo_us", i64),
-                ("tbt_slo_us", i64)]
+                ("tbt_slo_us", i64), ("fast_plan", u32), ("reserved", u32)]
 
 
 C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",
@@ -184,7 +187,7 @@ def buffer_sizes(slot_count: int, max_batch_size: int, *, num_blocks: int, max_b
             "reqs": slot_count * ctypes.sizeof(Req), "waiting": 4 * slot_count, "running": 4 * max_batch_size,
             "arrivals": 4 * slot_count, "chunk_slot": 4 * max_batch_size, "chunk_start": 4 * max_batch_size,
             "chunk_len": 4 * max_batch_size, "chunk_sample": 4 * max_batch_size,
-            "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * 8 * max_batch_size,
+            "step_tokens": 4 * max_batch_size, "done": 8, "plan_scratch": 4 * SCRATCH_LISTS * max_batch_size,
             "row_slot": 4 * rows, "row_start": 4 * rows, "row_len": 4 * rows, "row_flags": 4 * rows,
             "kv_free_stack": 4 * num_blocks, "kv_owner": 4 * num_blocks,
             "kv_tables": 4 * slot_count * max_blocks, "seat_owner": 4 * max(1, max_batch_size),

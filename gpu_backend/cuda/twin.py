@@ -34,11 +34,12 @@ LAUNCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
 def lib() -> ctypes.CDLL:
     so = ctypes.CDLL(str(build.build_host_twin()))
     so.blink_twin_run.restype = ctypes.c_uint32
-    so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     so.blink_plan.restype = None
     so.blink_twin_ring_rmw.restype = ctypes.c_uint64
     so.blink_device_launch_cap.restype = ctypes.c_uint32
     so.blink_max_window.restype = ctypes.c_uint32
+    so.blink_scratch_lists.restype = ctypes.c_uint32
     so.blink_finish.restype = ctypes.c_uint32
     so.blink_intake.restype = ctypes.c_uint32
     so.blink_intake.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
@@ -188,12 +189,14 @@ class TwinScheduler:
 
     def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None,
                  buffers: dict[str, int] | None = None, graphs: structs.GraphTable | None = None,
-                 max_rows: int = 0):
+                 max_rows: int = 0, check_plans: bool = True):
         """`buffers`: addresses of zeroed host memory for every config.buffer_sizes entry (e.g. pinned
         memory a GPU also maps, for the host-driven baseline); numpy arrays when None. `graphs`:
         the step graphs' tables (host memory) and `max_rows` their largest row count, for a
-        `launch_cb` that runs model graphs (gpu_backend/graphs/cpu_graphs.py); None: the echo."""
-        self.ring, self.config, self.threads = ring, config, threads
+        `launch_cb` that runs model graphs (gpu_backend/graphs/cpu_graphs.py); None: the echo.
+        `check_plans`: run the full planner beside every fast plan of the survey and count any
+        disagreement (stats.fast_plan_mismatches); off where the twin is a timed baseline."""
+        self.ring, self.config, self.threads, self.check_plans = ring, config, threads, check_plans
         sizes = config.buffer_sizes(ring.geom.slot_count, max_rows)
         if buffers is None:
             self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
@@ -233,7 +236,8 @@ class TwinScheduler:
     def run(self) -> int:
         """Serve in this thread until shutdown; returns the exit code (structs.EXIT_*)."""
         cb = ctypes.cast(self._cb, ctypes.c_void_p) if self._cb is not None else None
-        self.exit_code = int(lib().blink_twin_run(ctypes.addressof(self.params), self.threads, cb, None))
+        self.exit_code = int(lib().blink_twin_run(ctypes.addressof(self.params), self.threads, cb, None,
+                                                 int(self.check_plans)))
         return self.exit_code
 
     def start(self) -> "TwinScheduler":

@@ -48,6 +48,9 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     every = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
                                                                         idle_sleep_ns=0, full_scan_us=0))
     assert every["scans_per_step"] >= 1 > bell["scans_per_step"]
+    full = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
+                                                                       idle_sleep_ns=0, fast_plan=False))
+    assert full["fast_plan_share"] == 0 < bell["fast_plan_share"] <= 1
     assert bell["plan_us_per_step"] >= bell["policy_us_per_step"] > 0
     med = {"median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "n": 1}
     results = {"date": cs.DATE, "machine": "twin", "device": "CPU twin", "sms": 0,
@@ -59,12 +62,15 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
                           "ratio_host_over_device_done": 1.0},
                "workloads": [{"batch": 8, "requests": 16, "tokens_per_request": 32, "prompt_len": 16,
                               "persistent": bell, "persistent_scan_every_iteration": every,
+                              "persistent_full_plan": full,
                               "persistent_device_ring": {"error": "not on a CPU"}, "host_loop": every,
                               "ratio_makespan_host_over_persistent": 1.0}]}
     stem = cs.write_results(results, tmp_path, "twin")
     md = stem.with_suffix(".md").read_text()
     for heading in ("The persistent schedule phase in parts", "The frontend doorbell, A/B in this run",
-                    "Overhead per step by phase"):
+                    "Overhead per step by phase", "The survey, A/B in this run"):
         assert heading in md
     ab = md.split("The frontend doorbell, A/B in this run")[1]
     assert f"| 8 | {bell['us_per_step']} | {bell['scans_per_step']} |" in ab
+    survey = md.split("The survey, A/B in this run")[1]
+    assert f"| 8 | {round(100 * bell['fast_plan_share'])}% | {bell['plan_us_per_step']} |" in survey

@@ -119,6 +119,8 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     assert s.counters["windows"] - 1 >= 5, s.counters
     assert s.counters["max_window_launches"] <= DEFAULT_WINDOW
     assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
+    # the survey's warp ballots planned the steady decode steps (every token above is right)
+    assert 0 < s.counters["fast_plans"] <= s.counters["steps_decode"], s.counters
 
 
 def test_the_frontend_doorbell_starts_the_scans_on_the_device(ring_name, device, module):

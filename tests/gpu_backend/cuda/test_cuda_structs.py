@@ -14,6 +14,12 @@ def test_every_offset_and_size_matches_the_header(twin_lib):
                 f"{cname}.{field}"
 
 
+def test_plan_scratch_holds_every_list_of_the_loop(twin_lib):
+    assert twin_lib.blink_scratch_lists() == structs.SCRATCH_LISTS
+    sizes = structs.buffer_sizes(64, 16, num_blocks=64, max_blocks=8, max_rows=16)
+    assert sizes["plan_scratch"] == 4 * structs.SCRATCH_LISTS * 16
+
+
 def test_control_counters_are_contiguous_u64():
     offs = [getattr(structs.SchedControl, n).offset for n in structs.COUNTERS]
     assert offs == list(range(offs[0], offs[0] + 8 * len(offs), 8))

@@ -254,6 +254,36 @@ def test_preemption_with_a_tight_kv_pool(twin_lib, shm_ring):
         assert r.tokens == want[r.seq]
     assert stop(tw) == structs.EXIT_SHUTDOWN
     assert tw.stats.preempted > 0
+    # the fast plan gave way to the full planner (rule 3's preemptions) and agreed with it where it stood
+    assert tw.stats.fast_plans > 0 and tw.stats.fast_plan_mismatches == 0
+
+
+@pytest.mark.parametrize("threads,prefix_caching,per_wave", [(4, True, 16), (3, False, 28)])
+def test_steady_decode_steps_are_planned_by_the_survey(twin_lib, shm_ring, threads, prefix_caching, per_wave):
+    """With nobody waiting (16 requests a wave, 16 seats) or every seat taken (28), the decode
+    steps come from the survey's fast plan (no walk of the running list by one thread); the
+    twin runs the full planner beside every one of them and counts any disagreement. Requests
+    cross block boundaries in step and out of step, finish mid-batch (the reap, which frees a
+    seat for a waiting one: the full planner's case), and share prompt prefixes (commits
+    between survey and plan)."""
+    ring = shm_ring(GEOM)
+    tw = twin(ring, threads=threads, max_batch_size=16, block_size=4, max_model_len=256,
+              prefix_caching=prefix_caching, idle_sleep_ns=0).start()
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
+    shared = rng.integers(0, 49152, 12).tolist()
+    for wave in range(3):
+        for i in range(per_wave):
+            prompt = (shared if i % 2 else []) + rng.integers(0, 49152, int(rng.integers(1, 30))).tolist()
+            n = 40 if wave == 1 else int(rng.integers(5, 70))    # wave 1 crosses block boundaries in step
+            fp.submit(prompt, n)
+            want[fp.next_seq - 1] = echo(prompt, n)
+        for r in drain(fp).values():
+            assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    s = tw.stats
+    assert s.fast_plan_mismatches == 0
+    assert s.fast_plans >= s.steps_decode // 2, (s.fast_plans, s.steps_decode)
+    assert s.fast_plans <= s.steps_decode
 
 
 def test_fcfs_admission_by_seq(twin_lib, shm_ring):

@@ -142,6 +142,7 @@ def test_persistent_twin_greedy_equals_the_reference(tiny_model, twin_lib, shm_r
     s = tw.stats
     assert s.preempted > 0 and s.steps_prefill > 0 and s.steps_decode > 0
     assert sum(graphs.launches) == s.launches
+    assert s.fast_plans > 0 and s.fast_plan_mismatches == 0      # model steps planned from the survey too
 
 
 def test_max_shape_fallback_serves_what_no_tighter_graph_covers(tiny_model, twin_lib, shm_ring):
