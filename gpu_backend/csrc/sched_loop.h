@@ -20,10 +20,12 @@
  *                        blocks it filled (ring reads, in parallel across requests)
  *                        (scan and publish raise flags where a request is to be reaped, dropped
  *                        or committed, so the schedule phase walks its lists only then)
- *   survey   (all)       FCFS, nobody waiting or no seat free: does every running request
- *                        decode one token, and which cross a block boundary (a needy
- *                        bitmap by warp ballot); then the schedule phase plans that steady
- *                        decode step without walking the running list (blink_fast_plan)
+ *   survey   (all)       each running request: dropped by the reap, decoding one token, or
+ *                        not; which cross a block boundary (bitmaps by warp ballot); where
+ *                        the reap is due, the running list without the dropped ones. The
+ *                        schedule phase then reaps only those, and under FCFS with nobody
+ *                        waiting or no seat free plans the steady decode step without
+ *                        walking the running list (blink_fast_plan)
  *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
@@ -80,8 +82,15 @@ typedef struct blink_sched_shared {
     uint32_t sv_other;       /* survey: running requests that do not decode one token next */
     uint32_t sv_gone;        /* survey: running requests the reap will drop (finished or aborted) */
     uint32_t sv_need;        /* survey: KV blocks the decoding ones need for their next token */
-    uint32_t step_from_running;   /* schedule: the fast plan's decode chunks are the running list itself */
+    uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
 } blink_sched_shared_t;
+
+/* blink_sched_shared_t.step_ids: the planner's decode list; the running list itself (a fast plan);
+ * the survey's kept list, which the fill phase copies back to the running list (a fast plan after
+ * the survey's reap). */
+#define BLINK_IDS_PLAN 0u
+#define BLINK_IDS_RUNNING 1u
+#define BLINK_IDS_KEPT 2u
 
 /* Sampler seats (thread 0 of the schedule phase, and abort_all): a running request that needs
  * one (blink_needs_seat) takes a free seat at admission, marked fresh so the step graph's
@@ -186,14 +195,16 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
     return full > r->num_committed;
 }
 
-/* plan_scratch holds eleven lists of max_batch_size entries: the planner's seven outputs; the
+/* plan_scratch holds thirteen lists of max_batch_size entries: the planner's seven outputs; the
  * chunks whose requests have full blocks to commit, which publish lists for the schedule phase of
  * the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
- * plan's new-block lists made from it (blink_fast_plan). */
+ * plan's new-block lists made from it (blink_fast_plan); the survey's bitmap of running positions
+ * the reap drops, and the running list without them (blink_phase_survey). */
 enum {
     BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
     BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT,
-    BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_SCRATCH_LISTS
+    BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_LIST_GONE_BITS, BLINK_LIST_KEPT,
+    BLINK_SCRATCH_LISTS
 };
 static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
     return p->plan_scratch + which * p->policy.max_batch_size;
@@ -691,39 +702,44 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
  * has every thread check its requests instead; thread 0 then only allocates for the few that cross
  * a block boundary. Anything else (an arrival waiting, a prefill, too few free blocks, another
  * policy) goes to the full planner; the CPU twin runs that planner beside every fast plan and
- * counts a disagreement (stats fast_plan_mismatches, which the tests hold at 0). */
+ * counts a disagreement (stats fast_plan_mismatches, which the tests hold at 0). The reap likewise:
+ * where a request finished (most steps at 256 running with mixed lengths) thread 0 walked every
+ * running request to drop it; the survey lists the kept ones in parallel, thread 0 walks the
+ * dropped ones only, and the fill phase copies the kept list back while it writes the rows. */
 
 /* thread 0, after the wait phase (the intake has queued this iteration's arrivals): whether this
  * iteration surveys (the same value to every thread after the next barrier), its counters and needy
  * bitmap zeroed. */
 static inline BLINK_HD void blink_survey_decide(const blink_sched_params_t *p, blink_sched_shared_t *sh) {
     const blink_sched_state_t *st = p->state;
-    sh->survey = p->fast_plan && p->rules.policy == BLINK_POLICY_FCFS && st->n_running > 0 &&
-                 (st->w_count == 0 || st->n_running >= p->policy.max_batch_size);
+    sh->survey = p->fast_plan && st->n_running > 0;
     sh->sv_other = sh->sv_gone = sh->sv_need = 0;
     if (!sh->survey) return;
-    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
-    for (uint32_t w = 0; w < (st->n_running + 31) / 32; ++w) bits[w] = 0;
+    uint32_t *needy = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
+    for (uint32_t w = 0; w < (st->n_running + 31) / 32; ++w) needy[w] = gone[w] = 0;
 }
 
-/* all threads, after publish: running position i -> gone (reaped below: finished, or aborted),
- * other (not one token to decode), or a decoder, marked in the needy bitmap where its next token
- * needs a KV block. Every thread runs every round (the ballot wants whole warps; nt is a multiple
- * of 32 on the device), so position i of round i0 is i0 + tid. */
+/* all threads, after publish: running position i -> gone (the reap drops it: finished, or
+ * aborted), other (not one token to decode), or a decoder, marked in the needy bitmap where its
+ * next token needs a KV block. Every thread runs every round (the ballot wants whole warps; nt is
+ * a multiple of 32 on the device), so position i of round i0 is i0 + tid. Where the reap is due,
+ * a second pass lists the running requests it keeps, in order: request i goes to i less the gone
+ * ones before it (popcounts of the gone bitmap), so thread 0 walks only the gone ones. */
 template <class P>
 BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                   unsigned nt) {
     const uint32_t n = p->state->n_running;
     const int64_t bs = p->policy.block_size;
-    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone_bits = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
     uint32_t other = 0, gone = 0, need = 0;
     for (uint32_t i0 = 0; i0 < n; i0 += nt) {
         const uint32_t i = i0 + tid;
-        int needy = 0;
+        int needy = 0, dropped = 0;
         if (i < n) {
             const blink_req_t *r = &p->reqs[p->running[i]];
             if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {   /* the reap's own test */
                 ++gone;
+                dropped = 1;
             } else if ((int64_t)blink_req_tokens(r) - r->num_computed != 1) {
                 ++other;
             } else {
@@ -735,10 +751,21 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
             }
         }
         plat.ballot_bit(bits, i, needy);
+        plat.ballot_bit(gone_bits, i, dropped);
     }
     if (other) plat.add_shared(&sh->sv_other, other);
     if (gone) plat.add_shared(&sh->sv_gone, gone);
     if (need) plat.add_shared(&sh->sv_need, need);
+    if (!sh->reap_running) return;   /* the same in every thread: raised before the barrier ahead */
+    plat.sync();
+    uint32_t *kept = blink_scratch_list(p, BLINK_LIST_KEPT);
+    for (uint32_t i = tid; i < n; i += nt) {
+        const uint32_t w = i >> 5, bit = 1u << (i & 31u);
+        if (gone_bits[w] & bit) continue;
+        uint32_t before = blink_popc32(gone_bits[w] & (bit - 1u));
+        for (uint32_t v = 0; v < w; ++v) before += blink_popc32(gone_bits[v]);
+        kept[i - before] = p->running[i];
+    }
 }
 
 /* thread 0, before the reap compacts the running list: the survey's counts describe the list the
@@ -747,7 +774,8 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
 template <class P>
 BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
     (void)plat;
-    if (!sh->survey || sh->sv_other || (sh->sv_gone && !sh->reap_running)) return 0;
+    if (!sh->survey || p->rules.policy != BLINK_POLICY_FCFS || sh->sv_other || (sh->sv_gone && !sh->reap_running))
+        return 0;
     const uint32_t n = p->state->n_running;
     const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
     uint32_t *ids = blink_scratch_list(p, BLINK_LIST_NEEDY_ID), k = 0;
@@ -760,7 +788,8 @@ BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, co
  * it does not hold: nobody left running, a seat free for a waiting request (the reap freed one:
  * rule 2b admits), or a pool that cannot give every decoder its block without preempting. */
 static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
-                                           uint32_t n_needy, int64_t free_blocks, blink_plan_t *plan) {
+                                           const uint32_t *running, uint32_t n_needy, int64_t free_blocks,
+                                           blink_plan_t *plan) {
     const blink_sched_state_t *st = p->state;
     if (st->n_running == 0 || (st->w_count && st->n_running < p->policy.max_batch_size) ||
         (int64_t)sh->sv_need > free_blocks)
@@ -769,7 +798,7 @@ static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const 
     plan->kind = BLINK_STEP_DECODE;
     plan->n_prefill = plan->n_preempted = plan->n_admitted = 0;
     plan->n_decode = st->n_running;
-    plan->decode_id = p->running;
+    plan->decode_id = (uint32_t *)running;
     plan->new_blocks_id = blink_scratch_list(p, BLINK_LIST_NEEDY_ID);
     plan->new_blocks_n = blink_scratch_list(p, BLINK_LIST_NEEDY_N);
     plan->n_new_blocks = n_needy;
@@ -778,6 +807,51 @@ static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const 
         plan->new_blocks_n[k] = (uint32_t)(blink_blocks_needed((int64_t)r->num_computed + 1, bs) - r->num_blocks);
     }
     return 1;
+}
+
+/* thread 0: one running request the reap drops (engine._reap / the finished of the publish phase). */
+template <class P>
+BLINK_DEV void blink_reap_running(P &plat, const blink_sched_params_t *p, uint32_t slot) {
+    blink_req_t *r = &p->reqs[slot];
+    if (r->status != BLINK_REQ_FINISHED) {
+        blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
+        p->stats->completed += 1;
+    }
+    blink_blocks_release(p, slot, r);
+    blink_seat_release(p, r);
+    r->status = BLINK_REQ_FREE;
+}
+
+/* thread 0: the reap from the survey's lists: only the gone positions walked (in running order,
+ * as the full walk releases them); returns the kept list, which stands for the running list until
+ * it is copied back (blink_running_settle, or the fill phase). The twin checks it against the walk. */
+template <class P>
+BLINK_DEV const uint32_t *blink_survey_reap(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
+    blink_sched_state_t *st = p->state;
+    const uint32_t n = st->n_running, n_kept = n - sh->sv_gone;
+    const uint32_t *gone = blink_scratch_list(p, BLINK_LIST_GONE_BITS), *kept = blink_scratch_list(p, BLINK_LIST_KEPT);
+    if (plat.check_plans) {
+        uint32_t j = 0;
+        int ok = 1;
+        for (uint32_t i = 0; i < n; ++i) {
+            const blink_req_t *r = &p->reqs[p->running[i]];
+            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) continue;
+            ok &= j < n_kept && kept[j] == p->running[i];
+            ++j;
+        }
+        if (!ok || j != n_kept) p->stats->fast_plan_mismatches += 1;
+    }
+    for (uint32_t w = 0; w < (n + 31) / 32; ++w)
+        for (uint32_t b = gone[w]; b; b &= b - 1) blink_reap_running(plat, p, p->running[w * 32 + blink_ctz32(b)]);
+    st->n_running = n_kept;
+    return kept;
+}
+
+/* thread 0: the running list back in p->running where the survey's kept list stood for it. */
+static inline BLINK_HD const uint32_t *blink_running_settle(const blink_sched_params_t *p, const uint32_t *running) {
+    if (running != p->running)
+        for (uint32_t i = 0; i < p->state->n_running; ++i) p->running[i] = running[i];
+    return p->running;
 }
 
 /* The CPU twin's check: the full planner's plan `want` against the fast plan `got` (its new blocks
@@ -849,23 +923,20 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         }
     }
     if (sh->reap_waiting) st->w_count = kept;
-    kept = 0;
-    for (uint32_t i = 0; sh->reap_running && i < st->n_running; ++i) {
-        const uint32_t slot = p->running[i];
-        blink_req_t *r = &p->reqs[slot];
-        if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {
-            if (r->status != BLINK_REQ_FINISHED) {
-                blink_complete_slot(plat, p, slot, r->abort_finish, r->abort_error);
-                stats->completed += 1;
-            }
-            blink_blocks_release(p, slot, r);
-            blink_seat_release(p, r);
-            r->status = BLINK_REQ_FREE;
-        } else {
-            p->running[kept++] = slot;
+    /* the running list the plan reads: p->running, or the survey's kept list until it is settled */
+    const uint32_t *running = p->running;
+    if (sh->reap_running && sh->survey) {
+        running = blink_survey_reap(plat, p, sh);
+    } else if (sh->reap_running) {
+        kept = 0;
+        for (uint32_t i = 0; i < st->n_running; ++i) {
+            const uint32_t slot = p->running[i];
+            const blink_req_t *r = &p->reqs[slot];
+            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) blink_reap_running(plat, p, slot);
+            else p->running[kept++] = slot;
         }
+        st->n_running = kept;
     }
-    if (sh->reap_running) st->n_running = kept;
     const uint64_t t_reap = plat.now_ns(p);
 
     blink_plan_t plan;
@@ -885,7 +956,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     st->plan_stamp += 1;
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
     blink_plan_t fast;
-    const int use_fast = fast_needy && blink_fast_plan(p, sh, fast_needy - 1, free_blocks, &fast);
+    const int use_fast = fast_needy && blink_fast_plan(p, sh, running, fast_needy - 1, free_blocks, &fast);
+    if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
     if (!use_fast || plat.check_plans) {
         const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
         /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again
@@ -895,7 +967,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
             blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
         }
         blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
-                               (uint32_t)cap, p->running, st->n_running, free_blocks, st->prev_kind, &plan,
+                               (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
                                p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
     }
     if (use_fast) {
@@ -907,11 +979,13 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         }
         plan = fast;
     }
-    sh->step_from_running = (uint32_t)use_fast;
+    /* a fast plan's decode chunks: the running list, or the kept list the fill phase copies back */
+    sh->step_ids = !use_fast ? BLINK_IDS_PLAN : running == p->running ? BLINK_IDS_RUNNING : BLINK_IDS_KEPT;
     const uint64_t t_policy = plat.now_ns(p);
 
     if (plan.kind != BLINK_STEP_IDLE && sh->launches >= p->window_limit) {
         /* Window full: nothing was applied, so a fresh instance plans this step again. */
+        blink_running_settle(p, running);
         sh->exit = plat.tail_relaunch() == 0 ? BLINK_EXIT_RELAUNCH : BLINK_EXIT_LAUNCH_FAILED;
         return;
     }
@@ -1010,11 +1084,15 @@ template <class P>
 BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                 unsigned nt) {
     const uint32_t n = p->state->n_chunks;
-    const uint32_t *decode_id = sh->step_from_running ? p->running : blink_scratch_list(p, BLINK_LIST_DECODE_ID);
+    const uint32_t *decode_id = sh->step_ids == BLINK_IDS_RUNNING ? p->running
+                                : blink_scratch_list(p, sh->step_ids == BLINK_IDS_KEPT ? BLINK_LIST_KEPT
+                                                                                      : BLINK_LIST_DECODE_ID);
+    const int settle = sh->step_ids == BLINK_IDS_KEPT;
     const int rows = p->graphs.shapes != 0 && n <= p->graphs.decode.max_rows;      /* within the row buffers */
     uint32_t ctx = 0;
     for (uint32_t k = tid; k < n; k += nt) {
         const uint32_t slot = decode_id[k];
+        if (settle) p->running[k] = slot;   /* the survey's kept list becomes the running list */
         const blink_req_t *r = &p->reqs[slot];
         const uint32_t start = r->num_computed;
         const uint32_t sample = start + 1 == blink_req_tokens(r);

@@ -40,6 +40,15 @@ static inline BLINK_HD uint32_t blink_ctz32(uint32_t x) {
 #endif
 }
 
+/* The number of set bits of x. */
+static inline BLINK_HD uint32_t blink_popc32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+    return (uint32_t)__popc(x);
+#else
+    return (uint32_t)__builtin_popcount(x);
+#endif
+}
+
 #define BLINK_MAX_EOS_IDS 8
 #define BLINK_ROW_STOPS (BLINK_MAX_STOP_IDS + BLINK_MAX_EOS_IDS)   /* ids the sampler masks before min_tokens */
 #define BLINK_TOP_LOGPROBS BLINK_MAX_LOGPROBS   /* top entries the graph computes for every row */
@@ -238,7 +247,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t *chunk_sample;       /* [max_batch_size] 1: the chunk ends its sequence, sample a token */
     int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
     uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
-    uint32_t *plan_scratch;       /* [11 * max_batch_size] the planner's seven output lists, publish's commit
+    uint32_t *plan_scratch;       /* [13 * max_batch_size] the planner's seven output lists, publish's commit
                                      list, the survey's needy lists (sched_loop.h blink_scratch_list) */
     uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
     uint32_t *row_start;          /* [max_rows] position of the row's first token */

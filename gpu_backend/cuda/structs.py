@@ -68,7 +68,7 @@ class SchedState(_Struct):
                 ("scan_epoch", u64), ("scan_ns", u64)]
 
 
-SCRATCH_LISTS = 11    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
+SCRATCH_LISTS = 13    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",

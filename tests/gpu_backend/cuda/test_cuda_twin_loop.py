@@ -55,6 +55,8 @@ def twin(ring, **cfg):
 def stop(tw, abort=False):
     tw.stop(abort)
     assert tw.join(30), "twin scheduler did not exit"
+    # every fast plan and survey reap agreed with the full planner and the reap's walk beside it
+    assert tw.stats.fast_plan_mismatches == 0
     return tw.exit_code
 
 
@@ -258,16 +260,18 @@ def test_preemption_with_a_tight_kv_pool(twin_lib, shm_ring):
     assert tw.stats.fast_plans > 0 and tw.stats.fast_plan_mismatches == 0
 
 
-@pytest.mark.parametrize("threads,prefix_caching,per_wave", [(4, True, 16), (3, False, 28)])
-def test_steady_decode_steps_are_planned_by_the_survey(twin_lib, shm_ring, threads, prefix_caching, per_wave):
+@pytest.mark.parametrize("threads,prefix_caching,per_wave,seats", [(4, True, 16, 16), (3, False, 28, 16),
+                                                                   (4, False, 90, 80)])
+def test_steady_decode_steps_are_planned_by_the_survey(twin_lib, shm_ring, threads, prefix_caching, per_wave, seats):
     """With nobody waiting (16 requests a wave, 16 seats) or every seat taken (28), the decode
     steps come from the survey's fast plan (no walk of the running list by one thread); the
     twin runs the full planner beside every one of them and counts any disagreement. Requests
     cross block boundaries in step and out of step, finish mid-batch (the reap, which frees a
     seat for a waiting one: the full planner's case), and share prompt prefixes (commits
-    between survey and plan)."""
-    ring = shm_ring(GEOM)
-    tw = twin(ring, threads=threads, max_batch_size=16, block_size=4, max_model_len=256,
+    between survey and plan). 80 seats span three bitmap words: the survey's reap places a kept
+    request by the gone ones in the words before its own."""
+    ring = shm_ring(GEOM if per_wave <= GEOM.slot_count else RingGeometry(128, 1 << 16, 1 << 16))
+    tw = twin(ring, threads=threads, max_batch_size=seats, block_size=4, max_model_len=256,
               prefix_caching=prefix_caching, idle_sleep_ns=0).start()
     fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
     shared = rng.integers(0, 49152, 12).tolist()

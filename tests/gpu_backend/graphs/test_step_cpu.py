@@ -108,6 +108,7 @@ def serve_twin(model, ring: Ring, num_blocks: int, work, table: BucketTable | No
     tw.stop()
     assert tw.join(20) and tw.exit_code == structs.EXIT_SHUTDOWN
     assert tw.state.free_blocks == num_blocks                       # every KV block came back
+    assert tw.stats.fast_plan_mismatches == 0                       # survey plans and reaps = the full walks
     return [res[i + 1].tokens for i in range(len(work))], tw, graphs
 
 
