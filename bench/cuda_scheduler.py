@@ -337,6 +337,7 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             **{f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3)
                for k in ("reap", "policy", "apply", "rows")},
             "fast_plan_share": round(c.get("fast_plans", 0) / max(1, c["steps_decode"]), 3),
+            "fill_blocks": c.get("fill_blocks", 0),
             "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
 

@@ -38,7 +38,9 @@
  *                        (window_limit attempts, well inside the device's cap of
  *                        120 fire-and-forget launches per graph execution)
  *   fill     (all)       a decode step: its chunks and rows, one request per thread,
- *                        and its longest context (a shared max)
+ *                        and its longest context (a shared max); after a fast plan also
+ *                        the survey's kept list back into the running list and the KV
+ *                        blocks the needy requests take (blink_fill_block)
  *   launch   (thread 0)  the step graph (graph_table.h: key, O(1) lookup, a prefill
  *                        step's chunks -> rows), fence, launch it fire-and-forget
  *
@@ -82,6 +84,10 @@ typedef struct blink_sched_shared {
     uint32_t sv_other;       /* survey: running requests that do not decode one token next */
     uint32_t sv_gone;        /* survey: running requests the reap will drop (finished or aborted) */
     uint32_t sv_need;        /* survey: KV blocks the decoding ones need for their next token */
+    uint32_t sv_needy;       /* survey: decoding ones that need a block (each needs one: sv_needy == sv_need) */
+    uint32_t sv_over;        /* survey: needy ones whose block table is full (the full apply fails their step) */
+    uint32_t par_alloc;      /* schedule: the fill phase takes the needy ones' blocks (blink_fill_block) */
+    uint32_t alloc_top;      /* the free stack's height before those blocks left it */
     uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
 } blink_sched_shared_t;
 
@@ -195,16 +201,17 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
     return full > r->num_committed;
 }
 
-/* plan_scratch holds thirteen lists of max_batch_size entries: the planner's seven outputs; the
+/* plan_scratch holds fourteen lists of max_batch_size entries: the planner's seven outputs; the
  * chunks whose requests have full blocks to commit, which publish lists for the schedule phase of
  * the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
  * plan's new-block lists made from it (blink_fast_plan); the survey's bitmap of running positions
- * the reap drops, and the running list without them (blink_phase_survey). */
+ * the reap drops, the running list without them and, for each kept request, its rank among the
+ * needy ones (blink_phase_survey). */
 enum {
     BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
     BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT,
     BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_LIST_GONE_BITS, BLINK_LIST_KEPT,
-    BLINK_SCRATCH_LISTS
+    BLINK_LIST_KEPT_RANK, BLINK_SCRATCH_LISTS
 };
 static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
     return p->plan_scratch + which * p->policy.max_batch_size;
@@ -276,7 +283,7 @@ BLINK_DEV void blink_beat(P &plat, const blink_sched_params_t *p, uint64_t now) 
     /* Counters to the host: plain stores into host-mapped memory, no reads back. */
     const uint64_t *src = &st->heartbeat;
     uint64_t *dst = &ctl->heartbeat;
-    const unsigned n = (unsigned)((&st->prefix_miss_blocks - &st->heartbeat) + 1);
+    const unsigned n = (unsigned)((&st->BLINK_LAST_COUNTER - &st->heartbeat) + 1);
     for (unsigned i = 0; i < n; ++i) plat.st64(&dst[i], src[i]);
     plat.st32(&ctl->last_launch_error, (uint32_t)st->last_launch_error);
     plat.st32(&ctl->max_window_launches, st->max_window_launches);
@@ -707,13 +714,23 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
  * running request to drop it; the survey lists the kept ones in parallel, thread 0 walks the
  * dropped ones only, and the fill phase copies the kept list back while it writes the rows. */
 
+#define BLINK_NO_RANK 0xffffffffu
+
+/* Bit i of a bitmap of 32-bit words, and the set bits before it. */
+static inline BLINK_HD uint32_t blink_bit(const uint32_t *bits, uint32_t i) { return (bits[i >> 5] >> (i & 31u)) & 1u; }
+static inline BLINK_HD uint32_t blink_bits_before(const uint32_t *bits, uint32_t i) {
+    uint32_t n = blink_popc32(bits[i >> 5] & ((1u << (i & 31u)) - 1u));
+    for (uint32_t w = 0; w < (i >> 5); ++w) n += blink_popc32(bits[w]);
+    return n;
+}
+
 /* thread 0, after the wait phase (the intake has queued this iteration's arrivals): whether this
  * iteration surveys (the same value to every thread after the next barrier), its counters and needy
  * bitmap zeroed. */
 static inline BLINK_HD void blink_survey_decide(const blink_sched_params_t *p, blink_sched_shared_t *sh) {
     const blink_sched_state_t *st = p->state;
     sh->survey = p->fast_plan && st->n_running > 0;
-    sh->sv_other = sh->sv_gone = sh->sv_need = 0;
+    sh->sv_other = sh->sv_gone = sh->sv_need = sh->sv_needy = sh->sv_over = 0;
     if (!sh->survey) return;
     uint32_t *needy = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
     for (uint32_t w = 0; w < (st->n_running + 31) / 32; ++w) needy[w] = gone[w] = 0;
@@ -731,7 +748,7 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
     const uint32_t n = p->state->n_running;
     const int64_t bs = p->policy.block_size;
     uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone_bits = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
-    uint32_t other = 0, gone = 0, need = 0;
+    uint32_t other = 0, gone = 0, need = 0, needy_n = 0, over = 0;
     for (uint32_t i0 = 0; i0 < n; i0 += nt) {
         const uint32_t i = i0 + tid;
         int needy = 0, dropped = 0;
@@ -747,6 +764,8 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
                 if (k > 0) {
                     need += (uint32_t)k;
                     needy = 1;
+                    ++needy_n;
+                    over += r->num_blocks + (uint32_t)k > p->kv_max_blocks;
                 }
             }
         }
@@ -756,26 +775,54 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
     if (other) plat.add_shared(&sh->sv_other, other);
     if (gone) plat.add_shared(&sh->sv_gone, gone);
     if (need) plat.add_shared(&sh->sv_need, need);
+    if (needy_n) plat.add_shared(&sh->sv_needy, needy_n);
+    if (over) plat.add_shared(&sh->sv_over, over);
     if (!sh->reap_running) return;   /* the same in every thread: raised before the barrier ahead */
     plat.sync();
-    uint32_t *kept = blink_scratch_list(p, BLINK_LIST_KEPT);
+    uint32_t *kept = blink_scratch_list(p, BLINK_LIST_KEPT), *rank = blink_scratch_list(p, BLINK_LIST_KEPT_RANK);
     for (uint32_t i = tid; i < n; i += nt) {
-        const uint32_t w = i >> 5, bit = 1u << (i & 31u);
-        if (gone_bits[w] & bit) continue;
-        uint32_t before = blink_popc32(gone_bits[w] & (bit - 1u));
-        for (uint32_t v = 0; v < w; ++v) before += blink_popc32(gone_bits[v]);
-        kept[i - before] = p->running[i];
+        if (blink_bit(gone_bits, i)) continue;
+        const uint32_t k = i - blink_bits_before(gone_bits, i);
+        kept[k] = p->running[i];
+        rank[k] = blink_bit(bits, i) ? blink_bits_before(bits, i) : BLINK_NO_RANK;
     }
+}
+
+/* all threads, in the fill phase of a fast plan with par_alloc: the block decode chunk k's request
+ * needs, taken as blink_pkv_alloc would in running order: the needy one of rank j (the needy before
+ * it) gets the free stack's entry j from the top, which the schedule phase took off the stack. */
+static inline BLINK_HD void blink_fill_block(const blink_sched_params_t *p, const blink_sched_shared_t *sh, uint32_t k,
+                                             uint32_t slot) {
+    const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    const uint32_t j = sh->step_ids == BLINK_IDS_KEPT ? blink_scratch_list(p, BLINK_LIST_KEPT_RANK)[k]
+                       : blink_bit(bits, k)           ? blink_bits_before(bits, k)
+                                                      : BLINK_NO_RANK;
+    if (j == BLINK_NO_RANK) return;
+    blink_req_t *r = &p->reqs[slot];
+    const uint32_t b = p->pkv->free_stack[sh->alloc_top - 1 - j];
+    p->pkv->refs[b] = 1;
+    blink_table(p, slot)[r->num_blocks] = b;
+    r->num_blocks += 1;
+}
+
+/* thread 0, before the reap: whether the fill phase can take the needy ones' blocks in parallel:
+ * one block each, no block table full, and the free stack holds them all (no eviction; the reap only
+ * adds to the stack). Else the apply allocates them one by one (blink_pkv_alloc). */
+static inline BLINK_HD int blink_par_alloc_ok(const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
+    return sh->sv_needy == sh->sv_need && sh->sv_over == 0 && p->pkv->never_cached >= sh->sv_need;
 }
 
 /* thread 0, before the reap compacts the running list: the survey's counts describe the list the
  * planner will see when no request it skipped is left behind (the reap drops them only when flagged);
- * the needy positions, in running order, become slots while the positions still hold. */
+ * the needy positions, in running order, become slots while the positions still hold (where
+ * `lists`: the apply allocates for them, or the twin checks the fill phase's allocation). */
 template <class P>
-BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
+BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh,
+                                      int lists) {
     (void)plat;
     if (!sh->survey || p->rules.policy != BLINK_POLICY_FCFS || sh->sv_other || (sh->sv_gone && !sh->reap_running))
         return 0;
+    if (!lists) return sh->sv_needy + 1;
     const uint32_t n = p->state->n_running;
     const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
     uint32_t *ids = blink_scratch_list(p, BLINK_LIST_NEEDY_ID), k = 0;
@@ -788,8 +835,8 @@ BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, co
  * it does not hold: nobody left running, a seat free for a waiting request (the reap freed one:
  * rule 2b admits), or a pool that cannot give every decoder its block without preempting. */
 static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
-                                           const uint32_t *running, uint32_t n_needy, int64_t free_blocks,
-                                           blink_plan_t *plan) {
+                                           const uint32_t *running, uint32_t n_needy, int lists,
+                                           int64_t free_blocks, blink_plan_t *plan) {
     const blink_sched_state_t *st = p->state;
     if (st->n_running == 0 || (st->w_count && st->n_running < p->policy.max_batch_size) ||
         (int64_t)sh->sv_need > free_blocks)
@@ -801,8 +848,8 @@ static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const 
     plan->decode_id = (uint32_t *)running;
     plan->new_blocks_id = blink_scratch_list(p, BLINK_LIST_NEEDY_ID);
     plan->new_blocks_n = blink_scratch_list(p, BLINK_LIST_NEEDY_N);
-    plan->n_new_blocks = n_needy;
-    for (uint32_t k = 0; k < n_needy; ++k) {
+    plan->n_new_blocks = lists ? n_needy : 0;   /* none listed: the fill phase takes them (par_alloc) */
+    for (uint32_t k = 0; k < plan->n_new_blocks; ++k) {
         const blink_req_t *r = &p->reqs[plan->new_blocks_id[k]];
         plan->new_blocks_n[k] = (uint32_t)(blink_blocks_needed((int64_t)r->num_computed + 1, bs) - r->num_blocks);
     }
@@ -880,13 +927,15 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     blink_sched_control_t *stats = p->stats;
     const uint64_t cap = p->slot_count;
     const uint64_t t0 = plat.now_ns(p);
-    sh->launch = 0;
+    sh->launch = sh->par_alloc = 0;
     const uint32_t did_work = st->in_flight || sh->n_arrivals;
     st->in_flight = 0;
     stats->tokens += sh->n_tokens;
     stats->completed += sh->n_completed;
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
-    const uint32_t fast_needy = blink_survey_needy(plat, p, sh);   /* before the reap moves positions */
+    const int alloc_ok = blink_par_alloc_ok(p, sh);   /* before the reap, which only adds free blocks */
+    const int lists = !alloc_ok || plat.check_plans;
+    const uint32_t fast_needy = blink_survey_needy(plat, p, sh, lists);   /* before the reap moves positions */
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
     if (p->prefix_caching && sh->commit) {
@@ -956,7 +1005,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     st->plan_stamp += 1;
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
     blink_plan_t fast;
-    const int use_fast = fast_needy && blink_fast_plan(p, sh, running, fast_needy - 1, free_blocks, &fast);
+    const int use_fast =
+        fast_needy && blink_fast_plan(p, sh, running, fast_needy - 1, lists, free_blocks, &fast);
     if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
     if (!use_fast || plat.check_plans) {
         const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
@@ -990,6 +1040,17 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         return;
     }
     stats->fast_plans += (uint64_t)use_fast;   /* applied (a full window plans it again) */
+    sh->par_alloc = use_fast && alloc_ok;
+    if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack here; blink_fill_block takes them */
+        blink_pkv_t *kv = p->pkv;
+        sh->alloc_top = kv->never_cached;
+        if (plat.check_plans)   /* what blink_pkv_alloc would give them, in order, for the launch phase's check */
+            for (uint32_t j = 0; j < sh->sv_needy; ++j)
+                blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j] = kv->free_stack[sh->alloc_top - 1 - j];
+        kv->never_cached -= sh->sv_need;
+        stats->fill_blocks += sh->sv_need;
+        plan.n_new_blocks = 0;
+    }
 
     for (uint32_t v = 0; v < plan.n_preempted; ++v) {        /* engine._preempt */
         const uint32_t slot = plan.preempted_id[v];
@@ -1093,6 +1154,7 @@ BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sc
     for (uint32_t k = tid; k < n; k += nt) {
         const uint32_t slot = decode_id[k];
         if (settle) p->running[k] = slot;   /* the survey's kept list becomes the running list */
+        if (sh->par_alloc) blink_fill_block(p, sh, k, slot);
         const blink_req_t *r = &p->reqs[slot];
         const uint32_t start = r->num_computed;
         const uint32_t sample = start + 1 == blink_req_tokens(r);
@@ -1118,6 +1180,13 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
     blink_sched_control_t *stats = p->stats;
     const uint32_t kind = sh->step_kind, n = st->n_chunks;
     int err = sh->step_err;
+    if (plat.check_plans && sh->par_alloc)   /* the twin: the fill phase's blocks = blink_pkv_alloc's */
+        for (uint32_t j = 0; j < sh->sv_needy; ++j) {
+            const uint32_t slot = blink_scratch_list(p, BLINK_LIST_NEEDY_ID)[j];
+            const blink_req_t *r = &p->reqs[slot];
+            if (r->num_blocks == 0 || blink_table(p, slot)[r->num_blocks - 1] != blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j])
+                stats->fast_plan_mismatches += 1;
+        }
     st->step_no += 1;
     st->prev_kind = kind;
     if (kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;

@@ -196,6 +196,7 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
  * The device keeps its counters in a device-memory copy (params.stats) and
  * copies them here at every heartbeat: a read-modify-write of host memory
  * would cost a PCIe round trip per counter. */
+#define BLINK_LAST_COUNTER fill_blocks   /* blink_sched_control_t's last u64 counter */
 typedef struct BLINK_ALIGN8 blink_sched_control {
     uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
     uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
@@ -226,7 +227,11 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
      * included), applying it (preempt, admit, allocate, chunks), the graph's key, lookup and rows */
     uint64_t reap_ns, policy_ns, apply_ns, rows_ns;
     uint64_t fast_plans;          /* decode steps planned from the survey's counts (sched_loop.h blink_fast_plan) */
-    uint64_t fast_plan_mismatches; /* the CPU twin only: fast plans the full planner, run beside them, disagreed with */
+    uint64_t fast_plan_mismatches; /* the CPU twin only: fast plans, survey reaps and fill-phase blocks the full
+                                      planner, the reap's walk and blink_pkv_alloc, run beside them, disagreed with */
+    uint64_t fill_blocks;         /* KV blocks the fill phase took in parallel (sched_loop.h blink_fill_block) */
+    /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
+     * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */
     uint32_t max_window_launches; /* most launch attempts any one instance made (<= BLINK_DEVICE_LAUNCH_CAP) */
 } blink_sched_control_t;
@@ -247,7 +252,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t *chunk_sample;       /* [max_batch_size] 1: the chunk ends its sequence, sample a token */
     int32_t *step_tokens;         /* [max_batch_size] the step graph's sampled token per chunk */
     uint32_t *done;               /* the step graph's completion flag: step_no of the last finished step */
-    uint32_t *plan_scratch;       /* [13 * max_batch_size] the planner's seven output lists, publish's commit
+    uint32_t *plan_scratch;       /* [14 * max_batch_size] the planner's seven output lists, publish's commit
                                      list, the survey's needy lists (sched_loop.h blink_scratch_list) */
     uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
     uint32_t *row_start;          /* [max_rows] position of the row's first token */

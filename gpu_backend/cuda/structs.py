@@ -68,13 +68,13 @@ class SchedState(_Struct):
                 ("scan_epoch", u64), ("scan_ns", u64)]
 
 
-SCRATCH_LISTS = 13    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
+SCRATCH_LISTS = 14    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
             "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
-            "fast_plan_mismatches")
+            "fast_plan_mismatches", "fill_blocks")
 
 
 class SchedControl(_Struct):

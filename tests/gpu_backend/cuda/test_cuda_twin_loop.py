@@ -82,6 +82,21 @@ def test_echo_through_many_launch_windows(twin_lib, shm_ring):
     assert twin_lib.blink_twin_ring_rmw() == 0        # no atomic ever touched the ring or the control block
 
 
+def test_the_host_sees_every_counter(twin_lib, shm_ring):
+    """The beat copies every counter of the device's stats to the host-mapped control block, the
+    host's only view of them on a GPU (runtime.stats): after the exit's last beat they are equal."""
+    ring = shm_ring(GEOM)
+    tw = twin(ring, window_limit=3).start()
+    fp = FrontendPlayer(ring)
+    for i in range(12):
+        fp.submit(list(range(1, 6 + i)), 30)
+    drain(fp)
+    assert stop(tw) == structs.EXIT_SHUTDOWN
+    s = tw.stats
+    assert s.fast_plans > 0 and s.reap_ns > 0 and s.rows_ns > 0
+    assert {k: getattr(tw.control, k) for k in structs.COUNTERS} == {k: getattr(s, k) for k in structs.COUNTERS}
+
+
 def test_default_window_rolls_over_well_inside_the_device_cap(twin_lib, shm_ring):
     """Under load, with the default window: at least 5 roll-overs, and no instance made more
     launch attempts than its window (the device's cap is 120 per graph execution)."""
@@ -288,6 +303,7 @@ def test_steady_decode_steps_are_planned_by_the_survey(twin_lib, shm_ring, threa
     assert s.fast_plan_mismatches == 0
     assert s.fast_plans >= s.steps_decode // 2, (s.fast_plans, s.steps_decode)
     assert s.fast_plans <= s.steps_decode
+    assert s.fill_blocks > 0            # the fill phase took blocks in parallel, as blink_pkv_alloc would have
 
 
 def test_fcfs_admission_by_seq(twin_lib, shm_ring):
