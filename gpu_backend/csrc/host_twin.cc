@@ -79,6 +79,13 @@ struct blink_host_platform {
         }
         return old;
     }
+    /* The scheduler's own bitmaps: never the ring or the control block (counted, as above). */
+    void or_bit(uint32_t *words, uint32_t i) const {
+        const uintptr_t a = (uintptr_t)&words[i >> 5];
+        if (blk && ((a >= blk->ring_lo && a < blk->ring_hi) || (a >= blk->ctl_lo && a < blk->ctl_hi)))
+            __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
+    }
     /* The warp vote's effect on words the caller zeroed (host threads are no warp). */
     void ballot_bit(uint32_t *words, uint32_t i, int pred) const {
         if (pred) __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);

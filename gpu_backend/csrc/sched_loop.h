@@ -71,7 +71,7 @@ typedef struct blink_sched_shared {
     int64_t pub_us;          /* the wait phase's clock: the time of the tokens it publishes (LVF's last_us) */
     uint32_t reap_waiting;   /* the scan marked a waiting request aborted */
     uint32_t reap_running;   /* the scan marked a running request aborted, or publish finished one */
-    uint32_t commit;         /* publish: chunks whose requests have full blocks to commit (BLINK_LIST_COMMIT) */
+    uint32_t commit;         /* publish: chunks whose requests have full blocks to commit (bits of BLINK_LIST_COMMIT) */
     uint32_t scan;           /* control: this iteration scans the slots (the doorbell or epoch moved, or due) */
     uint32_t launch;         /* schedule: a step is planned and applied; the fill and launch phases follow */
     uint32_t step_kind;      /* its kind */
@@ -202,8 +202,8 @@ BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t 
 }
 
 /* plan_scratch holds fourteen lists of max_batch_size entries: the planner's seven outputs; the
- * chunks whose requests have full blocks to commit, which publish lists for the schedule phase of
- * the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
+ * chunks whose requests have full blocks to commit, a bitmap publish marks for the schedule phase
+ * of the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
  * plan's new-block lists made from it (blink_fast_plan); the survey's bitmap of running positions
  * the reap drops, the running list without them and, for each kept request, its rank among the
  * needy ones (blink_phase_survey). */
@@ -665,8 +665,11 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r))
-            blink_scratch_list(p, BLINK_LIST_COMMIT)[plat.add_shared(&sh->commit, 1)] = c;   /* for the schedule phase */
+        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r)) {
+            /* for the schedule phase: a bit per chunk, so it walks them in chunk order without sorting */
+            plat.or_bit(blink_scratch_list(p, BLINK_LIST_COMMIT), c);
+            plat.add_shared(&sh->commit, 1);
+        }
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
         const int32_t token = p->step_tokens[c];
@@ -943,18 +946,12 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
          * published), in chunk order: the running order the Python scheduler commits in. One GPU
          * thread walking every running request here, at 256 of them, paid a dependent load or two
          * each in every step where some block filled (most steps). */
-        uint32_t *list = blink_scratch_list(p, BLINK_LIST_COMMIT);
-        const uint32_t k = sh->commit;
-        for (uint32_t i = 1; i < k; ++i) {   /* insertion sort: publish's threads listed them in any order */
-            const uint32_t c = list[i];
-            uint32_t j = i;
-            for (; j > 0 && list[j - 1] > c; --j) list[j] = list[j - 1];
-            list[j] = c;
-        }
-        for (uint32_t i = 0; i < k; ++i) {
-            const uint32_t slot = p->chunk_slot[list[i]];
-            blink_commit_blocks(plat, p, slot, &p->reqs[slot]);
-        }
+        const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_COMMIT);   /* publish's bitmap of chunks */
+        for (uint32_t w = 0; w < (st->n_chunks + 31) / 32; ++w)
+            for (uint32_t b = bits[w]; b; b &= b - 1) {
+                const uint32_t slot = p->chunk_slot[w * 32 + blink_ctz32(b)];
+                blink_commit_blocks(plat, p, slot, &p->reqs[slot]);
+            }
     }
 
     /* engine._reap (waiting, then running) and the finished of the publish phase: walked only where
@@ -1306,6 +1303,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         if (tid == 0) {
             blink_phase_wait(plat, p, sh);
             blink_survey_decide(p, sh);
+            if (p->prefix_caching)   /* publish's bitmap of the chunks with blocks to commit */
+                for (uint32_t w = 0; w < (p->state->n_chunks + 31) / 32; ++w) blink_scratch_list(p, BLINK_LIST_COMMIT)[w] = 0;
         }
         plat.sync();
         if (sh->exit) break;

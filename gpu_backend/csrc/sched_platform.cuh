@@ -11,8 +11,9 @@
  * on host memory are not atomic with respect to the CPU, and a NIC's RDMA
  * WRITE never takes part in one. Every ring word has one writer per state
  * (shared_layout's owner table), ordered by fences; the only atomics here are
- * add_shared and max_shared, on the block's shared memory among the scheduler's threads
- * (ballot_bit is a warp vote and a plain store to the scheduler's own device memory).
+ * add_shared and max_shared, on the block's shared memory among the scheduler's threads, and
+ * or_bit, on the scheduler's own device memory among them (ballot_bit is a warp vote and a
+ * plain store there).
  */
 #ifndef BLINK_SCHED_PLATFORM_CUH
 #define BLINK_SCHED_PLATFORM_CUH
@@ -39,6 +40,8 @@ struct blink_device_platform {
         const uint32_t bits = __ballot_sync(0xffffffffu, pred);
         if ((threadIdx.x & 31u) == 0) words[i >> 5] = bits;
     }
+    /* Bit i of words: an atomic OR on the scheduler's own device memory, among its own threads. */
+    __device__ void or_bit(uint32_t *words, uint32_t i) const { atomicOr_block(&words[i >> 5], 1u << (i & 31u)); }
     /* The CPU twin checks its fast plans against the full planner; the kernel does not. */
     static constexpr bool check_plans = false;
     __device__ void sync() const { __syncthreads(); }
