@@ -193,7 +193,7 @@ CALLS: tuple[Call, ...] = (
           Stage("triton", 30, 75, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
           Stage("graph_smoke", 20, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
-          Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell"), pytest=True),
+          Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"), pytest=True),
           BENCH_SCHED),
          gguf_part=1),
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "

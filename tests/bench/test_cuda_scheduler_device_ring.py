@@ -112,5 +112,5 @@ def test_a_wrong_echo_fails_the_check(monkeypatch):
     bench = object.__new__(cuda_scheduler.Bench)
     bench.d, bench.device, bench.module = FakeDriver(), None, None
     geom = RingGeometry(4096, 1 << 16, 1 << 16)
-    with pytest.raises(AssertionError, match="request 0: wrong tokens"):
+    with pytest.raises(AssertionError, match=r"requests \[0\] \(of 1\): wrong tokens"):
         bench._device_ring(geom, None, 8, 16, 32)

@@ -33,7 +33,8 @@ from shared_layout.shm import ShmRegion
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from frontend_player import FrontendPlayer  # noqa: E402
-from test_cuda_twin_loop import GEOM, _serve_workload, drain, echo  # noqa: E402
+from test_cuda_twin_loop import (GEOM, SURVEY_CFG, SURVEY_GEOM, _serve_workload, drain, echo,  # noqa: E402
+                                 serve_survey_workload)
 
 pytestmark = pytest.mark.gpu
 
@@ -121,6 +122,22 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
     # the survey's warp ballots planned the steady decode steps (every token above is right)
     assert 0 < s.counters["fast_plans"] <= s.counters["steps_decode"], s.counters
+
+
+def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):
+    """The survey's warp ballots over eight words a round, its reap and the fill phase's blocks at
+    256 running on the device (the twin runs the same workload and checks every plan): every token
+    right, every KV block back."""
+    region = ShmRegion.create(ring_name, SURVEY_GEOM.total_size)
+    ring = Ring.create(region.buf, SURVEY_GEOM)
+    rt, mapped = runtime_on(ring, device, module, **SURVEY_CFG)
+    serve_survey_workload(ring)
+    s = shut(rt, mapped)
+    print("survey at 256 seats:", s.counters)
+    assert s.exit_code == structs.EXIT_SHUTDOWN
+    assert s.counters["fast_plans"] > 0 and s.counters["fill_blocks"] > 0 and s.counters["completed"] == 320
+    # every KV block came back (the exit's last beat publishes the pool on the ring header)
+    assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total") == rt.config.kv_blocks
 
 
 def test_the_frontend_doorbell_starts_the_scans_on_the_device(ring_name, device, module):

@@ -82,6 +82,40 @@ def test_echo_through_many_launch_windows(twin_lib, shm_ring):
     assert twin_lib.blink_twin_ring_rmw() == 0        # no atomic ever touched the ring or the control block
 
 
+SURVEY_GEOM = RingGeometry(512, 1 << 17, 1 << 17)
+SURVEY_CFG = dict(max_batch_size=256, block_size=4, max_model_len=256, idle_sleep_ns=0)
+
+
+def serve_survey_workload(ring, n_requests: int = 320) -> dict:
+    """The survey at full width (twin and GPU alike): 256 seats, so a round of the survey covers
+    eight ballot words, and more requests than seats with mixed lengths and shared prefixes
+    (fast plans, the survey's reap of the early finishers, blocks taken in the fill phase, the
+    full planner admitting into freed seats). Checks every token; returns the results."""
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(21), {}
+    shared = rng.integers(0, 49152, 12).tolist()
+    for i in range(n_requests):
+        prompt = (shared if i % 2 else []) + rng.integers(0, 49152, int(rng.integers(1, 30))).tolist()
+        n = int(rng.integers(5, 90))
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    res = drain(fp, 120)
+    assert len(res) == n_requests
+    for r in res.values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
+    return res
+
+
+def test_the_survey_at_256_seats(twin_lib, shm_ring):
+    ring = shm_ring(SURVEY_GEOM)
+    tw = twin(ring, threads=8, **SURVEY_CFG).start()
+    serve_survey_workload(ring)
+    assert stop(tw) == structs.EXIT_SHUTDOWN            # fast_plan_mismatches == 0 too
+    s = tw.stats
+    assert s.fast_plans > 0 and s.fill_blocks > 0 and s.completed == 320
+    # every KV block came back (the exit's last beat publishes the pool on the ring header)
+    assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total") == tw.config.kv_blocks
+
+
 def test_the_host_sees_every_counter(twin_lib, shm_ring):
     """The beat copies every counter of the device's stats to the host-mapped control block, the
     host's only view of them on a GPU (runtime.stats): after the exit's last beat they are equal."""
