@@ -348,6 +348,11 @@ def _phases(c, steps: int) -> dict:
     return {f"{k}_us_per_step": round(c[f"{k}_ns"] / 1e3 / steps, 3) for k in ("scan", "publish", "plan")}
 
 
+def _ab_rows(results: dict, key: str, cells) -> list[str]:
+    """One table row per workload that ran the A/B `key`: the batch, then cells(persistent, A/B run)."""
+    return [f"| {w['batch']} | {cells(w['persistent'], w[key])} |" for w in results["workloads"] if w.get(key)]
+
+
 def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{DATE}-{machine}-cuda_scheduler"
@@ -394,26 +399,21 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
               "best case; a frontend submitting all the time rings at most once per iteration.", "",
               "| batch | us/step, bell | scans/step | overhead us/step | us/step, scan every iteration | "
               "overhead us/step | every / bell |", "|---|---|---|---|---|---|---|"]
-    for w in results["workloads"]:
-        p, e = w["persistent"], w.get("persistent_scan_every_iteration")
-        if e is None:
-            continue
-        lines.append(f"| {w['batch']} | {p['us_per_step']} | {p.get('scans_per_step', '-')} | "
-                     f"{p['scheduler_overhead_us_per_step']} | {e['us_per_step']} | "
-                     f"{e['scheduler_overhead_us_per_step']} | {round(e['us_per_step'] / p['us_per_step'], 2)}x |")
+    lines += _ab_rows(results, "persistent_scan_every_iteration", lambda p, e: (
+        f"{p['us_per_step']} | {p.get('scans_per_step', '-')} | {p['scheduler_overhead_us_per_step']} | "
+        f"{e['us_per_step']} | {e['scheduler_overhead_us_per_step']} | {round(e['us_per_step'] / p['us_per_step'], 2)}x"))
     lines += ["", "The survey, A/B in this run: steady decode steps planned from the block's parallel survey of "
               "the running list (the default) vs by thread 0 walking it (fast_plan=False):", "",
               "| batch | decode steps fast-planned | plan us/step, survey | reap | policy | apply | "
               "plan us/step, walks | reap | policy | apply | walks / survey |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for w in results["workloads"]:
-        p, f = w["persistent"], w.get("persistent_full_plan")
-        if f is None:
-            continue
-        def parts(x):
-            return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("plan", "reap", "policy", "apply"))
-        ratio = round(f["plan_us_per_step"] / p["plan_us_per_step"], 2) if p.get("plan_us_per_step") else "-"
-        lines.append(f"| {w['batch']} | {round(100 * p.get('fast_plan_share', 0))}% | {parts(p)} | {parts(f)} | "
-                     f"{ratio}x |")
+
+    def parts(x):
+        return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("plan", "reap", "policy", "apply"))
+
+    def ratio(p, f):
+        return f"{round(f['plan_us_per_step'] / p['plan_us_per_step'], 2)}x" if p.get("plan_us_per_step") else "-"
+    lines += _ab_rows(results, "persistent_full_plan",
+                      lambda p, f: f"{round(100 * p.get('fast_plan_share', 0))}% | {parts(p)} | {parts(f)} | {ratio(p, f)}")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
               "| batch | us/step | overhead us/step | scan | publish | plan | host-mapped overhead us/step |",

@@ -82,6 +82,18 @@ def test_echo_through_many_launch_windows(twin_lib, shm_ring):
     assert twin_lib.blink_twin_ring_rmw() == 0        # no atomic ever touched the ring or the control block
 
 
+def submit_mixed(fp, rng, shared: list[int], count: int, n_tokens) -> dict:
+    """`count` requests, every other one opening with the `shared` prompt prefix, then 1-29 random
+    tokens; n_tokens() output tokens each. Returns seq -> the echo it must get."""
+    want = {}
+    for i in range(count):
+        prompt = (shared if i % 2 else []) + rng.integers(0, 49152, int(rng.integers(1, 30))).tolist()
+        n = n_tokens()
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    return want
+
+
 SURVEY_GEOM = RingGeometry(512, 1 << 17, 1 << 17)
 SURVEY_CFG = dict(max_batch_size=256, block_size=4, max_model_len=256, idle_sleep_ns=0)
 
@@ -91,13 +103,8 @@ def serve_survey_workload(ring, n_requests: int = 320) -> dict:
     eight ballot words, and more requests than seats with mixed lengths and shared prefixes
     (fast plans, the survey's reap of the early finishers, blocks taken in the fill phase, the
     full planner admitting into freed seats). Checks every token; returns the results."""
-    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(21), {}
-    shared = rng.integers(0, 49152, 12).tolist()
-    for i in range(n_requests):
-        prompt = (shared if i % 2 else []) + rng.integers(0, 49152, int(rng.integers(1, 30))).tolist()
-        n = int(rng.integers(5, 90))
-        fp.submit(prompt, n)
-        want[fp.next_seq - 1] = echo(prompt, n)
+    fp, rng = FrontendPlayer(ring), np.random.default_rng(21)
+    want = submit_mixed(fp, rng, rng.integers(0, 49152, 12).tolist(), n_requests, lambda: int(rng.integers(5, 90)))
     res = drain(fp, 120)
     assert len(res) == n_requests
     for r in res.values():
@@ -324,14 +331,10 @@ def test_steady_decode_steps_are_planned_by_the_survey(twin_lib, shm_ring, threa
     ring = shm_ring(GEOM if per_wave <= GEOM.slot_count else RingGeometry(128, 1 << 16, 1 << 16))
     tw = twin(ring, threads=threads, max_batch_size=seats, block_size=4, max_model_len=256,
               prefix_caching=prefix_caching, idle_sleep_ns=0).start()
-    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
+    fp, rng = FrontendPlayer(ring), np.random.default_rng(11)
     shared = rng.integers(0, 49152, 12).tolist()
-    for wave in range(3):
-        for i in range(per_wave):
-            prompt = (shared if i % 2 else []) + rng.integers(0, 49152, int(rng.integers(1, 30))).tolist()
-            n = 40 if wave == 1 else int(rng.integers(5, 70))    # wave 1 crosses block boundaries in step
-            fp.submit(prompt, n)
-            want[fp.next_seq - 1] = echo(prompt, n)
+    for wave in range(3):                                          # wave 1 crosses block boundaries in step
+        want = submit_mixed(fp, rng, shared, per_wave, lambda: 40 if wave == 1 else int(rng.integers(5, 70)))
         for r in drain(fp).values():
             assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
     assert stop(tw) == structs.EXIT_SHUTDOWN
