@@ -202,7 +202,9 @@ class Bench:
 
     def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16) -> dict:
         geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
-        cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0)
+        # timed without the first fast plans' checks (the full walks beside them); _check reads every token
+        cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
+                              fast_plan_checks=0)
         out = {"batch": batch, "requests": n_req, "tokens_per_request": tokens, "prompt_len": prompt_len}
 
         # persistent scheduler over a host-mapped ring (the one-box deployment); then the same with a

@@ -48,7 +48,6 @@ struct blink_twin_block {              /* what the host threads of one instance 
     blink_sched_shared_t sh;
     blink_launch_cb cb;
     void *cb_ctx;
-    bool check_plans;                  /* run the full planner beside every fast plan (tests; not the baseline) */
 };
 
 struct blink_host_platform {
@@ -90,9 +89,6 @@ struct blink_host_platform {
     void ballot_bit(uint32_t *words, uint32_t i, int pred) const {
         if (pred) __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
     }
-    /* Every fast plan checked against the full planner (stats fast_plan_mismatches), unless the
-     * twin stands in for the host-driven baseline, whose time that check would inflate. */
-    bool check_plans;
     void sync() const { pthread_barrier_wait(&blk->barrier); }
     /* __syncthreads_or: three flags in rotation, so the one reset here was last read two calls ago. */
     int sync_or(int v) {
@@ -125,15 +121,13 @@ struct blink_host_platform {
 
 extern "C" {
 
-uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch_cb cb, void *cb_ctx,
-                        int check_plans) {
+uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch_cb cb, void *cb_ctx) {
     if (nt == 0) nt = 1;
     for (;;) {
         blink_twin_block blk;
         memset(&blk, 0, sizeof blk);
         blk.cb = cb;
         blk.cb_ctx = cb_ctx;
-        blk.check_plans = check_plans != 0;
         blk.ring_lo = (uintptr_t)p->ring;
         blk.ring_hi = blk.ring_lo + p->output_arena_offset + 4 * p->output_arena_tokens;
         blk.ctl_lo = (uintptr_t)p->control;
@@ -142,10 +136,10 @@ uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch
         std::vector<std::thread> threads;
         for (unsigned t = 1; t < nt; ++t)
             threads.emplace_back([&blk, p, t, nt] {
-                blink_host_platform plat{&blk, t, 0, blk.check_plans};
+                blink_host_platform plat{&blk, t, 0};
                 blink_sched_run(plat, p, &blk.sh, t, nt);
             });
-        blink_host_platform plat{&blk, 0, 0, blk.check_plans};
+        blink_host_platform plat{&blk, 0, 0};
         const uint32_t code = blink_sched_run(plat, p, &blk.sh, 0, nt);
         for (auto &th : threads) th.join();
         pthread_barrier_destroy(&blk.barrier);
@@ -283,13 +277,13 @@ uint32_t blink_fill_rows_c(uint32_t piece, const uint32_t *slot, const uint32_t 
 
 /* The model step graph's first kernel, every row of a (R, S, C) graph on this thread. */
 void blink_twin_stage(const blink_sched_params_t *p, const blink_step_io_t *io, uint32_t R, uint32_t S, uint32_t C) {
-    blink_host_platform plat{nullptr, 0, 0, false};
+    blink_host_platform plat{nullptr, 0, 0};
     for (uint32_t r = 0; r < R; ++r) blink_stage_row(plat, p, io, S, C, r, 0, 1);
 }
 
 /* Its last kernel: tokens to the chunks, then the done flag. */
 void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io) {
-    blink_host_platform plat{nullptr, 0, 0, false};
+    blink_host_platform plat{nullptr, 0, 0};
     blink_finish_rows(plat, p, io, 0, 1);
     plat.fence_dev();   /* every chunk's token before the flag the scheduler polls */
     plat.st32(p->done, p->state->step_no);
@@ -323,6 +317,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_state_t, last_beat_ns) X(blink_sched_state_t, step_launched_ns)                           \
     X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, scan_valid)                                   \
     X(blink_sched_state_t, scan_bell) X(blink_sched_state_t, scan_epoch) X(blink_sched_state_t, scan_ns)    \
+    X(blink_sched_state_t, fast_checked) X(blink_sched_state_t, fast_plan_off)                              \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
@@ -366,7 +361,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, pkv_table_block) X(blink_sched_params_t, pkv_claimed) X(blink_sched_params_t, kv_keys) \
     X(blink_sched_params_t, pkv_table_cap) X(blink_sched_params_t, prefix_caching)                          \
     X(blink_sched_params_t, ttft_slo_us) X(blink_sched_params_t, tbt_slo_us)                                \
-    X(blink_sched_params_t, fast_plan) X(blink_sched_params_t, reserved)                                    \
+    X(blink_sched_params_t, fast_plan) X(blink_sched_params_t, fast_plan_checks)                            \
     X(blink_sched_rules_t, policy) X(blink_sched_rules_t, lvf_alpha_milli) X(blink_sched_rules_t, lvf_beta_b_milli) \
     X(blink_sched_rules_t, lvf_beta_f_milli) X(blink_sched_rules_t, lvf_xfer_blocks) X(blink_sched_rules_t, reserved) \
     X(blink_sched_rules_t, now_us) X(blink_req_time_t, id) X(blink_req_time_t, priority)                    \

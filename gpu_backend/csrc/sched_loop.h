@@ -87,6 +87,7 @@ typedef struct blink_sched_shared {
     uint32_t sv_needy;       /* survey: decoding ones that need a block (each needs one: sv_needy == sv_need) */
     uint32_t sv_over;        /* survey: needy ones whose block table is full (the full apply fails their step) */
     uint32_t par_alloc;      /* schedule: the fill phase takes the needy ones' blocks (blink_fill_block) */
+    uint32_t checking;       /* this iteration checks the survey's results against the full walks */
     uint32_t alloc_top;      /* the free stack's height before those blocks left it */
     uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
 } blink_sched_shared_t;
@@ -732,7 +733,8 @@ static inline BLINK_HD uint32_t blink_bits_before(const uint32_t *bits, uint32_t
  * bitmap zeroed. */
 static inline BLINK_HD void blink_survey_decide(const blink_sched_params_t *p, blink_sched_shared_t *sh) {
     const blink_sched_state_t *st = p->state;
-    sh->survey = p->fast_plan && st->n_running > 0;
+    sh->survey = p->fast_plan && !st->fast_plan_off && st->n_running > 0;
+    sh->checking = st->fast_checked < p->fast_plan_checks;
     sh->sv_other = sh->sv_gone = sh->sv_need = sh->sv_needy = sh->sv_over = 0;
     if (!sh->survey) return;
     uint32_t *needy = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
@@ -770,6 +772,9 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
                     ++needy_n;
                     over += r->num_blocks + (uint32_t)k > p->kv_max_blocks;
                 }
+#ifdef BLINK_PLANT_SURVEY_FAULT   /* a test variant of the twin only: the bitmap misses position 0's block */
+                if (i == 0) needy = 0;
+#endif
             }
         }
         plat.ballot_bit(bits, i, needy);
@@ -872,15 +877,23 @@ BLINK_DEV void blink_reap_running(P &plat, const blink_sched_params_t *p, uint32
     r->status = BLINK_REQ_FREE;
 }
 
+/* A check of the survey's results disagreed with the full walks: counted, and the full walks plan
+ * every step from then on (the scheduler heals itself; stats show it). */
+static inline BLINK_HD void blink_fast_plan_failed(const blink_sched_params_t *p) {
+    p->stats->fast_plan_mismatches += 1;
+    p->state->fast_plan_off = 1;
+}
+
 /* thread 0: the reap from the survey's lists: only the gone positions walked (in running order,
  * as the full walk releases them); returns the kept list, which stands for the running list until
- * it is copied back (blink_running_settle, or the fill phase). The twin checks it against the walk. */
+ * it is copied back (blink_running_settle, or the fill phase). While checking, the kept list is
+ * first held against the full walk's, read-only: 0 where they disagree (the caller walks). */
 template <class P>
 BLINK_DEV const uint32_t *blink_survey_reap(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
     blink_sched_state_t *st = p->state;
     const uint32_t n = st->n_running, n_kept = n - sh->sv_gone;
     const uint32_t *gone = blink_scratch_list(p, BLINK_LIST_GONE_BITS), *kept = blink_scratch_list(p, BLINK_LIST_KEPT);
-    if (plat.check_plans) {
+    if (sh->checking) {
         uint32_t j = 0;
         int ok = 1;
         for (uint32_t i = 0; i < n; ++i) {
@@ -889,7 +902,10 @@ BLINK_DEV const uint32_t *blink_survey_reap(P &plat, const blink_sched_params_t 
             ok &= j < n_kept && kept[j] == p->running[i];
             ++j;
         }
-        if (!ok || j != n_kept) p->stats->fast_plan_mismatches += 1;
+        if (!ok || j != n_kept) {
+            blink_fast_plan_failed(p);
+            return 0;
+        }
     }
     for (uint32_t w = 0; w < (n + 31) / 32; ++w)
         for (uint32_t b = gone[w]; b; b &= b - 1) blink_reap_running(plat, p, p->running[w * 32 + blink_ctz32(b)]);
@@ -937,7 +953,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     stats->completed += sh->n_completed;
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
     const int alloc_ok = blink_par_alloc_ok(p, sh);   /* before the reap, which only adds free blocks */
-    const int lists = !alloc_ok || plat.check_plans;
+    const int check = sh->checking, lists = !alloc_ok || check;
     const uint32_t fast_needy = blink_survey_needy(plat, p, sh, lists);   /* before the reap moves positions */
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
@@ -970,10 +986,9 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     }
     if (sh->reap_waiting) st->w_count = kept;
     /* the running list the plan reads: p->running, or the survey's kept list until it is settled */
-    const uint32_t *running = p->running;
-    if (sh->reap_running && sh->survey) {
-        running = blink_survey_reap(plat, p, sh);
-    } else if (sh->reap_running) {
+    const uint32_t *running = sh->reap_running && sh->survey ? blink_survey_reap(plat, p, sh) : p->running;
+    if (!running) running = p->running;   /* the survey's kept list disagreed with the walk below */
+    if (sh->reap_running && running == p->running) {
         kept = 0;
         for (uint32_t i = 0; i < st->n_running; ++i) {
             const uint32_t slot = p->running[i];
@@ -1002,10 +1017,10 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     st->plan_stamp += 1;
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
     blink_plan_t fast;
-    const int use_fast =
-        fast_needy && blink_fast_plan(p, sh, running, fast_needy - 1, lists, free_blocks, &fast);
+    int use_fast = fast_needy && !st->fast_plan_off &&
+                   blink_fast_plan(p, sh, running, fast_needy - 1, lists, free_blocks, &fast);
     if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
-    if (!use_fast || plat.check_plans) {
+    if (!use_fast || check) {
         const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
         /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again
          * before it is read (FCFS; under the other policies seats == w_count) */
@@ -1017,15 +1032,18 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
                                (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
                                p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
     }
-    if (use_fast) {
-        if (plat.check_plans) {
-            if (!blink_plans_agree(&plan, &fast)) stats->fast_plan_mismatches += 1;
-            /* then the full plan's lists are gone, as on the device, where nothing wrote them */
+    if (use_fast && check) {
+        st->fast_checked += 1;
+        if (!blink_plans_agree(&plan, &fast)) {   /* the full plan stands: its lists, p->running */
+            blink_fast_plan_failed(p);
+            use_fast = 0;
+            running = blink_running_settle(p, running);
+        } else {   /* the full plan's lists are gone, as where nothing wrote them */
             for (uint32_t which = BLINK_LIST_PREFILL_ID; which <= BLINK_LIST_NEW_BLOCKS_N; ++which)
                 for (uint32_t k = 0; k < mb; ++k) blink_scratch_list(p, which)[k] = 0xffffffffu;
         }
-        plan = fast;
     }
+    if (use_fast) plan = fast;
     /* a fast plan's decode chunks: the running list, or the kept list the fill phase copies back */
     sh->step_ids = !use_fast ? BLINK_IDS_PLAN : running == p->running ? BLINK_IDS_RUNNING : BLINK_IDS_KEPT;
     const uint64_t t_policy = plat.now_ns(p);
@@ -1041,7 +1059,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack here; blink_fill_block takes them */
         blink_pkv_t *kv = p->pkv;
         sh->alloc_top = kv->never_cached;
-        if (plat.check_plans)   /* what blink_pkv_alloc would give them, in order, for the launch phase's check */
+        if (check)   /* what blink_pkv_alloc would give them, in order, for the launch phase's check */
             for (uint32_t j = 0; j < sh->sv_needy; ++j)
                 blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j] = kv->free_stack[sh->alloc_top - 1 - j];
         kv->never_cached -= sh->sv_need;
@@ -1177,12 +1195,14 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
     blink_sched_control_t *stats = p->stats;
     const uint32_t kind = sh->step_kind, n = st->n_chunks;
     int err = sh->step_err;
-    if (plat.check_plans && sh->par_alloc)   /* the twin: the fill phase's blocks = blink_pkv_alloc's */
+    if (sh->checking && sh->par_alloc)   /* the fill phase's blocks = blink_pkv_alloc's, or no more of them */
         for (uint32_t j = 0; j < sh->sv_needy; ++j) {
             const uint32_t slot = blink_scratch_list(p, BLINK_LIST_NEEDY_ID)[j];
             const blink_req_t *r = &p->reqs[slot];
-            if (r->num_blocks == 0 || blink_table(p, slot)[r->num_blocks - 1] != blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j])
-                stats->fast_plan_mismatches += 1;
+            if (r->num_blocks == 0 || blink_table(p, slot)[r->num_blocks - 1] != blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j]) {
+                blink_fast_plan_failed(p);
+                break;
+            }
         }
     st->step_no += 1;
     st->prev_kind = kind;

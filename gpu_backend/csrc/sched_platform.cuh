@@ -42,8 +42,6 @@ struct blink_device_platform {
     }
     /* Bit i of words: an atomic OR on the scheduler's own device memory, among its own threads. */
     __device__ void or_bit(uint32_t *words, uint32_t i) const { atomicOr_block(&words[i >> 5], 1u << (i & 31u)); }
-    /* The CPU twin checks its fast plans against the full planner; the kernel does not. */
-    static constexpr bool check_plans = false;
     __device__ void sync() const { __syncthreads(); }
     __device__ int sync_or(int v) const { return __syncthreads_or(v); }
     __device__ uint64_t now_ns(const blink_sched_params_t *p) const {

@@ -190,6 +190,8 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint64_t scan_bell;           /* the header's frontend_doorbell when the last slot scan began */
     uint64_t scan_epoch;          /* the header's frontend_epoch then (requests were checked against it) */
     uint64_t scan_ns;             /* the clock then */
+    uint32_t fast_checked;        /* fast plans checked against the full walks so far (sched_loop.h) */
+    uint32_t fast_plan_off;       /* 1: a check disagreed; the full walks plan every step from then on */
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
@@ -301,7 +303,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     int64_t ttft_slo_us;          /* a request's targets when its slot says 0 */
     int64_t tbt_slo_us;
     uint32_t fast_plan;           /* 1: steady decode steps are planned from the survey (sched_loop.h); 0: the A/B */
-    uint32_t reserved;            /* zero; pads the struct to 8 bytes */
+    uint32_t fast_plan_checks;    /* fast plans checked against the full walks before one is trusted (0xffffffff: all) */
 } blink_sched_params_t;
 
 static inline BLINK_HD blink_slot_t *blink_slot_ptr(const blink_sched_params_t *p, uint64_t i) {

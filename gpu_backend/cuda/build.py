@@ -128,16 +128,18 @@ def build_device_module(arch: str = DEFAULT_ARCH, nvcc: str | None = None) -> pa
     return _publish(build, cache_root() / key, f"blink_sched_{arch}.cubin")
 
 
-def build_host_twin(gxx: str | None = None) -> pathlib.Path:
-    """The CPU twin and policy shim as a shared library for ctypes."""
+def build_host_twin(gxx: str | None = None, defines: tuple[str, ...] = ()) -> pathlib.Path:
+    """The CPU twin and policy shim as a shared library for ctypes. `defines`: preprocessor
+    symbols of a test variant (BLINK_PLANT_SURVEY_FAULT: sched_loop.h's planted survey fault)."""
     gxx = gxx or find_gxx()
     if gxx is None:
         raise BuildError("no C++ compiler found (g++); set BLINK_CXX")
-    key = _sources_digest(gxx, _version(gxx), *GXX_FLAGS)
+    flags = [*GXX_FLAGS, *(f"-D{d}" for d in defines)]
+    key = _sources_digest(gxx, _version(gxx), *flags)
 
     def build(tmp: pathlib.Path) -> pathlib.Path:
         out = tmp / "libblink_twin.so"
-        _run([gxx, *GXX_FLAGS, str(CSRC / "host_twin.cc"), "-o", str(out)], "g++ host_twin.cc")
+        _run([gxx, *flags, str(CSRC / "host_twin.cc"), "-o", str(out)], "g++ host_twin.cc")
         return out
 
     return _publish(build, cache_root() / key, "libblink_twin.so")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from shared_layout import RingGeometry
 
@@ -20,6 +21,11 @@ MAX_WINDOW = DEVICE_LAUNCH_LIMIT - LAUNCH_HEADROOM   # sched_types.h BLINK_MAX_W
 # cap, so a step begun at attempt 99 may be refused and retried 20 times before the runtime's
 # own limit; a roll-over costs one tail launch (a few us) per 100 steps.
 DEFAULT_WINDOW = MAX_WINDOW
+FAST_PLAN_ENV = "BLINK_SCHED_FAST_PLAN"   # 0: every step planned by the full walks (the survey off)
+
+
+def _fast_plan_default() -> bool:
+    return os.environ.get(FAST_PLAN_ENV, "1").strip() != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +48,13 @@ class SchedulerConfig:
     step_timeout_s: float = 30.0
     scheduling_policy: str = "fcfs"     # the daemon's --scheduling-policy: fcfs | priority | lvf (policy.py)
     prefix_caching: bool = True         # admission takes cached prefix blocks; full blocks are committed
-    # Steady decode steps (FCFS, every running request decoding) planned from the block's parallel
-    # survey instead of one thread's walk of the running list; False: the A/B (bench.cuda_scheduler).
-    fast_plan: bool = True
+    # Steady decode steps (FCFS, every running request decoding) planned, and the reap done, from the
+    # block's parallel survey instead of one thread's walks of the running list; False (or
+    # BLINK_SCHED_FAST_PLAN=0): the full walks, the A/B of bench.cuda_scheduler. The first
+    # fast_plan_checks fast plans run the full walks beside them; a disagreement is counted
+    # (fast_plan_mismatches) and turns the survey off for good: the scheduler heals itself.
+    fast_plan: bool = dataclasses.field(default_factory=_fast_plan_default)
+    fast_plan_checks: int = 32
     lvf_alpha_milli: int = 3000         # policy.PolicyConfig's LVF weights
     lvf_beta_b_milli: int = 0
     lvf_beta_f_milli: int = 500
@@ -62,6 +72,8 @@ class SchedulerConfig:
                              f"launches less {LAUNCH_HEADROOM} for retries), got {self.window_limit}")
         if not isinstance(self.full_scan_us, int) or not 0 <= self.full_scan_us < 1 << 32:
             raise ValueError(f"full_scan_us must be an integer in 0..2**32-1, got {self.full_scan_us!r}")
+        if not isinstance(self.fast_plan_checks, int) or not 0 <= self.fast_plan_checks < 1 << 32:
+            raise ValueError(f"fast_plan_checks must be an integer in 0..2**32-1, got {self.fast_plan_checks!r}")
         if str(self.scheduling_policy).upper() not in ("FCFS", "PRIORITY", "LVF"):
             raise ValueError(f"scheduling_policy must be fcfs, priority or lvf, got {self.scheduling_policy!r}")
         if len(self.eos_ids) > structs.MAX_EOS_IDS:
@@ -120,7 +132,8 @@ class SchedulerConfig:
             grace_ns=int(self.grace_s * 1e9), step_timeout_ns=int(self.step_timeout_s * 1e9),
             clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks, rules=self.rules(),
             pkv_table_cap=structs.pkv_table_cap(self.kv_blocks), prefix_caching=int(self.prefix_caching),
-            ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000, fast_plan=int(self.fast_plan))
+            ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000, fast_plan=int(self.fast_plan),
+            fast_plan_checks=self.fast_plan_checks)
         for name, addr in buffers.items():
             setattr(p, name, addr)
         p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)

@@ -65,9 +65,10 @@ class SchedState(_Struct):
                 ("draining", u32), ("started", u32), ("n_rows", u32), ("graph", u32),
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
                 ("step_launched_ns", u64), ("plan_stamp", u32), ("scan_valid", u32), ("scan_bell", u64),
-                ("scan_epoch", u64), ("scan_ns", u64)]
+                ("scan_epoch", u64), ("scan_ns", u64), ("fast_checked", u32), ("fast_plan_off", u32)]
 
 
+CHECK_ALWAYS = 0xFFFF_FFFF   # SchedParams.fast_plan_checks: check every fast plan (the twin in the tests)
 SCRATCH_LISTS = 14    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
@@ -152,7 +153,7 @@ class SchedParams(_Struct):
                 ("pkv_refs", ptr), ("pkv_key", ptr), ("pkv_has_key", ptr), ("pkv_lru_prev", ptr),
                 ("pkv_lru_next", ptr), ("pkv_table_key", ptr), ("pkv_table_block", ptr), ("pkv_claimed", ptr),
                 ("kv_keys", ptr), ("pkv_table_cap", u32), ("prefix_caching", u32), ("ttft_slo_us", i64),
-                ("tbt_slo_us", i64), ("fast_plan", u32), ("reserved", u32)]
+                ("tbt_slo_us", i64), ("fast_plan", u32), ("fast_plan_checks", u32)]
 
 
 C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",

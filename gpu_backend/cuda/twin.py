@@ -31,10 +31,11 @@ LAUNCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32)
 
 
 @functools.cache
-def lib() -> ctypes.CDLL:
-    so = ctypes.CDLL(str(build.build_host_twin()))
+def lib(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The twin library (`defines`: a test variant's preprocessor symbols, build.build_host_twin)."""
+    so = ctypes.CDLL(str(build.build_host_twin(defines=defines)))
     so.blink_twin_run.restype = ctypes.c_uint32
-    so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    so.blink_twin_run.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
     so.blink_plan.restype = None
     so.blink_twin_ring_rmw.restype = ctypes.c_uint64
     so.blink_device_launch_cap.restype = ctypes.c_uint32
@@ -189,14 +190,16 @@ class TwinScheduler:
 
     def __init__(self, ring: Ring, config: SchedulerConfig, threads: int = 4, launch_cb=None,
                  buffers: dict[str, int] | None = None, graphs: structs.GraphTable | None = None,
-                 max_rows: int = 0, check_plans: bool = True):
+                 max_rows: int = 0, check_plans: bool = True, defines: tuple[str, ...] = ()):
         """`buffers`: addresses of zeroed host memory for every config.buffer_sizes entry (e.g. pinned
         memory a GPU also maps, for the host-driven baseline); numpy arrays when None. `graphs`:
         the step graphs' tables (host memory) and `max_rows` their largest row count, for a
         `launch_cb` that runs model graphs (gpu_backend/graphs/cpu_graphs.py); None: the echo.
-        `check_plans`: run the full planner beside every fast plan of the survey and count any
-        disagreement (stats.fast_plan_mismatches); off where the twin is a timed baseline."""
-        self.ring, self.config, self.threads, self.check_plans = ring, config, threads, check_plans
+        `check_plans`: run the full planner and the reap's walk beside every fast plan and survey
+        reap (params.fast_plan_checks: always; the device checks its first config.fast_plan_checks)
+        and count any disagreement (stats.fast_plan_mismatches); off (0) where the twin is a timed
+        baseline. `defines`: run a test variant of the library (lib(defines))."""
+        self.ring, self.config, self.threads, self.defines = ring, config, threads, defines
         sizes = config.buffer_sizes(ring.geom.slot_count, max_rows)
         if buffers is None:
             self._buffers = {name: np.zeros(max(8, n) // 8 + 1, np.uint64) for name, n in sizes.items()}
@@ -207,6 +210,7 @@ class TwinScheduler:
         ring_addr = np.frombuffer(ring.buf, np.uint8).ctypes.data
         self.params = config.params(ring.geom, ring_addr, {k: v.ctypes.data for k, v in self._buffers.items()},
                                     ctypes.addressof(self.control), graphs)
+        self.params.fast_plan_checks = structs.CHECK_ALWAYS if check_plans else 0
         self._cb = LAUNCH_CB(launch_cb) if launch_cb is not None else None
         self._thread: threading.Thread | None = None
         self.exit_code: int | None = None
@@ -236,8 +240,7 @@ class TwinScheduler:
     def run(self) -> int:
         """Serve in this thread until shutdown; returns the exit code (structs.EXIT_*)."""
         cb = ctypes.cast(self._cb, ctypes.c_void_p) if self._cb is not None else None
-        self.exit_code = int(lib().blink_twin_run(ctypes.addressof(self.params), self.threads, cb, None,
-                                                 int(self.check_plans)))
+        self.exit_code = int(lib(self.defines).blink_twin_run(ctypes.addressof(self.params), self.threads, cb, None))
         return self.exit_code
 
     def start(self) -> "TwinScheduler":

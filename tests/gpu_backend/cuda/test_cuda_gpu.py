@@ -120,8 +120,10 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     assert s.counters["windows"] - 1 >= 5, s.counters
     assert s.counters["max_window_launches"] <= DEFAULT_WINDOW
     assert s.counters["launches"] == s.counters["steps_prefill"] + s.counters["steps_decode"]
-    # the survey's warp ballots planned the steady decode steps (every token above is right)
+    # the survey's warp ballots planned the steady decode steps (every token above is right), and the
+    # first ones, checked against the full walks on the device, agreed
     assert 0 < s.counters["fast_plans"] <= s.counters["steps_decode"], s.counters
+    assert s.counters["fast_plan_mismatches"] == 0, s.counters
 
 
 def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):
@@ -136,6 +138,7 @@ def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):
     print("survey at 256 seats:", s.counters)
     assert s.exit_code == structs.EXIT_SHUTDOWN
     assert s.counters["fast_plans"] > 0 and s.counters["fill_blocks"] > 0 and s.counters["completed"] == 320
+    assert s.counters["fast_plan_mismatches"] == 0, s.counters
     # every KV block came back (the exit's last beat publishes the pool on the ring header)
     assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total") == rt.config.kv_blocks
 

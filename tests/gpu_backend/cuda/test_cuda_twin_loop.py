@@ -123,6 +123,41 @@ def test_the_survey_at_256_seats(twin_lib, shm_ring):
     assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total") == tw.config.kv_blocks
 
 
+def test_a_survey_that_disagrees_is_turned_off_and_the_full_walks_serve(twin_lib, shm_ring):
+    """A twin built with a planted survey fault (its needy bitmap misses running position 0's
+    block) and the device's setting: only the first 32 fast plans checked. The first check that
+    meets the fault disagrees with the full planner; that step is served by the full plan, the
+    survey is off from then on, and every request still gets its tokens and its blocks back."""
+    from gpu_backend.cuda.twin import TwinScheduler
+    ring = shm_ring(SURVEY_GEOM)
+    tw = TwinScheduler(ring, SchedulerConfig(**SURVEY_CFG, beat_interval_s=0.005), threads=4,
+                       defines=("BLINK_PLANT_SURVEY_FAULT",))
+    assert tw.params.fast_plan_checks == structs.CHECK_ALWAYS
+    tw.params.fast_plan_checks = 32
+    tw.start()
+    serve_survey_workload(ring)
+    tw.stop()
+    assert tw.join(30) and tw.exit_code == structs.EXIT_SHUTDOWN
+    s, st = tw.stats, tw.state
+    assert s.fast_plan_mismatches == 1 and st.fast_plan_off == 1
+    assert 0 < st.fast_checked <= 32 and s.fast_plans < st.fast_checked   # the failing one never applied
+    assert s.fast_plans < s.steps_decode // 2                              # the full walks served the rest
+    assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total")
+
+
+def test_the_survey_switch_and_its_checks(monkeypatch):
+    from gpu_backend.cuda.config import FAST_PLAN_ENV
+    assert SchedulerConfig().fast_plan and SchedulerConfig().fast_plan_checks == 32
+    monkeypatch.setenv(FAST_PLAN_ENV, "0")           # the lease's one-line fallback: the full walks
+    cfg = SchedulerConfig()
+    assert not cfg.fast_plan
+    p = cfg.params(GEOM, 0, {}, 0)
+    assert p.fast_plan == 0 and p.fast_plan_checks == 32
+    for bad in (-1, 1 << 32, 2.5):
+        with pytest.raises(ValueError, match="fast_plan_checks"):
+            SchedulerConfig(fast_plan_checks=bad)
+
+
 def test_the_host_sees_every_counter(twin_lib, shm_ring):
     """The beat copies every counter of the device's stats to the host-mapped control block, the
     host's only view of them on a GPU (runtime.stats): after the exit's last beat they are equal."""
