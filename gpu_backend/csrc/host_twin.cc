@@ -85,9 +85,10 @@ struct blink_host_platform {
             __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
         __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
     }
-    /* The warp vote's effect on words the caller zeroed (host threads are no warp). */
-    void ballot_bit(uint32_t *words, uint32_t i, int pred) const {
-        if (pred) __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
+    /* The warp vote's effect on words the caller zeroed (host threads are no warp, so the
+     * device's whole-word stores, and their bound n, have no twin here). */
+    void ballot_bit(uint32_t *words, uint32_t i, int pred, uint32_t n) const {
+        if (pred && i < n) __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
     }
     void sync() const { pthread_barrier_wait(&blk->barrier); }
     /* __syncthreads_or: three flags in rotation, so the one reset here was last read two calls ago. */

@@ -777,8 +777,8 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
 #endif
             }
         }
-        plat.ballot_bit(bits, i, needy);
-        plat.ballot_bit(gone_bits, i, dropped);
+        plat.ballot_bit(bits, i, needy, n);
+        plat.ballot_bit(gone_bits, i, dropped, n);
     }
     if (other) plat.add_shared(&sh->sv_other, other);
     if (gone) plat.add_shared(&sh->sv_gone, gone);

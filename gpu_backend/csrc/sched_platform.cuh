@@ -35,10 +35,12 @@ struct blink_device_platform {
     __device__ uint32_t add_shared(uint32_t *p, uint32_t v) const { return atomicAdd_block(p, v); }
     __device__ uint32_t max_shared(uint32_t *p, uint32_t v) const { return atomicMax_block(p, v); }
     /* Bit i % 32 of words[i / 32] = pred, for the 32 consecutive i of a warp (all its lanes call it
-     * together, i aligned to the warp): one ballot and one store a warp, no atomic. */
-    __device__ void ballot_bit(uint32_t *words, uint32_t i, int pred) const {
+     * together, i aligned to the warp): one ballot and one store a warp, no atomic. A warp whose
+     * positions all lie at or past n stores nothing: the bitmap holds the words of n bits only
+     * (a round of 256 lanes over one running request would write 8 words of a 1-entry list). */
+    __device__ void ballot_bit(uint32_t *words, uint32_t i, int pred, uint32_t n) const {
         const uint32_t bits = __ballot_sync(0xffffffffu, pred);
-        if ((threadIdx.x & 31u) == 0) words[i >> 5] = bits;
+        if ((threadIdx.x & 31u) == 0 && i < n) words[i >> 5] = bits;
     }
     /* Bit i of words: an atomic OR on the scheduler's own device memory, among its own threads. */
     __device__ void or_bit(uint32_t *words, uint32_t i) const { atomicOr_block(&words[i >> 5], 1u << (i & 31u)); }
