@@ -8,7 +8,7 @@ counterpart measured in the same run.
               one-kernel graph (API call, launch -> child start, launch -> child done
               seen) vs cuGraphLaunch of the same graph from the host (paper: ~2 us
               vs 11-17 us); blink_bench_tail: a tail self-relaunch
-    workload  the stand-in echo workload (R requests x T tokens, batch B) served by
+    workload  the stand-in echo workload (R requests x T tokens, or mixed lengths, batch B) served by
               the persistent scheduler vs by a host-driven loop (the same C++ loop on
               a host thread that launches the same echo graph from the host each
               step and waits for it): makespan, per-step time and scheduler overhead;
@@ -173,11 +173,14 @@ class Bench:
 
     # -- the echo workload -------------------------------------------------------
     @staticmethod
-    def _fill(ring: Ring, n_req: int, prompt_len: int, tokens: int) -> None:
-        rng = np.random.default_rng(0)
+    def _fill(ring: Ring, n_req: int, prompt_len: int, tokens) -> None:
+        """n_req requests of prompt_len random tokens; `tokens`: output tokens of each (an int, or
+        one per request: _lengths), request i's output at i x the longest."""
+        rng, lengths = np.random.default_rng(0), _lengths(n_req, tokens)
+        stride = int(lengths.max())
         for i in range(n_req):
             req = SlotRequest(seq=i + 1, prompt_offset=i * prompt_len, prompt_len=prompt_len,
-                              output_offset=i * tokens, max_tokens=tokens)
+                              output_offset=i * stride, max_tokens=int(lengths[i]))
             ring.prompt_arena[i * prompt_len:(i + 1) * prompt_len] = rng.integers(0, 49152, prompt_len)
             rec = req.record()
             rec["state"] = SlotState.PREFILL_PENDING
@@ -192,20 +195,28 @@ class Bench:
                 raise RuntimeError("workload did not complete")
             time.sleep(0.0002)
 
-    def _check(self, ring: Ring, n_req: int, prompt_len: int, tokens: int) -> None:
+    def _check(self, ring: Ring, n_req: int, prompt_len: int, tokens) -> None:
         """Every request's tokens are the echo of its prompt (the timed loop's plans did no harm)."""
+        lengths = _lengths(n_req, tokens)
+        stride = int(lengths.max())
         prompts = np.asarray(ring.prompt_arena[:n_req * prompt_len]).reshape(n_req, prompt_len)
-        want = prompts[:, np.arange(tokens) % prompt_len]
-        got = np.asarray(ring.output_arena[:n_req * tokens]).reshape(n_req, tokens)
-        bad = np.flatnonzero((got != want).any(axis=1))
+        want = prompts[:, np.arange(stride) % prompt_len]
+        got = np.asarray(ring.output_arena[:n_req * stride]).reshape(n_req, stride)
+        done = np.arange(stride)[None, :] < lengths[:, None]          # each request's own length
+        bad = np.flatnonzero(((got != want) & done).any(axis=1))
         assert bad.size == 0, f"requests {bad[:8].tolist()} (of {bad.size}): wrong tokens"
 
-    def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16) -> dict:
+    def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16, mixed: bool = False) -> dict:
+        """`mixed`: output lengths drawn from tokens/4..tokens (requests finish at different steps:
+        a reap in most steps) instead of all `tokens` (they finish together, batch by batch)."""
+        lengths = _lengths(n_req, tokens, mixed)
         geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
         # timed without the first fast plans' checks (the full walks beside them); _check reads every token
         cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
                               fast_plan_checks=0)
-        out = {"batch": batch, "requests": n_req, "tokens_per_request": tokens, "prompt_len": prompt_len}
+        out = {"batch": batch, "requests": n_req, "prompt_len": prompt_len,
+               "tokens_per_request": f"{lengths.min()}-{tokens}" if mixed else tokens}
+        tokens = lengths if mixed else tokens
 
         # persistent scheduler over a host-mapped ring (the one-box deployment); then the same with a
         # slot scan in every iteration (full_scan_us=0: the frontend doorbell unread), the A/B of the bell
@@ -276,7 +287,8 @@ class Bench:
             c = rt.stats().counters
             rt.close()
             o_off = geom.output_arena_offset
-            check(d.cuMemcpyDtoH(host.ctypes.data + o_off, dring.device_addr + o_off, n_req * tokens * 4),
+            check(d.cuMemcpyDtoH(host.ctypes.data + o_off, dring.device_addr + o_off,
+                                 n_req * int(_lengths(n_req, tokens).max()) * 4),
                   "cuMemcpyDtoH(outputs)")
             self._check(ring, n_req, prompt_len, tokens)
         finally:
@@ -326,6 +338,16 @@ class Bench:
             b.close()
         mem.close()
         return res
+
+
+def _lengths(n_req: int, tokens, mixed: bool = False) -> np.ndarray:
+    """Output tokens of each request: `tokens` itself if one per request, else all `tokens`, or
+    (mixed) drawn from tokens/4..tokens by a fixed seed."""
+    if not np.isscalar(tokens):
+        return np.asarray(tokens, np.int64)
+    if not mixed:
+        return np.full(n_req, int(tokens), np.int64)
+    return np.random.default_rng(1).integers(max(1, tokens // 4), tokens + 1, n_req)
 
 
 def _persistent_stats(c, makespan_ns: int) -> dict:
@@ -451,12 +473,15 @@ def main(argv=None) -> int:
     print("scan", json.dumps(results["scan"]), flush=True)
     results["launch"] = b.launch(windows=4 if args.quick else 20)
     print("launch", json.dumps(results["launch"]), flush=True)
-    shapes = [(1, 8, 256), (16, 64, 256), (64, 256, 256), (256, 1024, 128)]
+    # the last: requests of mixed lengths finish at different steps, so most steps reap (the
+    # survey's reap against thread 0's walk); in the others they finish together
+    shapes = [(1, 8, 256, False), (16, 64, 256, False), (64, 256, 256, False), (256, 1024, 128, False),
+              (256, 1024, 224, True)]
     if args.quick:
         shapes = shapes[:2]
     results["workloads"] = []
-    for batch, n_req, tokens in shapes:
-        w = b.workload(batch, n_req, tokens)
+    for batch, n_req, tokens, mixed in shapes:
+        w = b.workload(batch, n_req, tokens, mixed=mixed)
         print("workload", json.dumps(w), flush=True)
         results["workloads"].append(w)
     stem = write_results(results, pathlib.Path(args.out), args.machine)

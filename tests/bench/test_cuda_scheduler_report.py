@@ -74,3 +74,32 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     assert f"| 8 | {bell['us_per_step']} | {bell['scans_per_step']} |" in ab
     survey = md.split("The survey, A/B in this run")[1]
     assert f"| 8 | {round(100 * bell['fast_plan_share'])}% | {bell['plan_us_per_step']} |" in survey
+
+
+def test_mixed_lengths_are_served_and_checked_by_their_own_length(twin_lib):
+    """The mixed workload: each request stops at its own length (the twin serves them; a reap in
+    most steps), and the check reads each request's tokens up to its length, no further."""
+    from gpu_backend.cuda.twin import TwinScheduler
+    geom = RingGeometry(4096, 1 << 16, 1 << 16)
+    lengths = cs._lengths(24, 40, mixed=True)
+    assert lengths.min() >= 10 and lengths.max() <= 40 and len(set(lengths.tolist())) > 5
+    assert (cs._lengths(24, 40, mixed=True) == lengths).all()          # the same draw every run
+    ring = Ring.create(bytearray(geom.total_size), geom)
+    cs.Bench._fill(ring, 24, 16, lengths)
+    tw = TwinScheduler(ring, SchedulerConfig(max_batch_size=8, max_model_len=64, idle_sleep_ns=0), threads=2)
+    tw.start()
+    deadline = time.monotonic() + 30
+    while not (ring.state[:24] == SlotState.DECODE_COMPLETED).all():
+        assert time.monotonic() < deadline, "the twin did not serve the workload"
+        time.sleep(0.001)
+    tw.stop()
+    assert tw.join(30)
+    assert (ring.slots["generated"][:24] == lengths).all()
+    cs.Bench._check(None, ring, 24, 16, lengths)
+    stride = int(lengths.max())
+    short = int(lengths.argmin())
+    ring.output_arena[short * stride + int(lengths[short])] += 1       # past its length: not read
+    cs.Bench._check(None, ring, 24, 16, lengths)
+    ring.output_arena[short * stride] += 1                              # within it: a wrong token
+    with pytest.raises(AssertionError, match=rf"requests \[{short}\]"):
+        cs.Bench._check(None, ring, 24, 16, lengths)
