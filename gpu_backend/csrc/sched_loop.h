@@ -722,6 +722,18 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
 
 /* Bit i of a bitmap of 32-bit words, and the set bits before it. */
 static inline BLINK_HD uint32_t blink_bit(const uint32_t *bits, uint32_t i) { return (bits[i >> 5] >> (i & 31u)) & 1u; }
+
+/* fn(i) for each set bit i of the first n bits, in ascending order. */
+template <class F>
+BLINK_DEV void blink_each_bit(const uint32_t *bits, uint32_t n, F fn) {
+    for (uint32_t w = 0; w < (n + 31) / 32; ++w)
+        for (uint32_t b = bits[w]; b; b &= b - 1) fn(w * 32 + blink_ctz32(b));
+}
+
+/* The reap's test: a running request that this iteration drops (finished, or aborted). */
+static inline BLINK_HD int blink_reaped(const blink_req_t *r) {
+    return r->status == BLINK_REQ_FINISHED || r->abort_finish;
+}
 static inline BLINK_HD uint32_t blink_bits_before(const uint32_t *bits, uint32_t i) {
     uint32_t n = blink_popc32(bits[i >> 5] & ((1u << (i & 31u)) - 1u));
     for (uint32_t w = 0; w < (i >> 5); ++w) n += blink_popc32(bits[w]);
@@ -752,14 +764,15 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
                                   unsigned nt) {
     const uint32_t n = p->state->n_running;
     const int64_t bs = p->policy.block_size;
-    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), *gone_bits = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
+    uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
+    uint32_t *gone_bits = blink_scratch_list(p, BLINK_LIST_GONE_BITS);
     uint32_t other = 0, gone = 0, need = 0, needy_n = 0, over = 0;
     for (uint32_t i0 = 0; i0 < n; i0 += nt) {
         const uint32_t i = i0 + tid;
         int needy = 0, dropped = 0;
         if (i < n) {
             const blink_req_t *r = &p->reqs[p->running[i]];
-            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) {   /* the reap's own test */
+            if (blink_reaped(r)) {
                 ++gone;
                 dropped = 1;
             } else if ((int64_t)blink_req_tokens(r) - r->num_computed != 1) {
@@ -824,18 +837,14 @@ static inline BLINK_HD int blink_par_alloc_ok(const blink_sched_params_t *p, con
  * planner will see when no request it skipped is left behind (the reap drops them only when flagged);
  * the needy positions, in running order, become slots while the positions still hold (where
  * `lists`: the apply allocates for them, or the twin checks the fill phase's allocation). */
-template <class P>
-BLINK_DEV uint32_t blink_survey_needy(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh,
-                                      int lists) {
-    (void)plat;
+static inline BLINK_DEV uint32_t blink_survey_needy(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
+                                                    int lists) {
     if (!sh->survey || p->rules.policy != BLINK_POLICY_FCFS || sh->sv_other || (sh->sv_gone && !sh->reap_running))
         return 0;
     if (!lists) return sh->sv_needy + 1;
-    const uint32_t n = p->state->n_running;
-    const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
     uint32_t *ids = blink_scratch_list(p, BLINK_LIST_NEEDY_ID), k = 0;
-    for (uint32_t w = 0; w < (n + 31) / 32; ++w)
-        for (uint32_t b = bits[w]; b; b &= b - 1) ids[k++] = p->running[w * 32 + blink_ctz32(b)];
+    blink_each_bit(blink_scratch_list(p, BLINK_LIST_NEEDY_BITS), p->state->n_running,
+                   [&](uint32_t i) { ids[k++] = p->running[i]; });
     return k + 1;   /* 0: no fast plan; else 1 + the number of needy requests */
 }
 
@@ -898,7 +907,7 @@ BLINK_DEV const uint32_t *blink_survey_reap(P &plat, const blink_sched_params_t 
         int ok = 1;
         for (uint32_t i = 0; i < n; ++i) {
             const blink_req_t *r = &p->reqs[p->running[i]];
-            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) continue;
+            if (blink_reaped(r)) continue;
             ok &= j < n_kept && kept[j] == p->running[i];
             ++j;
         }
@@ -907,8 +916,7 @@ BLINK_DEV const uint32_t *blink_survey_reap(P &plat, const blink_sched_params_t 
             return 0;
         }
     }
-    for (uint32_t w = 0; w < (n + 31) / 32; ++w)
-        for (uint32_t b = gone[w]; b; b &= b - 1) blink_reap_running(plat, p, p->running[w * 32 + blink_ctz32(b)]);
+    blink_each_bit(gone, n, [&](uint32_t i) { blink_reap_running(plat, p, p->running[i]); });
     st->n_running = n_kept;
     return kept;
 }
@@ -954,7 +962,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     sh->n_tokens = sh->n_completed = sh->n_arrivals = sh->n_valid = 0;
     const int alloc_ok = blink_par_alloc_ok(p, sh);   /* before the reap, which only adds free blocks */
     const int check = sh->checking, lists = !alloc_ok || check;
-    const uint32_t fast_needy = blink_survey_needy(plat, p, sh, lists);   /* before the reap moves positions */
+    const uint32_t fast_needy = blink_survey_needy(p, sh, lists);   /* before the reap moves positions */
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
     if (p->prefix_caching && sh->commit) {
@@ -962,12 +970,10 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
          * published), in chunk order: the running order the Python scheduler commits in. One GPU
          * thread walking every running request here, at 256 of them, paid a dependent load or two
          * each in every step where some block filled (most steps). */
-        const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_COMMIT);   /* publish's bitmap of chunks */
-        for (uint32_t w = 0; w < (st->n_chunks + 31) / 32; ++w)
-            for (uint32_t b = bits[w]; b; b &= b - 1) {
-                const uint32_t slot = p->chunk_slot[w * 32 + blink_ctz32(b)];
-                blink_commit_blocks(plat, p, slot, &p->reqs[slot]);
-            }
+        blink_each_bit(blink_scratch_list(p, BLINK_LIST_COMMIT), st->n_chunks, [&](uint32_t c) {   /* publish's */
+            const uint32_t slot = p->chunk_slot[c];
+            blink_commit_blocks(plat, p, slot, &p->reqs[slot]);
+        });
     }
 
     /* engine._reap (waiting, then running) and the finished of the publish phase: walked only where
@@ -993,7 +999,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         for (uint32_t i = 0; i < st->n_running; ++i) {
             const uint32_t slot = p->running[i];
             const blink_req_t *r = &p->reqs[slot];
-            if (r->status == BLINK_REQ_FINISHED || r->abort_finish) blink_reap_running(plat, p, slot);
+            if (blink_reaped(r)) blink_reap_running(plat, p, slot);
             else p->running[kept++] = slot;
         }
         st->n_running = kept;
@@ -1199,7 +1205,8 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
         for (uint32_t j = 0; j < sh->sv_needy; ++j) {
             const uint32_t slot = blink_scratch_list(p, BLINK_LIST_NEEDY_ID)[j];
             const blink_req_t *r = &p->reqs[slot];
-            if (r->num_blocks == 0 || blink_table(p, slot)[r->num_blocks - 1] != blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j]) {
+            const uint32_t want = blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j];
+            if (r->num_blocks == 0 || blink_table(p, slot)[r->num_blocks - 1] != want) {
                 blink_fast_plan_failed(p);
                 break;
             }
@@ -1323,8 +1330,8 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         if (tid == 0) {
             blink_phase_wait(plat, p, sh);
             blink_survey_decide(p, sh);
-            if (p->prefix_caching)   /* publish's bitmap of the chunks with blocks to commit */
-                for (uint32_t w = 0; w < (p->state->n_chunks + 31) / 32; ++w) blink_scratch_list(p, BLINK_LIST_COMMIT)[w] = 0;
+            uint32_t *commit = blink_scratch_list(p, BLINK_LIST_COMMIT);   /* publish's bitmap of chunks to commit */
+            for (uint32_t w = 0; p->prefix_caching && w < (p->state->n_chunks + 31) / 32; ++w) commit[w] = 0;
         }
         plat.sync();
         if (sh->exit) break;
