@@ -87,6 +87,15 @@ struct blink_host_platform {
     }
     /* The warp vote's effect on words the caller zeroed (host threads are no warp, so the
      * device's whole-word stores, and their bound n, have no twin here). */
+    /* Compare-and-swap of a word of the scheduler's own device memory (the prefix cache's table),
+     * among its threads: the old value (counted, as above, if it were the ring's). */
+    uint32_t cas32(uint32_t *w, uint32_t expect, uint32_t v) const {
+        const uintptr_t a = (uintptr_t)w;
+        if (blk && ((a >= blk->ring_lo && a < blk->ring_hi) || (a >= blk->ctl_lo && a < blk->ctl_hi)))
+            __atomic_fetch_add(&g_ring_rmw, 1, __ATOMIC_RELAXED);
+        __atomic_compare_exchange_n(w, &expect, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+        return expect;
+    }
     void ballot_bit(uint32_t *words, uint32_t i, int pred, uint32_t n) const {
         if (pred && i < n) __atomic_fetch_or(&words[i >> 5], 1u << (i & 31u), __ATOMIC_SEQ_CST);
     }
@@ -319,6 +328,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, scan_valid)                                   \
     X(blink_sched_state_t, scan_bell) X(blink_sched_state_t, scan_epoch) X(blink_sched_state_t, scan_ns)    \
     X(blink_sched_state_t, fast_checked) X(blink_sched_state_t, fast_plan_off)                              \
+    X(blink_sched_state_t, commit_checked) X(blink_sched_state_t, reserved3)                                \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
@@ -333,8 +343,8 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, prefix_miss_blocks) X(blink_sched_control_t, reap_ns)                          \
     X(blink_sched_control_t, policy_ns) X(blink_sched_control_t, apply_ns) X(blink_sched_control_t, rows_ns) \
     X(blink_sched_control_t, fast_plans) X(blink_sched_control_t, fast_plan_mismatches)                     \
-    X(blink_sched_control_t, fill_blocks)                                                                   \
-    X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)                          \
+    X(blink_sched_control_t, fill_blocks) X(blink_sched_control_t, par_commits)                            \
+    X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)              \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \
     X(blink_sched_params_t, slots_offset) X(blink_sched_params_t, prompt_arena_offset)                      \

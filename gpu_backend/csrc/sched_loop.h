@@ -90,6 +90,10 @@ typedef struct blink_sched_shared {
     uint32_t checking;       /* this iteration checks the survey's results against the full walks */
     uint32_t alloc_top;      /* the free stack's height before those blocks left it */
     uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
+    uint32_t par_commit;     /* wait: this iteration may commit in parallel (blink_phase_commit) */
+    uint32_t commit_multi;   /* publish: a chunk has more than one block to commit (thread 0's walk commits) */
+    uint32_t commit_serial;  /* commit phase: two candidates share a block, or the check disagreed (the walk commits) */
+    uint32_t commit_won;     /* commit phase: blocks it put in the prefix cache */
 } blink_sched_shared_t;
 
 /* blink_sched_shared_t.step_ids: the planner's decode list; the running list itself (a fast plan);
@@ -193,26 +197,28 @@ static inline BLINK_HD uint32_t blink_full_blocks(const blink_sched_params_t *p,
 
 /* The keys of every full block the request has computed (what blink_commit_blocks will commit),
  * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
- * across requests, and the serial schedule phase finds them done. Returns 1 if it has blocks to
- * commit (a request's full blocks change only where its chunk is published). */
+ * across requests, and the commit finds them done. Returns how many blocks it has to commit (a
+ * request's full blocks change only where its chunk is published). */
 template <class P>
-BLINK_DEV int blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+BLINK_DEV uint32_t blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
     const uint32_t full = blink_full_blocks(p, r);
     if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
-    return full > r->num_committed;
+    return full > r->num_committed ? full - r->num_committed : 0;
 }
 
-/* plan_scratch holds fourteen lists of max_batch_size entries: the planner's seven outputs; the
+/* plan_scratch holds twenty-two lists of max_batch_size entries: the planner's seven outputs; the
  * chunks whose requests have full blocks to commit, a bitmap publish marks for the schedule phase
  * of the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
  * plan's new-block lists made from it (blink_fast_plan); the survey's bitmap of running positions
  * the reap drops, the running list without them and, for each kept request, its rank among the
- * needy ones (blink_phase_survey). */
+ * needy ones (blink_phase_survey); the commit phase's candidates (a bitmap by chunk, each one's
+ * block and key) and winners (a bitmap), and its check's list of winners (blink_phase_commit). */
 enum {
     BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
     BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT,
     BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_LIST_GONE_BITS, BLINK_LIST_KEPT,
-    BLINK_LIST_KEPT_RANK, BLINK_SCRATCH_LISTS
+    BLINK_LIST_KEPT_RANK, BLINK_LIST_CAND_BITS, BLINK_LIST_WIN_BITS, BLINK_LIST_CAND_BLOCK, BLINK_LIST_CAND_KLO,
+    BLINK_LIST_CAND_KHI, BLINK_LIST_CHECK_BLOCK, BLINK_LIST_CHECK_KLO, BLINK_LIST_CHECK_KHI, BLINK_SCRATCH_LISTS
 };
 static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
     return p->plan_scratch + which * p->policy.max_batch_size;
@@ -666,10 +672,12 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        if (p->prefix_caching && blink_keys_ahead(plat, p, slot, r)) {
-            /* for the schedule phase: a bit per chunk, so it walks them in chunk order without sorting */
+        const uint32_t to_commit = p->prefix_caching ? blink_keys_ahead(plat, p, slot, r) : 0;
+        if (to_commit) {
+            /* for the commit: a bit per chunk, so it is walked in chunk order without sorting */
             plat.or_bit(blink_scratch_list(p, BLINK_LIST_COMMIT), c);
             plat.add_shared(&sh->commit, 1);
+            if (to_commit > 1) plat.add_shared(&sh->commit_multi, 1);
         }
         if (!p->chunk_sample[c]) continue;
         r->seat_fresh = 0;   /* the step that sampled filled the seat */
@@ -947,6 +955,138 @@ static inline BLINK_HD int blink_plans_agree(const blink_plan_t *want, const bli
     return j == got->n_new_blocks;
 }
 
+/* ---- The prefix-cache commits, in parallel ----
+ * Where 64-256 decoding requests cross a block boundary in the same step (requests that started
+ * together do, every block_size steps), thread 0 committing them one by one paid a dependent global
+ * load or several each (the request, its table, the block's refs and key, the table's probe twice).
+ * When every chunk has one block to commit (decode steps; a prefill chunk that fills several goes to
+ * the walk), the commit phase does it with every thread, with the walk's result: the walk commits
+ * in chunk order, and a block enters the cache unless it has a key already or its key is in the
+ * table, which an earlier chunk of the same step may have just put there. So a candidate is a chunk
+ * whose block has no key and whose key the table lacks before the step; of the candidates with one
+ * key, the first in chunk order wins. (Two candidates holding one block under different keys, which
+ * the scheduler never makes, would need the walk's order: the walk commits then.) The winners' keys
+ * differ and none is in the table, so they go in at once, each probe claiming an empty entry by
+ * compare-and-swap. Entries may sit elsewhere in a probe run than the walk would put them; the table
+ * maps the same keys to the same blocks, and that is all its readers see. The first
+ * fast_plan_checks times (every time in the twin's tests) thread 0 first decides the winners by the
+ * walk, read-only, and a disagreement is counted (fast_plan_mismatches), the walk commits and the
+ * parallel paths are off from then on (blink_fast_plan_failed). */
+
+/* Whether this iteration's commits go to the commit phase (the same value in every thread after
+ * publish's barrier): the parallel paths on, and each listed chunk one block to commit. */
+static inline BLINK_HD int blink_commit_parallel(const blink_sched_shared_t *sh) {
+    return sh->par_commit && sh->commit && !sh->commit_multi;
+}
+
+/* Key k of a candidate list, kept as two 32-bit lists (plan_scratch's lists are 32-bit). */
+static inline BLINK_HD uint64_t blink_list_key(const blink_sched_params_t *p, uint32_t lo, uint32_t i) {
+    return (uint64_t)blink_scratch_list(p, lo)[i] | (uint64_t)blink_scratch_list(p, lo + 1)[i] << 32;
+}
+static inline BLINK_HD void blink_list_key_set(const blink_sched_params_t *p, uint32_t lo, uint32_t i, uint64_t k) {
+    blink_scratch_list(p, lo)[i] = (uint32_t)k;
+    blink_scratch_list(p, lo + 1)[i] = (uint32_t)(k >> 32);
+}
+
+/* The block and key chunk c's request commits (its one block to commit); whether the walk would
+ * find it uncommitted before this step's commits: held, no key, its key not in the table. */
+static inline BLINK_HD int blink_commit_candidate(const blink_sched_params_t *p, uint32_t c, uint32_t *block,
+                                                  uint64_t *key) {
+    const uint32_t slot = p->chunk_slot[c];
+    const uint32_t j = p->reqs[slot].num_committed;
+    *block = blink_table(p, slot)[j];
+    *key = p->kv_keys[(uint64_t)slot * p->kv_max_blocks + j];
+    const blink_pkv_t *k = p->pkv;
+    return *block < k->num_blocks && k->refs[*block] && !k->has_key[*block] && blink_pkv_find(k, *key) == BLINK_KV_NIL;
+}
+
+/* thread 0, while checking: the winners by the walk's rule, read from the requests themselves
+ * (not the candidate lists), against the parallel pass's winner bitmap; 1 where they agree. */
+static inline BLINK_DEV int blink_commit_check(const blink_sched_params_t *p, uint32_t n_chunks) {
+    const uint32_t *commit = blink_scratch_list(p, BLINK_LIST_COMMIT), *win = blink_scratch_list(p, BLINK_LIST_WIN_BITS);
+    uint32_t *blocks = blink_scratch_list(p, BLINK_LIST_CHECK_BLOCK), n_won = 0;
+    int ok = 1;
+    blink_each_bit(commit, n_chunks, [&](uint32_t c) {
+        uint32_t b;
+        uint64_t k;
+        int wins = blink_commit_candidate(p, c, &b, &k);
+        for (uint32_t w = 0; wins && w < n_won; ++w)   /* an earlier winner has its key or its block */
+            wins = blocks[w] != b && blink_list_key(p, BLINK_LIST_CHECK_KLO, w) != k;
+        if (wins) {
+            blocks[n_won] = b;
+            blink_list_key_set(p, BLINK_LIST_CHECK_KLO, n_won++, k);
+        }
+        ok &= (uint32_t)wins == blink_bit(win, c);
+    });
+    return ok;
+}
+
+/* all threads, after publish, where sh->par_commit and publish listed chunks with one block each to
+ * commit: the candidates, their winners, then the winners into the table (the walk's result, above). */
+template <class P>
+BLINK_DEV void blink_phase_commit(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
+                                  unsigned nt) {
+    const uint32_t n = p->state->n_chunks;
+    const uint32_t *commit = blink_scratch_list(p, BLINK_LIST_COMMIT);
+    uint32_t *cand = blink_scratch_list(p, BLINK_LIST_CAND_BITS), *win = blink_scratch_list(p, BLINK_LIST_WIN_BITS);
+    uint32_t *cand_block = blink_scratch_list(p, BLINK_LIST_CAND_BLOCK);
+    for (uint32_t c = tid; c < n; c += nt) {   /* the candidates: reads only, the table as before the step */
+        if (!blink_bit(commit, c)) continue;
+        uint32_t b;
+        uint64_t k;
+        if (!blink_commit_candidate(p, c, &b, &k)) continue;
+        cand_block[c] = b;
+        blink_list_key_set(p, BLINK_LIST_CAND_KLO, c, k);
+        plat.or_bit(cand, c);
+    }
+    plat.sync();
+    for (uint32_t c = tid; c < n; c += nt) {   /* the winners: no earlier candidate with the key */
+        if (!blink_bit(cand, c)) continue;
+        const uint64_t k = blink_list_key(p, BLINK_LIST_CAND_KLO, c);
+        int wins = 1, shared_block = 0;
+        for (uint32_t w = 0; w <= c >> 5; ++w) {
+            uint32_t bits = cand[w] & (w < c >> 5 ? 0xffffffffu : (1u << (c & 31u)) - 1u);
+            for (; bits; bits &= bits - 1) {
+                const uint32_t e = w * 32 + blink_ctz32(bits);
+                if (blink_list_key(p, BLINK_LIST_CAND_KLO, e) == k) wins = 0;
+                else if (cand_block[e] == cand_block[c]) shared_block = 1;
+            }
+        }
+        if (shared_block) plat.add_shared(&sh->commit_serial, 1);
+#ifdef BLINK_PLANT_COMMIT_FAULT   /* a test variant of the twin only: a winner whose key an earlier one has */
+        if (!wins) wins = 1;
+#endif
+        if (wins) plat.or_bit(win, c);
+    }
+    plat.sync();
+    if (tid == 0 && !sh->commit_serial && p->state->commit_checked < p->fast_plan_checks) {
+        p->state->commit_checked += 1;
+        if (!blink_commit_check(p, n)) {
+            blink_fast_plan_failed(p);
+            sh->commit_serial = 1;
+        }
+    }
+    plat.sync();
+    if (sh->commit_serial) return;   /* the same in every thread: written before the barrier above */
+    blink_pkv_t *pkv = p->pkv;
+    const uint32_t mask = pkv->table_cap - 1;
+    uint32_t won = 0;
+    for (uint32_t c = tid; c < n; c += nt) {
+        if (!blink_bit(commit, c)) continue;
+        p->reqs[p->chunk_slot[c]].num_committed += 1;   /* = its full blocks: one to commit, as publish saw */
+        if (!blink_bit(win, c)) continue;
+        const uint32_t b = cand_block[c];
+        const uint64_t k = blink_list_key(p, BLINK_LIST_CAND_KLO, c);
+        uint32_t i = (uint32_t)k & mask;
+        while (plat.cas32(&pkv->table_block[i], BLINK_KV_NIL, b) != BLINK_KV_NIL) i = (i + 1) & mask;
+        pkv->table_key[i] = k;
+        pkv->key[b] = k;
+        pkv->has_key[b] = 1;
+        ++won;
+    }
+    if (won) plat.add_shared(&sh->commit_won, won);
+}
+
 /* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
 template <class P>
 BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
@@ -965,7 +1105,10 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     const uint32_t fast_needy = blink_survey_needy(p, sh, lists);   /* before the reap moves positions */
 
     /* scheduler.update: the blocks the step filled enter the prefix cache (finished requests' too) */
-    if (p->prefix_caching && sh->commit) {
+    if (blink_commit_parallel(sh) && !sh->commit_serial) {   /* the commit phase committed them */
+        p->pkv->cached += sh->commit_won;
+        stats->par_commits += sh->commit_won;
+    } else if (p->prefix_caching && sh->commit) {
         /* Only the chunks publish listed (a request's full blocks change only where its chunk was
          * published), in chunk order: the running order the Python scheduler commits in. One GPU
          * thread walking every running request here, at 256 of them, paid a dependent load or two
@@ -1312,6 +1455,7 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         plat.sync();
         if (tid == 0) {
             sh->reap_waiting = sh->reap_running = sh->commit = 0;
+            sh->commit_multi = sh->commit_serial = sh->commit_won = 0;
             blink_phase_control(plat, p, sh);
         }
         plat.sync();
@@ -1330,14 +1474,21 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         if (tid == 0) {
             blink_phase_wait(plat, p, sh);
             blink_survey_decide(p, sh);
-            uint32_t *commit = blink_scratch_list(p, BLINK_LIST_COMMIT);   /* publish's bitmap of chunks to commit */
-            for (uint32_t w = 0; p->prefix_caching && w < (p->state->n_chunks + 31) / 32; ++w) commit[w] = 0;
+            /* publish's bitmap of chunks to commit, and the commit phase's */
+            uint32_t *commit = blink_scratch_list(p, BLINK_LIST_COMMIT), *cand = blink_scratch_list(p, BLINK_LIST_CAND_BITS),
+                     *win = blink_scratch_list(p, BLINK_LIST_WIN_BITS);
+            for (uint32_t w = 0; p->prefix_caching && w < (p->state->n_chunks + 31) / 32; ++w) commit[w] = cand[w] = win[w] = 0;
+            sh->par_commit = p->prefix_caching && p->fast_plan && !p->state->fast_plan_off;
         }
         plat.sync();
         if (sh->exit) break;
         const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
+        if (blink_commit_parallel(sh)) {   /* the same value in every thread: written before the barrier above */
+            blink_phase_commit(plat, p, sh, tid, nt);
+            plat.sync();
+        }
         if (sh->survey) {   /* the same value in every thread: written before the barrier above */
             if (tid == 0) {
                 sh->t_survey = plat.now_ns(p);

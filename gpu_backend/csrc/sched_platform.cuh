@@ -12,8 +12,8 @@
  * WRITE never takes part in one. Every ring word has one writer per state
  * (shared_layout's owner table), ordered by fences; the only atomics here are
  * add_shared and max_shared, on the block's shared memory among the scheduler's threads, and
- * or_bit, on the scheduler's own device memory among them (ballot_bit is a warp vote and a
- * plain store there).
+ * or_bit and cas32, on the scheduler's own device memory among them (ballot_bit is a warp vote
+ * and a plain store there).
  */
 #ifndef BLINK_SCHED_PLATFORM_CUH
 #define BLINK_SCHED_PLATFORM_CUH
@@ -44,6 +44,9 @@ struct blink_device_platform {
     }
     /* Bit i of words: an atomic OR on the scheduler's own device memory, among its own threads. */
     __device__ void or_bit(uint32_t *words, uint32_t i) const { atomicOr_block(&words[i >> 5], 1u << (i & 31u)); }
+    /* Compare-and-swap of a word of the scheduler's own device memory (the prefix cache's table),
+     * among its own threads: the old value. */
+    __device__ uint32_t cas32(uint32_t *w, uint32_t expect, uint32_t v) const { return atomicCAS_block(w, expect, v); }
     __device__ void sync() const { __syncthreads(); }
     __device__ int sync_or(int v) const { return __syncthreads_or(v); }
     __device__ uint64_t now_ns(const blink_sched_params_t *p) const {

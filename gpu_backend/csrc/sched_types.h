@@ -192,13 +192,15 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint64_t scan_ns;             /* the clock then */
     uint32_t fast_checked;        /* fast plans checked against the full walks so far (sched_loop.h) */
     uint32_t fast_plan_off;       /* 1: a check disagreed; the full walks plan every step from then on */
+    uint32_t commit_checked;      /* parallel commits checked against thread 0's walk so far (sched_loop.h) */
+    uint32_t reserved3;
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
  * The device keeps its counters in a device-memory copy (params.stats) and
  * copies them here at every heartbeat: a read-modify-write of host memory
  * would cost a PCIe round trip per counter. */
-#define BLINK_LAST_COUNTER fill_blocks   /* blink_sched_control_t's last u64 counter */
+#define BLINK_LAST_COUNTER par_commits   /* blink_sched_control_t's last u64 counter */
 typedef struct BLINK_ALIGN8 blink_sched_control {
     uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
     uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
@@ -232,6 +234,7 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t fast_plan_mismatches; /* the CPU twin only: fast plans, survey reaps and fill-phase blocks the full
                                       planner, the reap's walk and blink_pkv_alloc, run beside them, disagreed with */
     uint64_t fill_blocks;         /* KV blocks the fill phase took in parallel (sched_loop.h blink_fill_block) */
+    uint64_t par_commits;         /* blocks the commit phase put in the prefix cache in parallel (blink_phase_commit) */
     /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
      * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */

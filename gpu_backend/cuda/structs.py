@@ -65,17 +65,18 @@ class SchedState(_Struct):
                 ("draining", u32), ("started", u32), ("n_rows", u32), ("graph", u32),
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
                 ("step_launched_ns", u64), ("plan_stamp", u32), ("scan_valid", u32), ("scan_bell", u64),
-                ("scan_epoch", u64), ("scan_ns", u64), ("fast_checked", u32), ("fast_plan_off", u32)]
+                ("scan_epoch", u64), ("scan_ns", u64), ("fast_checked", u32), ("fast_plan_off", u32),
+                ("commit_checked", u32), ("reserved3", u32)]
 
 
 CHECK_ALWAYS = 0xFFFF_FFFF   # SchedParams.fast_plan_checks: check every fast plan (the twin in the tests)
-SCRATCH_LISTS = 14    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
+SCRATCH_LISTS = 22    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
             "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
-            "fast_plan_mismatches", "fill_blocks")
+            "fast_plan_mismatches", "fill_blocks", "par_commits")
 
 
 class SchedControl(_Struct):

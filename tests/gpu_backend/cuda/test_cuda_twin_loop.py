@@ -145,6 +145,75 @@ def test_a_survey_that_disagrees_is_turned_off_and_the_full_walks_serve(twin_lib
     assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total")
 
 
+COMMIT_CFG = dict(max_batch_size=64, block_size=4, max_model_len=128, idle_sleep_ns=0, beat_interval_s=0.005)
+
+
+def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=()):
+    """Blocks committed in step, with duplicates: 8 prompts of 5 tokens, 12 copies each, and 40
+    unique prompts of 3-30 tokens, all submitted before the scheduler starts (one scan sees them, so
+    the run is the same run each time). Copies admitted in one step compute the same blocks and
+    commit them in the same step (the first in chunk order wins); copies admitted later hit the
+    cache. Prefills of one full block and decode steps take the commit phase; longer prefills the
+    walk. Checks every token and every KV block back; returns the scheduler (stopped) and the prefix
+    cache's table as key -> block."""
+    from gpu_backend.cuda.twin import TwinScheduler
+    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(5), {}
+    prompts = [rng.integers(0, 49152, 5).tolist() for _ in range(8)]
+    jobs = [(prompts[i % 8], 24 + 4 * (i % 3)) for i in range(96)]
+    jobs += [(rng.integers(0, 49152, int(rng.integers(3, 31))).tolist(), int(rng.integers(4, 40))) for _ in range(40)]
+    for prompt, n in jobs:
+        fp.submit(prompt, n)
+        want[fp.next_seq - 1] = echo(prompt, n)
+    tw = TwinScheduler(ring, SchedulerConfig(**COMMIT_CFG, fast_plan=fast_plan), threads=4, defines=defines)
+    if checks is not None:
+        tw.params.fast_plan_checks = checks
+    tw.start()
+    for r in drain(fp, 60).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
+    tw.stop()
+    assert tw.join(30) and tw.exit_code == structs.EXIT_SHUTDOWN
+    assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total")
+    cap = structs.pkv_table_cap(tw.config.kv_blocks)
+    keys, blocks = tw.buffer("pkv_table_key", np.uint64)[:cap], tw.buffer("pkv_table_block")[:cap]
+    table = {int(k): int(b) for k, b in zip(keys, blocks) if b != 0xFFFF_FFFF}
+    pkv = structs.PKV.from_buffer(tw.buffer("pkv"))
+    assert pkv.cached == len(table) == int(tw.buffer("pkv_has_key")[:tw.config.kv_blocks].sum())
+    key = tw.buffer("pkv_key", np.uint64)
+    assert all(int(key[b]) == k for k, b in table.items())   # each block knows its key
+    return tw, table
+
+
+def test_blocks_committed_in_parallel_are_the_walks(twin_lib, shm_ring):
+    """The commit phase against thread 0's walk (fast_plan=False), on the same run: the same prefix
+    cache (every key to the same block), the same hits and misses, the same steps; and thread 0's
+    check of every parallel commit (the twin's tests check them all) never disagreed."""
+    par, par_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM))
+    walk, walk_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), fast_plan=False)
+    s, w = par.stats, walk.stats
+    assert s.fast_plan_mismatches == 0 and par.state.commit_checked > 0
+    assert w.par_commits == 0
+    # most of the cache came in parallel (268 of its 432 blocks; the prefills of several blocks go to the
+    # walk), and each request's commits move on with it (else every later block waits for the walk)
+    assert 2 * s.par_commits > len(par_table)
+    assert par_table == walk_table and len(par_table) > 100
+    for name in ("prefix_hit_tokens", "prefix_miss_tokens", "prefix_hit_blocks", "prefix_miss_blocks",
+                 "steps_prefill", "steps_decode", "preempted", "tokens"):
+        assert getattr(s, name) == getattr(w, name), name
+    assert s.prefix_hit_blocks > 0   # (the planted fault below shows copies meeting in one commit phase)
+
+
+def test_a_commit_phase_that_disagrees_is_turned_off_and_the_walk_commits(twin_lib, shm_ring):
+    """A twin built with a planted fault (a candidate whose key an earlier one holds wins too) and
+    the device's setting (the first 32 checked): the check that meets it disagrees, that step's
+    blocks are committed by the walk, the parallel paths stay off, and the prefix cache is still
+    the walk's."""
+    _, walk_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), fast_plan=False)
+    tw, table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), checks=32, defines=("BLINK_PLANT_COMMIT_FAULT",))
+    assert tw.stats.fast_plan_mismatches == 1 and tw.state.fast_plan_off == 1
+    assert 0 < tw.state.commit_checked <= 32
+    assert table == walk_table
+
+
 def test_the_survey_switch_and_its_checks(monkeypatch):
     from gpu_backend.cuda.config import FAST_PLAN_ENV
     assert SchedulerConfig().fast_plan and SchedulerConfig().fast_plan_checks == 32
@@ -268,18 +337,23 @@ def test_the_window_limits_mirror_the_header(twin_lib):
 
 def test_no_read_modify_write_on_the_ring_in_device_code():
     """Device atomics only on device memory: the loop's only atomics are add_shared and max_shared,
-    on the block's shared values, and or_bit, block-scoped on its own bitmaps (the twin counts one
-    that lands in the ring or the control block); no CAS anywhere (the claim is a plain store)."""
+    on the block's shared values, or_bit, block-scoped on its own bitmaps, and cas32, block-scoped on
+    the prefix cache's table (the commit phase's inserts); the twin counts one that lands in the ring
+    or the control block. The slot claim is a plain store: no CAS on the ring."""
     import re
     csrc = pathlib.Path(__file__).resolve().parents[3] / "gpu_backend" / "csrc"
     calls = []
     for path in sorted(csrc.glob("*")):
         if path.suffix in (".h", ".cuh", ".cu"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                calls += [(path.name, n, m) for m in re.findall(r"\b(atomic\w+|cas32)\s*\(", line)]
-    assert {(f, m) for f, _, m in calls} <= {("sched_platform.cuh", "atomicAdd_block"),
-                                             ("sched_platform.cuh", "atomicMax_block"),
-                                             ("sched_platform.cuh", "atomicOr_block"), ("bench.cu", "atomicAdd")}, calls
+                calls += [(path.name, n, m, line) for m in re.findall(r"\b(atomic\w+|cas32)\s*\(", line)]
+    assert {(f, m) for f, _, m, _ in calls} <= {("sched_platform.cuh", "atomicAdd_block"),
+                                                ("sched_platform.cuh", "atomicMax_block"),
+                                                ("sched_platform.cuh", "atomicOr_block"),
+                                                ("sched_platform.cuh", "atomicCAS_block"), ("sched_platform.cuh", "cas32"),
+                                                ("sched_loop.h", "cas32"), ("bench.cu", "atomicAdd")}, calls
+    uses = [line for f, _, m, line in calls if (f, m) == ("sched_loop.h", "cas32")]
+    assert uses and all("plat.cas32(&pkv->table_block[" in line for line in uses), uses
 
 
 def _serve_workload(ring, serve_until_idle, rng_seed: int):
