@@ -330,6 +330,23 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
     blink_pkv_setup(p);   /* nobody holds a block any more; the prefix cache starts over */
 }
 
+/* thread 0, before an abort ends every request: the step in flight, if any, finishes first (within
+ * the step timeout). It reads the requests' seats and copies while it stages its rows, and writes
+ * their logprob records into the ring's arenas: completing its slots under it would let the frontend
+ * reuse that memory while the graph still writes it, and a seat released mid-staging could split a
+ * row's threads at the staging kernel's barriers. The twin runs its step inline: never in flight here.
+ * Returns 0 where the step is still running at the timeout (the abort proceeds: the step is stuck). */
+template <class P>
+BLINK_DEV int blink_settle_step(P &plat, const blink_sched_params_t *p) {
+    blink_sched_state_t *st = p->state;
+    if (!st->in_flight) return 1;
+    while (plat.ld32(p->done) != st->step_no)
+        if (plat.now_ns(p) - st->step_launched_ns > p->step_timeout_ns) return 0;
+    plat.fence_dev();
+    st->in_flight = 0;   /* its tokens are not published: every request it served is being aborted */
+    return 1;
+}
+
 /* thread 0: does this iteration scan the slots? Every slot's word costs a load (over PCIe on a
  * host-mapped ring: ~10 us for 4,096 slots on an H200), so with full_scan_us set the scan runs only
  * when the frontend rang its doorbell (a header word it bumps after each batch of submissions or
@@ -367,6 +384,7 @@ BLINK_DEV void blink_phase_control(P &plat, const blink_sched_params_t *p, blink
     sh->now_us = (int64_t)(now / 1000);
     p->stats->iterations += 1;
     if (abort) {
+        blink_settle_step(plat, p);
         blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
         sh->exit = BLINK_EXIT_SHUTDOWN;
         return;
@@ -381,6 +399,7 @@ BLINK_DEV void blink_phase_control(P &plat, const blink_sched_params_t *p, blink
             return;
         }
         if (now >= st->drain_deadline_ns) {
+            blink_settle_step(plat, p);
             blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
             sh->exit = BLINK_EXIT_SHUTDOWN;
             return;
@@ -643,12 +662,13 @@ BLINK_DEV void blink_phase_wait(P &plat, const blink_sched_params_t *p, blink_sc
         if (now - st->last_beat_ns >= p->beat_interval_ns) {
             blink_beat(plat, p, now);
             if (plat.ld32(&p->control->abort)) {
+                blink_settle_step(plat, p);
                 blink_abort_all(plat, p, BLINK_ERR_BACKEND_SHUTDOWN);
                 sh->exit = BLINK_EXIT_SHUTDOWN;
                 return;
             }
         }
-        if (now - st->step_launched_ns > p->step_timeout_ns) {
+        if (now - st->step_launched_ns > p->step_timeout_ns) {   /* stuck: aborted under it (blink_settle_step) */
             blink_abort_all(plat, p, BLINK_ERR_INTERNAL);
             sh->exit = BLINK_EXIT_STEP_TIMEOUT;
             return;

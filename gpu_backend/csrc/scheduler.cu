@@ -18,6 +18,8 @@
 
 extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler(const blink_sched_params_t *p) {
     __shared__ blink_sched_shared_t sh;
+    /* The survey's warp votes take whole warps every round (sched_platform.cuh ballot_bit). */
+    if (blockDim.x & 31u) __trap();
     blink_device_platform plat;
     blink_sched_run(plat, p, &sh, threadIdx.x, blockDim.x);
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import pathlib
 import sys
+import threading
 import time
 
 import numpy as np
@@ -485,6 +486,64 @@ class SlowEcho:
         time.sleep(self.delay_s)
         tw.buffer("done")[0] = st.step_no
         return 0
+
+
+class InFlightEcho(SlowEcho):
+    """A launch callback that returns at once and finishes the step on another thread `delay_s` later,
+    as a device-launched graph does: the scheduler's loop goes on while the step is in flight. Before
+    it raises the done flag it notes any of the step's slots already completed under it."""
+
+    def __init__(self, tw, ring, fp, delay_s: float):
+        super().__init__(tw, ring, delay_s)
+        self.fp, self.completed_under_step, self.steps, self.threads = fp, [], 0, []
+
+    def __call__(self, ctx, which) -> int:
+        tw, st = self.tw, self.tw.state
+        reqs = (structs.Req * self.ring.geom.slot_count).from_address(tw.buffer("reqs").ctypes.data)
+        slots, sample, out = tw.buffer("chunk_slot"), tw.buffer("chunk_sample"), tw.buffer("step_tokens", np.int32)
+        mine = [int(slots[c]) for c in range(st.n_chunks)]
+        for c in range(st.n_chunks):
+            if sample[c]:
+                r = reqs[mine[c]]
+                out[c] = self.ring.prompt_arena[r.prompt_offset + r.generated % r.prompt_len]
+        step_no = st.step_no
+
+        def finish():
+            time.sleep(self.delay_s)
+            self.completed_under_step += [s for s in mine if self.fp.done(s)]
+            self.steps += 1
+            tw.buffer("done")[0] = step_no
+
+        self.threads.append(threading.Thread(target=finish, daemon=True))
+        self.threads[-1].start()
+        return 0
+
+
+@pytest.mark.parametrize("how", ["abort", "drain_deadline"])
+def test_an_abort_waits_for_the_step_in_flight(twin_lib, shm_ring, how):
+    """An abort (or a drain whose grace runs out) while a step is in flight ends every request only
+    once that step is done: the step still reads their copies and seats and writes their logprob
+    records into the ring, so their slots must not go back to the frontend under it."""
+    ring = shm_ring(GEOM)
+    fp, holder = FrontendPlayer(ring), {}
+    tw = twin(ring, launch_cb=lambda ctx, which: holder["cb"](ctx, which), max_model_len=8192,
+              grace_s=0.05 if how == "drain_deadline" else 2.0)
+    holder["cb"] = cb = InFlightEcho(tw, ring, fp, 0.15)
+    tw.start()
+    slots = [fp.submit([3, 4, 5], 4000) for _ in range(4)]
+    deadline = time.monotonic() + 10
+    while cb.steps < 3:                      # the requests run; a step is in flight most of the time
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    tw.stop(abort=how == "abort")
+    assert tw.join(10) and tw.exit_code == structs.EXIT_SHUTDOWN
+    for t in cb.threads:                     # every step launched has finished
+        t.join(5)
+    assert cb.completed_under_step == []
+    for s in slots:
+        r = fp.collect(s)
+        assert (r.finish, r.error) == (FinishReason.ABORT, ErrorCode.BACKEND_SHUTDOWN)
+        assert r.tokens == echo([3, 4, 5], len(r.tokens))
 
 
 def _slow_twin(ring, **cfg):
