@@ -244,6 +244,14 @@ class SchedulerRuntime:
         counters = {k: int(getattr(c, k)) for k in (*structs.COUNTERS, "max_window_launches")}
         return SchedulerStats(bool(c.running), int(c.exit_code), counters)
 
+    def read_buffer(self, name: str, dtype=np.uint32) -> np.ndarray:
+        """A copy of one of the scheduler's device buffers (tests and diagnostics; the scheduler has
+        exited, or the copy races it)."""
+        nbytes = self.config.buffer_sizes(self.geometry.slot_count, self.graphs.max_rows)[name]
+        out = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)
+        check(bindings().cuMemcpyDtoH(out.ctypes.data, self.buffers[name], out.nbytes), f"cuMemcpyDtoH({name})")
+        return out
+
     def read_state(self) -> structs.SchedState:
         st = structs.SchedState()
         check(bindings().cuMemcpyDtoH(ctypes.addressof(st), self.buffers["state"], ctypes.sizeof(st)),

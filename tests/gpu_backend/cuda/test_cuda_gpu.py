@@ -33,8 +33,9 @@ from shared_layout.shm import ShmRegion
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from frontend_player import FrontendPlayer  # noqa: E402
-from test_cuda_twin_loop import (GEOM, SURVEY_CFG, SURVEY_GEOM, _serve_workload, drain, echo,  # noqa: E402
-                                 serve_survey_workload)
+from test_cuda_twin_loop import (COMMIT_CFG, GEOM, PREFIX_STATS, SURVEY_CFG, SURVEY_GEOM, _serve_workload,  # noqa: E402
+                                 drain, echo, prefix_table, serve_survey_workload, serve_twin_commit_workload,
+                                 submit_commit_workload)
 
 pytestmark = pytest.mark.gpu
 
@@ -124,6 +125,32 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     # first ones, checked against the full walks on the device, agreed
     assert 0 < s.counters["fast_plans"] <= s.counters["steps_decode"], s.counters
     assert s.counters["fast_plan_mismatches"] == 0, s.counters
+
+
+def test_the_survey_commits_blocks_in_parallel_on_the_device_as_the_walk(ring_name, device, module):
+    """The commit phase on the device (its compare-and-swap inserts, duplicates met in one step, its
+    first commits checked by thread 0's walk): the same prefix cache, key for key, and the same hits,
+    misses and steps as thread 0's walk in the twin on the same run."""
+    region = ShmRegion.create(ring_name, SURVEY_GEOM.total_size)
+    ring = Ring.create(region.buf, SURVEY_GEOM)
+    fp = FrontendPlayer(ring)
+    want = submit_commit_workload(fp)                 # before the scheduler starts: one scan sees them all
+    rt, mapped = runtime_on(ring, device, module, **COMMIT_CFG)
+    for r in drain(fp, 60).values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
+    rt.request_stop()
+    assert rt.wait(30), "scheduler did not exit"
+    table = prefix_table(rt.read_buffer, rt.config.kv_blocks)   # the device's table, before close frees it
+    s = shut(rt, mapped)
+    print("parallel commits on the device:", s.counters)
+    assert s.exit_code == structs.EXIT_SHUTDOWN
+    assert s.counters["par_commits"] > 0 and s.counters["fast_plan_mismatches"] == 0, s.counters
+    # thread 0's walk in the twin, on the same run (a ring in plain memory)
+    walk, walk_table = serve_twin_commit_workload(Ring.create(bytearray(SURVEY_GEOM.total_size), SURVEY_GEOM),
+                                                  fast_plan=False)
+    assert table == walk_table
+    for name in PREFIX_STATS:
+        assert s.counters[name] == getattr(walk.stats, name), name
 
 
 def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):

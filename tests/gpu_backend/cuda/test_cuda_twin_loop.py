@@ -149,22 +149,46 @@ def test_a_survey_that_disagrees_is_turned_off_and_the_full_walks_serve(twin_lib
 COMMIT_CFG = dict(max_batch_size=64, block_size=4, max_model_len=128, idle_sleep_ns=0, beat_interval_s=0.005)
 
 
-def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=()):
+def submit_commit_workload(fp) -> dict:
     """Blocks committed in step, with duplicates: 8 prompts of 5 tokens, 12 copies each, and 40
-    unique prompts of 3-30 tokens, all submitted before the scheduler starts (one scan sees them, so
-    the run is the same run each time). Copies admitted in one step compute the same blocks and
-    commit them in the same step (the first in chunk order wins); copies admitted later hit the
-    cache. Prefills of one full block and decode steps take the commit phase; longer prefills the
-    walk. Checks every token and every KV block back; returns the scheduler (stopped) and the prefix
-    cache's table as key -> block."""
-    from gpu_backend.cuda.twin import TwinScheduler
-    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(5), {}
+    unique prompts of 3-30 tokens, submitted before the scheduler starts (one scan sees them all, so
+    the run is the same run each time, on the twin and on the device). Copies admitted in one step
+    compute the same blocks and commit them in the same step (the first in chunk order wins); copies
+    admitted later hit the cache. Prefills of one full block and decode steps take the commit phase;
+    longer prefills the walk. Returns seq -> the echo it must get."""
+    rng, want = np.random.default_rng(5), {}
     prompts = [rng.integers(0, 49152, 5).tolist() for _ in range(8)]
     jobs = [(prompts[i % 8], 24 + 4 * (i % 3)) for i in range(96)]
     jobs += [(rng.integers(0, 49152, int(rng.integers(3, 31))).tolist(), int(rng.integers(4, 40))) for _ in range(40)]
     for prompt, n in jobs:
         fp.submit(prompt, n)
         want[fp.next_seq - 1] = echo(prompt, n)
+    return want
+
+
+def prefix_table(buffer, num_blocks: int) -> dict:
+    """The prefix cache's table as key -> block, from a scheduler's buffers (`buffer(name, dtype)`),
+    checked against the blocks' own keys and the allocator's count."""
+    cap = structs.pkv_table_cap(num_blocks)
+    keys, blocks = buffer("pkv_table_key", np.uint64)[:cap], buffer("pkv_table_block", np.uint32)[:cap]
+    table = {int(k): int(b) for k, b in zip(keys, blocks) if b != 0xFFFF_FFFF}
+    pkv = structs.PKV.from_buffer_copy(buffer("pkv", np.uint8)[:ctypes.sizeof(structs.PKV)].tobytes())
+    assert pkv.cached == len(table) == int(buffer("pkv_has_key", np.uint32)[:num_blocks].sum())
+    key = buffer("pkv_key", np.uint64)
+    assert all(int(key[b]) == k for k, b in table.items())   # each block knows its key
+    return table
+
+
+PREFIX_STATS = ("prefix_hit_tokens", "prefix_miss_tokens", "prefix_hit_blocks", "prefix_miss_blocks",
+                "steps_prefill", "steps_decode", "preempted", "tokens")
+
+
+def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=()):
+    """submit_commit_workload through the twin; every token and every KV block back. Returns the
+    scheduler (stopped) and its prefix cache's table."""
+    from gpu_backend.cuda.twin import TwinScheduler
+    fp = FrontendPlayer(ring)
+    want = submit_commit_workload(fp)
     tw = TwinScheduler(ring, SchedulerConfig(**COMMIT_CFG, fast_plan=fast_plan), threads=4, defines=defines)
     if checks is not None:
         tw.params.fast_plan_checks = checks
@@ -174,14 +198,7 @@ def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None 
     tw.stop()
     assert tw.join(30) and tw.exit_code == structs.EXIT_SHUTDOWN
     assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total")
-    cap = structs.pkv_table_cap(tw.config.kv_blocks)
-    keys, blocks = tw.buffer("pkv_table_key", np.uint64)[:cap], tw.buffer("pkv_table_block")[:cap]
-    table = {int(k): int(b) for k, b in zip(keys, blocks) if b != 0xFFFF_FFFF}
-    pkv = structs.PKV.from_buffer(tw.buffer("pkv"))
-    assert pkv.cached == len(table) == int(tw.buffer("pkv_has_key")[:tw.config.kv_blocks].sum())
-    key = tw.buffer("pkv_key", np.uint64)
-    assert all(int(key[b]) == k for k, b in table.items())   # each block knows its key
-    return tw, table
+    return tw, prefix_table(tw.buffer, tw.config.kv_blocks)
 
 
 def test_blocks_committed_in_parallel_are_the_walks(twin_lib, shm_ring):
@@ -197,8 +214,7 @@ def test_blocks_committed_in_parallel_are_the_walks(twin_lib, shm_ring):
     # walk), and each request's commits move on with it (else every later block waits for the walk)
     assert 2 * s.par_commits > len(par_table)
     assert par_table == walk_table and len(par_table) > 100
-    for name in ("prefix_hit_tokens", "prefix_miss_tokens", "prefix_hit_blocks", "prefix_miss_blocks",
-                 "steps_prefill", "steps_decode", "preempted", "tokens"):
+    for name in PREFIX_STATS:
         assert getattr(s, name) == getattr(w, name), name
     assert s.prefix_hit_blocks > 0   # (the planted fault below shows copies meeting in one commit phase)
 
