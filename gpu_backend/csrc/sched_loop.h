@@ -20,13 +20,15 @@
  *                        blocks it filled (ring reads, in parallel across requests)
  *                        (scan and publish raise flags where a request is to be reaped, dropped
  *                        or committed, so the schedule phase walks its lists only then)
+ *   commit   (all)       where each published chunk has one block to commit: the blocks into
+ *                        the prefix cache, the walk's result (blink_phase_commit)
  *   survey   (all)       each running request: dropped by the reap, decoding one token, or
  *                        not; which cross a block boundary (bitmaps by warp ballot); where
  *                        the reap is due, the running list without the dropped ones. The
  *                        schedule phase then reaps only those, and under FCFS with nobody
  *                        waiting or no seat free plans the steady decode step without
  *                        walking the running list (blink_fast_plan)
- *   schedule (thread 0)  commit the blocks the step filled to the prefix cache, drop
+ *   schedule (thread 0)  commit the blocks the step filled (where the commit phase did not), drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
  *                        ring tokens), blink_plan_step_policy under the daemon's policy
