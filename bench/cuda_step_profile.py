@@ -43,8 +43,9 @@ DATE = time.strftime("%Y-%m-%d", time.gmtime())
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = 16
 # bench.cuda_graphs' conditions: its buckets put 1-64 running rows on the 1 / 8 / 32 / 128-row
-# decode graphs at ctx 256, and contexts past 256 on the max context (--max-model-len 1024)
-DECODE = "1x256,8x256,32x256,128x256,64x1024,128x1024"
+# decode graphs at ctx 256, and contexts past 256 on the max context (--max-model-len 1024); 1 and 8 rows
+# at 1,024 split their decode attention along the context on a GPU (timed split and unsplit)
+DECODE = "1x256,8x256,32x256,128x256,1x1024,8x1024,64x1024,128x1024"
 PREFILL = "1x128x512,16x128x512"
 QUICK_DECODE, QUICK_PREFILL = "1x64,4x128", "2x32x64"
 TOP = 15
@@ -233,6 +234,8 @@ class Profiler:
 
 
 def run(args) -> dict:
+    from gpu_backend.graphs import fused_forward
+    from gpu_backend.graphs import triton_kernels as tk
     from gpu_backend.graphs.device import load_graph_model
     device = args.device
     if device == "auto":
@@ -257,6 +260,17 @@ def run(args) -> dict:
             row["graph_ms"] = prof.graph_ms(g, args.runs)
         except Exception as e:                 # noqa: BLE001 - recorded in the result
             row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
+        splits = (fused_forward.decode_splits(g.rows, g.ctx, model, torch.device(device))
+                  if g.len == 1 and prof.step.kernels == "triton" else 1)
+        row["splits"] = splits
+        if splits > 1:                         # the split decode attention's A/B: the same step unsplit
+            os.environ[tk.SPLIT_ENV] = "0"
+            try:
+                row["unsplit_graph_ms"] = prof.graph_ms(g, args.runs)
+            except Exception as e:             # noqa: BLE001 - recorded in the result
+                row["unsplit_graph_ms"], row["graph_error"] = None, f"unsplit {type(e).__name__}: {e}"[:300]
+            finally:
+                os.environ.pop(tk.SPLIT_ENV)
         if prof.torch_step is not None:        # the same model on PyTorch's operators: the kernels' A/B
             try:
                 row["torch_graph_ms"] = prof.graph_ms(g, args.runs, prof.torch_step)
@@ -305,11 +319,15 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
              f"every row at its whole context, greedy; "
              f"medians of {res['runs']} runs after a warm-up. Eager parts are synchronised around each call; "
              f"`graph` is one replay of the captured step (CUDA events), the device's own time of a step.", "",
-             "| shape | graph ms | eager step ms | forward ms | logits ms | sample ms | attention row group |",
-             "|---|---|---|---|---|---|---|"]
+             "Where a decode step splits its attention along the context (`splits` > 1: few rows, long context, "
+             "graphs/triton_kernels.decode_splits), `unsplit graph ms` is the same step captured with "
+             "`BLINK_DECODE_SPLIT=0`.", "",
+             "| shape | graph ms | eager step ms | forward ms | logits ms | sample ms | attention row group | "
+             "splits | unsplit graph ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["shapes"]:
         lines.append(f"| {r['shape']} | {r['graph_ms'] if r['graph_ms'] is not None else '-'} | {r['step_ms']} | "
-                     f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} |")
+                     f"{r['forward_ms']} | {r['logits_ms']} | {r['sample_ms']} | {r['row_group']} | "
+                     f"{r.get('splits', 1)} | {r.get('unsplit_graph_ms', '-')} |")
     kernels = res.get("kernels", "torch")
     if any("base_step_ms" in r for r in res["shapes"]):
         bp, tp = res.get("base_profile", {}), res.get("torch_profile")

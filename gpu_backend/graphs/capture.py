@@ -191,14 +191,21 @@ class GraphCache:
 
     def warm_up(self) -> None:
         """Run the largest shape of each kind eagerly on the capture stream, so lazy
-        initialisation (cuBLAS handles and workspaces, sort temporaries) happens outside capture."""
+        initialisation (cuBLAS handles and workspaces, sort temporaries) happens outside capture;
+        with the Triton kernels also a decode shape whose attention is split along the context, if
+        any is (its two kernels compile and load here, never first inside a capture)."""
         kinds = {}
         for g in self.table.shapes:
             if g.kind not in kinds or self.plan.activation_bytes(g) > self.plan.activation_bytes(kinds[g.kind]):
                 kinds[g.kind] = g
+        warm = list(kinds.values())
+        if self.step.kernels == "triton":
+            device = self.pool.k.device
+            warm += [g for g in self.table.shapes if g.len == 1 and
+                     fused_forward.decode_splits(g.rows, g.ctx, self.model, device) > 1][:1]
         with torch.cuda.stream(self.stream):
             self._pad_inputs()
-            for g in [*kinds.values(), *kinds.values()]:
+            for g in [*warm, *warm]:
                 self.step.run(g)
         self.stream.synchronize()
         torch.cuda.empty_cache()           # the warm-up's activations are not part of the graph cache

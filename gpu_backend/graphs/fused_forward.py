@@ -6,7 +6,8 @@
            qkv = normed @ W_qkv                                            (matmul)
            q = RoPE(q); K/V <- RoPE(k), v at each token's slot             (rope_kv_write)
            o = causal GQA attention of each row over its blocks in place   (paged_attention)
-             (one token a row: both in one kernel                          (decode_attention))
+             (one token a row: both in one kernel                          (decode_attention);
+            few rows: split along the context, then a combine kernel: decode_splits)
            x += o @ W_o; normed = RMSNorm(x)                               (matmul, add_rms_norm)
            h = SiLU(gate) * up of normed @ W_gate_up                        (matmul, silu_mul)
            x += h @ W_down; normed = the next layer's (or the final) RMSNorm(x)
@@ -64,6 +65,16 @@ def resolve(kernels: str, model, device: torch.device) -> str:
 
 
 _SELF_TESTS: dict[tuple, str | None] = {}
+_SPLIT_OFF: dict[tuple, str] = {}     # (device, dtype) -> why the split decode attention is not used there
+
+
+def decode_splits(rows: int, ctx: int, model, device: torch.device) -> int:
+    """The splits a decode step of `rows` rows at context `ctx` takes (triton_kernels.decode_splits on
+    the device's multiprocessors); 1 where the split kernels failed their self-test on this device."""
+    from . import triton_kernels as tk
+    if (str(torch.device(device)), model.dtype) in _SPLIT_OFF:
+        return 1
+    return tk.decode_splits(rows, model.config.num_kv_heads, ctx, tk.multiprocessors(device))
 
 
 def self_test(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -132,7 +143,32 @@ def _self_test(device: torch.device, dtype: torch.dtype) -> str | None:
     dec = tk.decode_attention(qkv[-1:], pos[-1:], inv, slots[-1:], kc, vc, tables_r, h, 2 * bs)
     if why := off("decode_attention", dec, want[-1:]):
         return why
+    _split_self_test(device, dtype, gen, off)
     return _sampler_self_test(device, gen)
+
+
+def _split_self_test(device: torch.device, dtype: torch.dtype, gen: torch.Generator, off) -> None:
+    """The split decode attention against the unsplit kernel (rows at the first key, mid-context and
+    at the end; splits left empty by a short row). One that fails or disagrees turns the splitting
+    off on this device (logged), not the Triton kernels: decode_attention unsplit is what it replaces."""
+    from . import triton_kernels as tk
+    h, kv, d, bs, ctx = 6, 2, 32, 16, 4 * tk.DECODE_BLOCK_N
+    try:
+        tables = torch.arange(2 * ctx // bs, device=device).view(2, ctx // bs)
+        kc = torch.randn(2 * ctx // bs + 1, bs, kv, d, generator=gen).to(device=device, dtype=dtype)
+        vc = torch.randn(kc.shape, generator=gen).to(device=device, dtype=dtype)
+        qkv = torch.randn(2, (h + 2 * kv) * d, generator=gen).to(device=device, dtype=dtype)
+        pos = torch.tensor([3, ctx - 1], device=device)
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+        want = tk.decode_attention(qkv, pos, inv, slots, kc.clone(), vc.clone(), tables, h, ctx)
+        got = tk.decode_attention(qkv, pos, inv, slots, kc, vc, tables, h, ctx, splits=4)
+        why = off("decode_attention split 4 ways", got, want)
+    except Exception as e:      # noqa: BLE001 - a compiler or driver error is the answer
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    if why is not None:
+        _SPLIT_OFF[(str(device), dtype)] = why
+        log.warning("step graphs: decode attention is not split along the context (%s)", why)
 
 
 def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None:
@@ -179,6 +215,7 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, slot_mappin
     from . import triton_kernels as tk
     cfg = model.config
     layers = model.layers
+    splits = decode_splits(rows, ctx, model, input_ids.device) if seq == 1 else 1
     x = model.embed_tokens(input_ids)                                                     # [T, hidden]
     first = layers[0].input_layernorm
     normed = tk.add_rms_norm(x, None, first.weight, first.eps)
@@ -188,7 +225,8 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, slot_mappin
         kc, vc = k_pool[i], v_pool[i]                                                    # [blocks + 1, bs, KV, D]
         qkv = att.qkv_proj(normed)
         if seq == 1:                    # decode: RoPE, the K/V store and the attention in one kernel
-            o = tk.decode_attention(qkv, positions, inv_freq, slot_mapping, kc, vc, tables, cfg.num_heads, ctx)
+            o = tk.decode_attention(qkv, positions, inv_freq, slot_mapping, kc, vc, tables, cfg.num_heads, ctx,
+                                    splits)
         else:
             q = tk.rope_kv_write(qkv, positions, inv_freq, slot_mapping, kc, vc,
                                  cfg.num_heads, cfg.num_kv_heads)                        # [T, H, D]

@@ -5,7 +5,8 @@ found on a CPU machine, not on a lent GPU).
     ModelConfig (default SmolLM2's shape) + dtype + block size
       -> variants(): (kernel, signature, compile-time constants, num_warps) of each launch the
          wrappers in triton_kernels.py and triton_sampler.py make for that model: both
-         add_rms_norm forms, silu_mul, rope_kv_write, decode_attention, the prefill tile of
+         add_rms_norm forms, silu_mul, rope_kv_write, decode_attention (unsplit, and split along the
+         context with its combine kernel), the prefill tile of
          paged_attention, the sampler's processing (with and without an automaton), bans, uniform,
          seat update, the draw's two kernels
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
@@ -57,7 +58,20 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                  "G": "constexpr", "KV": "constexpr", "D": "constexpr", "HALF": "constexpr", "BS": "constexpr",
                  "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr"},
                 {"H": h, "G": g, "KV": kv, "D": d, "HALF": d // 2, "BS": block_size, "BLOCK_G": max(16, tk._pow2(g)),
-                 "BLOCK_N": 64, "IEEE": dtype == torch.float32}, 4))
+                 "BLOCK_N": tk.DECODE_BLOCK_N, "IEEE": dtype == torch.float32}, 4))
+    out.append(("decode_attention.split", tk._decode_split_kernel,
+                {"qkv_ptr": t, "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "k_cache_ptr": t,
+                 "v_cache_ptr": t, "tables_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                 "scale": "fp32", "stride_qkv_t": "i32", "stride_c_slot": "i32", "n_tables": "i32", "ctx": "i32",
+                 "chunk": "i32", "splits": "i32", "H": "constexpr", "G": "constexpr", "KV": "constexpr",
+                 "D": "constexpr", "HALF": "constexpr", "BS": "constexpr", "BLOCK_G": "constexpr",
+                 "BLOCK_N": "constexpr", "IEEE": "constexpr"},
+                {"H": h, "G": g, "KV": kv, "D": d, "HALF": d // 2, "BS": block_size, "BLOCK_G": max(16, tk._pow2(g)),
+                 "BLOCK_N": tk.DECODE_BLOCK_N, "IEEE": dtype == torch.float32}, 4))
+    out.append(("decode_attention.combine", tk._decode_combine_kernel,
+                {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": t, "stride_o_t": "i32",
+                 "splits": "i32", "G": "constexpr", "KV": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr"},
+                {"G": g, "KV": kv, "D": d, "BLOCK_G": max(16, tk._pow2(g))}, 4))
     for kind, seq in (("prefill", 64),):       # one-token rows go to decode_attention in a step graph
         bm, bn = tk.attention_tiles(seq, g)
         out.append((f"paged_attention[{kind} {bm}x{bn}]", tk._paged_attention_kernel,

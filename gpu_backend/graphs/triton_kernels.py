@@ -14,7 +14,9 @@ kernels cut a layer to 9 (4 matmuls from cuBLAS and these 5), 8 in a decode step
                                        flash style, an online softmax over key tiles; one
                                        program per (row, KV head, query tile)
     decode_attention(qkv, ...)         one token a row (decode): rope_kv_write and paged_attention
-                                       in one kernel, the token's own key and value from registers
+                                       in one kernel, the token's own key and value from registers;
+                                       where few rows leave the GPU idle (decode_splits), split
+                                       along the context and combined by a second kernel
     silu_mul(gate_up)                  SiLU(gate) * up of the fused gate/up projection
 
 Every kernel computes in float32 and rounds to the tensors' dtype where PyTorch's operators
@@ -263,15 +265,11 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, pos_ptr
     tl.store(out_ptr + tok[:, None] * stride_o_t + h[:, None] * D + d[None, :], o.to(q.dtype), mask=mm[:, None])
 
 
-@triton.jit(do_not_specialize=["scale", "stride_qkv_t", "stride_o_t", "stride_c_slot", "n_tables", "ctx"])
-def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, out_ptr,
-                             scale, stride_qkv_t, stride_o_t, stride_c_slot, n_tables, ctx,
-                             H: tl.constexpr, G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                             BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One token a row (decode): RoPE of its q heads (of this KV head) and k, k and v stored at the
-    token's slot, attention over the row's cached keys 0..p-1 and the token's own key at p."""
-    r = tl.program_id(0)
-    kvh = tl.program_id(1)
+@triton.jit
+def _decode_prologue(qkv_ptr, pos_ptr, inv_freq_ptr, r, kvh, stride_qkv_t, ctx, H: tl.constexpr, G: tl.constexpr,
+                     KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_G: tl.constexpr):
+    """A decode row's position, its q heads of KV head kvh rotated [BLOCK_G, D] (float32), and its
+    token's own k (rotated) and v [D]."""
     pos = tl.minimum(tl.load(pos_ptr + r), ctx - 1)
     d = tl.arange(0, D)
     half = d % HALF
@@ -290,6 +288,37 @@ def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_p
     kb = base + (H + kvh) * D
     k_cur = tl.load(kb + d).to(tl.float32) * cos + sign * tl.load(kb + partner).to(tl.float32) * sin
     v_cur = tl.load(base + (H + KV + kvh) * D + d)
+    return pos, q, k_cur, v_cur
+
+
+@triton.jit
+def _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_ty: tl.constexpr, v_ty: tl.constexpr):
+    """The token's own key and value into the online softmax, from registers (rounded to the pool's
+    dtype, as the cached keys are)."""
+    k_own = k_cur.to(k_ty).to(tl.float32)
+    sc = tl.sum(q.to(tl.float32) * k_own[None, :], axis=1) * scale             # [BLOCK_G]
+    m_new = tl.maximum(m_i, sc)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new)
+    l_i = l_i * alpha + p
+    v_own = v_cur.to(v_ty).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * v_own[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["scale", "stride_qkv_t", "stride_o_t", "stride_c_slot", "n_tables", "ctx"])
+def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, out_ptr,
+                             scale, stride_qkv_t, stride_o_t, stride_c_slot, n_tables, ctx,
+                             H: tl.constexpr, G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One token a row (decode): RoPE of its q heads (of this KV head) and k, k and v stored at the
+    token's slot, attention over the row's cached keys 0..p-1 and the token's own key at p."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos, q, k_cur, v_cur = _decode_prologue(qkv_ptr, pos_ptr, inv_freq_ptr, r, kvh, stride_qkv_t, ctx,
+                                            H, G, KV, D, HALF, BLOCK_G)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
     slot = tl.load(slot_ptr + r)
     tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
     tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
@@ -304,24 +333,114 @@ def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_p
         m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
                                      n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
     # the token's own key, from registers (its store above is for later steps)
-    k_own = k_cur.to(k_cache_ptr.dtype.element_ty).to(tl.float32)
-    sc = tl.sum(q.to(tl.float32) * k_own[None, :], axis=1) * scale             # [BLOCK_G]
-    m_new = tl.maximum(m_i, sc)
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(sc - m_new)
-    l_i = l_i * alpha + p
-    v_own = v_cur.to(v_cache_ptr.dtype.element_ty).to(tl.float32)
-    acc = acc * alpha[:, None] + p[:, None] * v_own[None, :]
+    m_i, l_i, acc = _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_cache_ptr.dtype.element_ty,
+                                    v_cache_ptr.dtype.element_ty)
     o = acc / l_i[:, None]
-    tl.store(out_ptr + r * stride_o_t + (kvh * G + g)[:, None] * D + d[None, :], o.to(v_cur.dtype), mask=gm[:, None])
+    tl.store(out_ptr + r * stride_o_t + (kvh * G + g)[:, None] * D + d[None, :], o.to(v_cur.dtype),
+             mask=(g < G)[:, None])
+
+
+@triton.jit(do_not_specialize=["scale", "stride_qkv_t", "stride_c_slot", "n_tables", "ctx", "chunk", "splits"])
+def _decode_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, tables_ptr,
+                         m_ptr, l_ptr, acc_ptr, scale, stride_qkv_t, stride_c_slot, n_tables, ctx, chunk, splits,
+                         H: tl.constexpr, G: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """decode_attention split along the context (flash-decoding): program (row, KV head, split sp)
+    attends to the cached keys [sp * chunk, (sp + 1) * chunk) below the row's position, the last
+    split also to the token's own key; split 0 stores the token's k and v (no split reads that slot).
+    Each writes its online softmax's state (max, sum, unnormalised output) for _decode_combine_kernel."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    pos, q, k_cur, v_cur = _decode_prologue(qkv_ptr, pos_ptr, inv_freq_ptr, r, kvh, stride_qkv_t, ctx,
+                                            H, G, KV, D, HALF, BLOCK_G)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    if sp == 0:
+        slot = tl.load(slot_ptr + r)
+        tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
+    if not IEEE:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    posv = tl.full([BLOCK_G], 0, tl.int64) + pos
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    lo = sp.to(tl.int64) * chunk                                                # a multiple of BLOCK_N
+    hi = tl.minimum(lo + chunk, pos)                                            # cached keys below p only
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    if sp == splits - 1:
+        m_i, l_i, acc = _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_cache_ptr.dtype.element_ty,
+                                        v_cache_ptr.dtype.element_ty)
+    part = (r * KV + kvh) * splits + sp
+    tl.store(m_ptr + part * BLOCK_G + g, m_i)
+    tl.store(l_ptr + part * BLOCK_G + g, l_i)
+    tl.store(acc_ptr + (part * BLOCK_G + g)[:, None] * D + d[None, :], acc)
+
+
+@triton.jit(do_not_specialize=["stride_o_t", "splits"])
+def _decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_o_t, splits, G: tl.constexpr, KV: tl.constexpr,
+                           D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The splits' softmax states of (row, KV head) into its output: each split's sum and output
+    scaled by exp(its max - the max over splits). A split with no key left (a short row) has max
+    -inf and weighs 0; the last always holds the token's own key, so the max is finite."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    first = (r * KV + kvh) * splits
+    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for sp in range(0, splits):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (first + sp) * BLOCK_G + g))
+    l_all = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for sp in range(0, splits):
+        w = tl.exp(tl.load(m_ptr + (first + sp) * BLOCK_G + g) - m_all)
+        l_all += w * tl.load(l_ptr + (first + sp) * BLOCK_G + g)
+        acc += w[:, None] * tl.load(acc_ptr + ((first + sp) * BLOCK_G + g)[:, None] * D + d[None, :])
+    o = acc / l_all[:, None]
+    tl.store(out_ptr + r * stride_o_t + (kvh * G + g)[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(g < G)[:, None])
+
+
+DECODE_BLOCK_N = 64       # keys a tile of decode attention
+SPLIT_MIN_KEYS = 256      # a split of decode attention covers at least this many keys (4 tiles)
+MAX_SPLITS = 32
+INTERPRETER_SMS = 132     # under the interpreter, decode_splits decides as on an H100 / H200 (132 SMs)
+SPLIT_ENV = "BLINK_DECODE_SPLIT"   # "0": decode attention in one program per (row, KV head), never split
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (what decode_splits fills); INTERPRETER_SMS on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(rows: int, kv_heads: int, ctx: int, sms: int) -> int:
+    """How many splits along the context a decode step of `rows` rows at context `ctx` takes: one
+    program per (row, KV head) leaves most of the GPU idle where rows x KV heads is far below its
+    multiprocessors (1 row of SmolLM2: 3 programs on 132), each walking the whole context alone
+    (at 1,024 keys ~5-10 us a layer). Split so that the programs about fill the multiprocessors,
+    each split at least SPLIT_MIN_KEYS keys, at most MAX_SPLITS; 1 where that gives fewer than 2
+    (then decode_attention runs unsplit, without the combine kernel)."""
+    if os.environ.get(SPLIT_ENV, "1") == "0":
+        return 1
+    want = -(-int(sms) // max(1, rows * kv_heads))
+    splits = min(want, ctx // SPLIT_MIN_KEYS, MAX_SPLITS)
+    return splits if splits >= 2 else 1
 
 
 def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, slot_mapping: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, num_heads: int,
-                     ctx: int) -> torch.Tensor:
+                     ctx: int, splits: int = 1) -> torch.Tensor:
     """rope_kv_write + paged_attention for one token a row, in one kernel: qkv [R, (H + 2 KV) * D],
     positions and slot_mapping [R], inv_freq [D / 2], the pool [blocks, bs, KV, D], tables [R, C / bs]
-    -> o [R, H * D]. The token's own key and value enter its attention from registers."""
+    -> o [R, H * D]. The token's own key and value enter its attention from registers. With `splits`
+    > 1 (decode_splits), the context is split across programs and a second kernel combines them."""
     _check_device(qkv, k_cache, tables)
     r = qkv.shape[0]
     bs, kv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -333,10 +452,23 @@ def decode_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch
     if r == 0:
         return out
     g = num_heads // kv
-    _decode_attention_kernel[(r, kv)](qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, tables, out, d ** -0.5,
-                                      qkv.stride(0), out.stride(0), kv * d, tables.shape[1], ctx,
-                                      H=num_heads, G=g, KV=kv, D=d, HALF=d // 2, BS=bs, BLOCK_G=max(16, _pow2(g)),
-                                      BLOCK_N=64, IEEE=ieee_products(qkv.dtype), num_warps=4)
+    consts = dict(H=num_heads, G=g, KV=kv, D=d, HALF=d // 2, BS=bs, BLOCK_G=max(16, _pow2(g)), BLOCK_N=DECODE_BLOCK_N,
+                  IEEE=ieee_products(qkv.dtype), num_warps=4)
+    if splits <= 1:
+        _decode_attention_kernel[(r, kv)](qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, tables, out,
+                                          d ** -0.5, qkv.stride(0), out.stride(0), kv * d, tables.shape[1], ctx,
+                                          **consts)
+        return out
+    chunk = -(-(-(-ctx // splits)) // DECODE_BLOCK_N) * DECODE_BLOCK_N        # ceil(ctx / splits), whole tiles
+    parts = r * kv * splits * consts["BLOCK_G"]
+    m = torch.empty(parts, dtype=torch.float32, device=qkv.device)
+    l_sum = torch.empty(parts, dtype=torch.float32, device=qkv.device)
+    acc = torch.empty((parts, d), dtype=torch.float32, device=qkv.device)
+    _decode_split_kernel[(r, kv, splits)](qkv, positions, inv_freq, slot_mapping, k_cache, v_cache, tables, m, l_sum,
+                                          acc, d ** -0.5, qkv.stride(0), kv * d, tables.shape[1], ctx, chunk, splits,
+                                          **consts)
+    _decode_combine_kernel[(r, kv)](m, l_sum, acc, out, out.stride(0), splits, G=g, KV=kv, D=d,
+                                    BLOCK_G=consts["BLOCK_G"], num_warps=4)
     return out
 
 

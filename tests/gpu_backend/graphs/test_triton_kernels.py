@@ -150,6 +150,45 @@ def test_decode_attention_is_rope_kv_write_then_paged_attention(dtype, tol):
     assert torch.equal(vd.cpu(), ref_v)
 
 
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_decode_attention_is_the_unsplit_kernel(dtype, tol, splits):
+    """decode_attention split along the context (flash-decoding: each split's online softmax, then the
+    combine kernel) against the unsplit kernel: rows at the first key (every split but the own key's
+    empty), inside a split, at a split's edge and at the end of the context; the same K/V stored."""
+    rows, h, kv, d, bs, ctx = 5, 9, 3, 64, 16, 512
+    gen = torch.Generator().manual_seed(13)
+    blocks = rows * ctx // bs + 2
+    kc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    vc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[:rows * ctx // bs].view(rows, ctx // bs)
+    pos = torch.tensor([0, 37, 192, 256, 511])
+    slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    qkv = torch.randn(rows, (h + 2 * kv) * d, generator=gen).to(dtype)
+    inv = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))
+    args = [t.to(DEVICE) for t in (qkv, pos, inv, slots)]
+    k1, v1, k2, v2 = (t.to(DEVICE) for t in (kc, vc, kc.clone(), vc.clone()))
+    want = tk.decode_attention(*args, k1, v1, tables.to(DEVICE), h, ctx).cpu()
+    got = tk.decode_attention(*args, k2, v2, tables.to(DEVICE), h, ctx, splits=splits).cpu()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(k2.cpu(), k1.cpu()) and torch.equal(v2.cpu(), v1.cpu())
+
+
+def test_decode_splits_fill_the_multiprocessors_only_where_few_rows_leave_them_idle(monkeypatch):
+    """One program a (row, KV head) leaves an H100's 132 SMs idle at 1-8 rows of SmolLM2 (3 KV heads):
+    split so the programs about fill them, each split at least 256 keys, at most 32 splits; 64 rows
+    (192 programs) or a context of 256 keys do not split."""
+    assert tk.decode_splits(1, 3, 1024, 132) == 4         # 1,024 keys: 4 splits of 256
+    assert tk.decode_splits(1, 3, 16384, 132) == 32       # 44 would fill the SMs; the cap
+    assert tk.decode_splits(8, 3, 4096, 132) == 6         # ceil(132 / 24)
+    assert tk.decode_splits(32, 3, 1024, 132) == 2
+    assert tk.decode_splits(64, 3, 4096, 132) == 1        # 192 programs already
+    assert tk.decode_splits(1, 3, 256, 132) == 1          # one split's worth of keys
+    monkeypatch.setenv(tk.SPLIT_ENV, "0")
+    assert tk.decode_splits(1, 3, 16384, 132) == 1
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's switch")
 def test_the_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.setattr(tk, "INTERPRETED", False)
@@ -208,12 +247,29 @@ def test_the_self_test_passes_here_and_names_a_kernel_that_is_off(monkeypatch):
     fused_forward._SELF_TESTS.clear()
 
 
+def test_a_split_that_fails_its_self_test_turns_splitting_off_not_the_kernels(monkeypatch, caplog, tiny):
+    _, model = tiny
+    dev = torch.device(DEVICE)
+    fused_forward._SELF_TESTS.clear()
+    fused_forward._SPLIT_OFF.clear()
+    assert fused_forward.self_test(dev, torch.float32) is None
+    assert fused_forward.decode_splits(1, 1024, model, dev) == 4        # tiny's 2 KV heads: ctx-bound
+    good = tk.decode_attention
+    monkeypatch.setattr(tk, "decode_attention", lambda *a, splits=1: good(*a, splits=splits) * (1.01 if splits > 1 else 1))
+    fused_forward._SELF_TESTS.clear()
+    assert fused_forward.self_test(dev, torch.float32) is None          # the Triton kernels stay
+    assert "decode attention is not split along the context (decode_attention split 4 ways off by" in caplog.text
+    assert fused_forward.decode_splits(1, 1024, model, dev) == 1
+    fused_forward._SELF_TESTS.clear()
+    fused_forward._SPLIT_OFF.clear()
+
+
 def _both_steps(model, config):
     """[(shape, {kind: (hidden, K pool, V pool, tokens, token logprobs)})]: a decode and a prefill step
     of `model` with PyTorch's operators and with the Triton kernels, from the same staged buffers and pool."""
     from bench import cuda_step_profile as sp
     from gpu_backend.graphs.step import StepFunction
-    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE, kernels="torch")
+    prof = sp.Profiler(model, config, [(3, 1, 64), (1, 1, 512)], [(2, 32, 48)], DEVICE, kernels="torch")
     assert prof.pool.k.dtype == model.dtype
     steps = {k: StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels=k) for k in ("torch", "triton")}
     b, res = prof.buffers, []
@@ -293,7 +349,7 @@ def test_smollm2_steps_with_the_triton_kernels_capture_and_agree_with_pytorchs()
     from gpu_backend.graphs.device import load_graph_model
     from gpu_backend.graphs.step import StepFunction
     config, model = load_graph_model("random:smollm2", torch.float32, "cuda")
-    prof = sp.Profiler(model, config, [(64, 1, 256)], [(4, 128, 256)], "cuda")
+    prof = sp.Profiler(model, config, [(64, 1, 256), (1, 1, 1024)], [(4, 128, 256)], "cuda")   # 1x1024: split
     torch_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="torch")
     assert prof.step.kernels == "triton"                # "auto" took them: the self-test passed on this GPU
     triton_step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
@@ -350,12 +406,12 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
 
     from gpu_backend.graphs import triton_sampler as ts
     for name in ("_add_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel", "_paged_attention_kernel",
-                 "_decode_attention_kernel"):
+                 "_decode_attention_kernel", "_decode_split_kernel", "_decode_combine_kernel"):
         monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
     for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel", "_draw_prep_kernel",
                  "_draw_pick_kernel"):
         monkeypatch.setattr(ts, name, Recorder(getattr(ts, name)))
-    prof = sp.Profiler(model, config, [(3, 1, 64)], [(2, 32, 48)], DEVICE)
+    prof = sp.Profiler(model, config, [(3, 1, 64), (1, 1, 512)], [(2, 32, 48)], DEVICE)   # 1x512: 2 splits
     step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
     for g in prof.shapes:
         prof.stage(g)
@@ -380,7 +436,7 @@ def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
                             "--dtype", dtype], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.splitlines()
-        assert len(lines) == 13 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
+        assert len(lines) == 15 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
     r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
                        env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr
