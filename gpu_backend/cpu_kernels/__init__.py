@@ -40,8 +40,9 @@ log = logging.getLogger("blink.gpu_daemon")
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels.cc"
 SOURCES = tuple(SOURCE.with_name(name) for name in ("kernels.cc", "quant.cc", "attention.cc", "forward.cc", "q8_bf16.cc"))
-GXX_FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-             "-Wall", "-Wextra"]
+MARCH_ENV = "BLINK_CPU_MARCH"   # the build's -march (default native): x86-64-v3 builds an AVX2-only CPU's library here
+GXX_FLAGS = ["-std=c++17", "-O3", f"-march={os.environ.get(MARCH_ENV, 'native')}", "-fopenmp", "-fno-math-errno",
+             "-fno-trapping-math", "-fPIC", "-shared", "-Wall", "-Wextra"]
 LIB_NAME = "libblink_cpu_kernels.so"
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The kernels that touch the KV pool also take float32 activations over a bf16 pool (half the bytes).
