@@ -292,6 +292,32 @@ def _decode_prologue(qkv_ptr, pos_ptr, inv_freq_ptr, r, kvh, stride_qkv_t, ctx, 
 
 
 @triton.jit
+def _store_token_kv(k_cache_ptr, v_cache_ptr, slot_ptr, r, kvh, k_cur, v_cur, stride_c_slot, D: tl.constexpr):
+    """The token's rotated k and its v at its slot of the pool (for the steps after this one)."""
+    d = tl.arange(0, D)
+    slot = tl.load(slot_ptr + r)
+    tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_keys(q, pos, lo, hi, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr, n_tables, scale, stride_c_slot,
+                 D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The online softmax of a decode row's q heads over its cached keys [lo, hi) (lo a multiple of
+    BLOCK_N): q as the products take it, and the softmax's state (max, sum, unnormalised output)."""
+    if not IEEE:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    posv = tl.full([BLOCK_G], 0, tl.int64) + pos
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
+                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    return q, m_i, l_i, acc
+
+
+@triton.jit
 def _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_ty: tl.constexpr, v_ty: tl.constexpr):
     """The token's own key and value into the online softmax, from registers (rounded to the pool's
     dtype, as the cached keys are)."""
@@ -319,19 +345,9 @@ def _decode_attention_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_p
                                             H, G, KV, D, HALF, BLOCK_G)
     d = tl.arange(0, D)
     g = tl.arange(0, BLOCK_G)
-    slot = tl.load(slot_ptr + r)
-    tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
-    tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
-    if not IEEE:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    posv = tl.full([BLOCK_G], 0, tl.int64) + pos
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    hi = pos                                                                    # cached keys 0..p-1
-    for n0 in range(0, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    _store_token_kv(k_cache_ptr, v_cache_ptr, slot_ptr, r, kvh, k_cur, v_cur, stride_c_slot, D)
+    q, m_i, l_i, acc = _decode_keys(q, pos, 0, pos, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr, n_tables, scale,
+                                    stride_c_slot, D, BS, BLOCK_G, BLOCK_N, IEEE)   # cached keys 0..p-1
     # the token's own key, from registers (its store above is for later steps)
     m_i, l_i, acc = _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_cache_ptr.dtype.element_ty,
                                     v_cache_ptr.dtype.element_ty)
@@ -357,20 +373,11 @@ def _decode_split_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, k_cache_ptr, 
     d = tl.arange(0, D)
     g = tl.arange(0, BLOCK_G)
     if sp == 0:
-        slot = tl.load(slot_ptr + r)
-        tl.store(k_cache_ptr + slot * stride_c_slot + kvh * D + d, k_cur.to(k_cache_ptr.dtype.element_ty))
-        tl.store(v_cache_ptr + slot * stride_c_slot + kvh * D + d, v_cur.to(v_cache_ptr.dtype.element_ty))
-    if not IEEE:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    posv = tl.full([BLOCK_G], 0, tl.int64) + pos
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+        _store_token_kv(k_cache_ptr, v_cache_ptr, slot_ptr, r, kvh, k_cur, v_cur, stride_c_slot, D)
     lo = sp.to(tl.int64) * chunk                                                # a multiple of BLOCK_N
-    hi = tl.minimum(lo + chunk, pos)                                            # cached keys below p only
-    for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(n0, q, posv, hi, m_i, l_i, acc, r, kvh, k_cache_ptr, v_cache_ptr, tables_ptr,
-                                     n_tables, scale, stride_c_slot, D, BS, BLOCK_N, IEEE)
+    q, m_i, l_i, acc = _decode_keys(q, pos, lo, tl.minimum(lo + chunk, pos), r, kvh, k_cache_ptr, v_cache_ptr,
+                                    tables_ptr, n_tables, scale, stride_c_slot, D, BS, BLOCK_G, BLOCK_N,
+                                    IEEE)   # cached keys below p only
     if sp == splits - 1:
         m_i, l_i, acc = _decode_own_key(q, k_cur, v_cur, m_i, l_i, acc, scale, k_cache_ptr.dtype.element_ty,
                                         v_cache_ptr.dtype.element_ty)

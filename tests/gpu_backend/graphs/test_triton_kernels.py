@@ -121,20 +121,29 @@ def test_paged_attention_reads_each_rows_blocks_in_place(dtype, tol, rows, seq, 
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_decode_attention_is_rope_kv_write_then_paged_attention(dtype, tol):
-    """One token a row, rows at their first position, inside a block, at block edges; each row's own
-    blocks. Same output and the same K/V in the pool as the two kernels it fuses."""
-    rows, h, kv, d, bs, ctx = 6, 9, 3, 64, 16, 160
-    gen = torch.Generator().manual_seed(11)
+def _decode_inputs(dtype, ctx: int, positions: list[int], seed: int, h=9, kv=3, d=64, bs=16):
+    """A decode step's inputs on the CPU: one row a position, each row its own blocks of a random pool
+    (shuffled), a random qkv; (qkv, pos, inv_freq, slots, k pool, v pool, tables)."""
+    rows = len(positions)
+    gen = torch.Generator().manual_seed(seed)
     blocks = rows * ctx // bs + 2
     kc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
     vc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
     tables = torch.randperm(blocks, generator=gen)[:rows * ctx // bs].view(rows, ctx // bs)
-    pos = torch.tensor([0, 5, 15, 16, 64, 159])
+    pos = torch.tensor(positions)
     slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
     qkv = torch.randn(rows, (h + 2 * kv) * d, generator=gen).to(dtype)
     inv = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))
+    return qkv, pos, inv, slots, kc, vc, tables
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_decode_attention_is_rope_kv_write_then_paged_attention(dtype, tol):
+    """One token a row, rows at their first position, inside a block, at block edges; each row's own
+    blocks. Same output and the same K/V in the pool as the two kernels it fuses."""
+    h, kv, ctx = 9, 3, 160
+    qkv, pos, inv, slots, kc, vc, tables = _decode_inputs(dtype, ctx, [0, 5, 15, 16, 64, 159], 11)
+    rows = len(pos)
     ref_k, ref_v = kc.clone(), vc.clone()
     q = tk.rope_kv_write(qkv, pos, inv, slots, ref_k, ref_v, h, kv)
     want = tk.paged_attention(q, ref_k, ref_v, tables, pos, rows, 1, ctx) if DEVICE == "cpu" else None
@@ -156,16 +165,8 @@ def test_split_decode_attention_is_the_unsplit_kernel(dtype, tol, splits):
     """decode_attention split along the context (flash-decoding: each split's online softmax, then the
     combine kernel) against the unsplit kernel: rows at the first key (every split but the own key's
     empty), inside a split, at a split's edge and at the end of the context; the same K/V stored."""
-    rows, h, kv, d, bs, ctx = 5, 9, 3, 64, 16, 512
-    gen = torch.Generator().manual_seed(13)
-    blocks = rows * ctx // bs + 2
-    kc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
-    vc = torch.randn(blocks, bs, kv, d, generator=gen).to(dtype)
-    tables = torch.randperm(blocks, generator=gen)[:rows * ctx // bs].view(rows, ctx // bs)
-    pos = torch.tensor([0, 37, 192, 256, 511])
-    slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-    qkv = torch.randn(rows, (h + 2 * kv) * d, generator=gen).to(dtype)
-    inv = 1.0 / (100000.0 ** (torch.arange(0, d, 2).float() / d))
+    h, ctx = 9, 512
+    qkv, pos, inv, slots, kc, vc, tables = _decode_inputs(dtype, ctx, [0, 37, 192, 256, 511], 13)
     args = [t.to(DEVICE) for t in (qkv, pos, inv, slots)]
     k1, v1, k2, v2 = (t.to(DEVICE) for t in (kc, vc, kc.clone(), vc.clone()))
     want = tk.decode_attention(*args, k1, v1, tables.to(DEVICE), h, ctx).cpu()
