@@ -330,8 +330,9 @@ class Bench:
         self._check(ring, n_req, prompt_len, tokens)
         res = {"makespan_ms": round((t1 - t0) / 1e6, 3), "steps": steps,
                "us_per_step": round((t1 - t0) / 1e3 / steps, 3),
-               "scheduler_overhead_us_per_step": round((s.scan_ns + s.publish_ns + s.plan_ns) / 1e3 / steps, 3),
-               **_phases({k: getattr(s, k) for k in ("scan_ns", "publish_ns", "plan_ns")}, steps),
+               "scheduler_overhead_us_per_step": round((s.scan_ns + s.publish_ns + s.commit_ns + s.plan_ns) / 1e3 / steps,
+                                                       3),
+               **_phases({k: getattr(s, k) for k in ("scan_ns", "publish_ns", "commit_ns", "plan_ns")}, steps),
                "wait_us_per_step": round(s.wait_ns / 1e3 / steps, 3)}
         del ring, tw
         for b in bufs.values():
@@ -355,7 +356,8 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
     steps = c["steps_prefill"] + c["steps_decode"]
     return {"makespan_ms": round(makespan_ns / 1e6, 3), "steps": steps, "windows": c["windows"],
             "us_per_step": round(makespan_ns / 1e3 / steps, 3),
-            "scheduler_overhead_us_per_step": round((c["scan_ns"] + c["publish_ns"] + c["plan_ns"]) / 1e3 / steps, 3),
+            "scheduler_overhead_us_per_step": round(
+                (c["scan_ns"] + c["publish_ns"] + c.get("commit_ns", 0) + c["plan_ns"]) / 1e3 / steps, 3),
             "scan_us_per_iteration": round(c["scan_ns"] / 1e3 / max(1, c["scans"]), 3),
             "scans_per_step": round(c["scans"] / max(1, steps), 3),
             **_phases(c, steps),
@@ -369,8 +371,9 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
 
 
 def _phases(c, steps: int) -> dict:
-    """The overhead's parts per step: the slot scan, publish, the schedule phase (its launch included)."""
-    return {f"{k}_us_per_step": round(c[f"{k}_ns"] / 1e3 / steps, 3) for k in ("scan", "publish", "plan")}
+    """The overhead's parts per step: the slot scan, publish, the parallel prefix-cache commits, the
+    schedule phase (its launch included)."""
+    return {f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3) for k in ("scan", "publish", "commit", "plan")}
 
 
 def _ab_rows(results: dict, key: str, cells) -> list[str]:
@@ -404,12 +407,14 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         lines.append(f"| {w['batch']} | {w['requests']} x {w['tokens_per_request']} | {p['makespan_ms']} | "
                      f"{p['us_per_step']} | {p['scheduler_overhead_us_per_step']} | {h['makespan_ms']} | "
                      f"{h['us_per_step']} | {w['ratio_makespan_host_over_persistent']}x |")
-    lines += ["", "Overhead per step by phase, us (slot scan / publish / schedule phase, its launch included):", "",
-              "| batch | persistent scan | publish | plan | host loop scan | publish | plan |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Overhead per step by phase, us (slot scan / publish / the parallel prefix-cache commits / schedule "
+              "phase, its launch included):", "",
+              "| batch | persistent scan | publish | commit | plan | host loop scan | publish | commit | plan |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
         p, h = w["persistent"], w["host_loop"]
         lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
-                                                      for k in ("scan", "publish", "plan")) + " |")
+                                                      for k in ("scan", "publish", "commit", "plan")) + " |")
     lines += ["", "The persistent schedule phase in parts, us per step (one GPU thread): commit + reap walks / the "
               "policy (prefix lookups included) / applying it (preempt, admit, allocate, chunks) / the graph's key, "
               "lookup and rows / the launch call:", "",
@@ -429,18 +434,17 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         f"{e['us_per_step']} | {e['scheduler_overhead_us_per_step']} | {round(e['us_per_step'] / p['us_per_step'], 2)}x"))
     lines += ["", "The survey, A/B in this run: steady decode steps planned from the block's parallel survey of "
               "the running list and the prefix-cache commits made by every thread (the default) vs by thread 0 "
-              "walking the lists (fast_plan=False). The parallel commits run after publish and count in it; the "
-              "walk's commits count in reap:", "",
-              "| batch | decode steps fast-planned | blocks committed in parallel | publish us/step, survey | plan | "
-              "reap | policy | apply | publish us/step, walks | plan | reap | policy | apply | "
-              "walks / survey (publish + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "walking the lists (fast_plan=False). The walk's commits count in reap:", "",
+              "| batch | decode steps fast-planned | blocks committed in parallel | commit us/step, survey | plan | "
+              "reap | policy | apply | commit us/step, walks | plan | reap | policy | apply | "
+              "walks / survey (commit + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def parts(x):
-        return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("publish", "plan", "reap", "policy", "apply"))
+        return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("commit", "plan", "reap", "policy", "apply"))
 
     def ratio(p, f):
-        ours = p.get("plan_us_per_step", 0) + p.get("publish_us_per_step", 0)
-        theirs = f.get("plan_us_per_step", 0) + f.get("publish_us_per_step", 0)
+        ours = p.get("plan_us_per_step", 0) + p.get("commit_us_per_step", 0)
+        theirs = f.get("plan_us_per_step", 0) + f.get("commit_us_per_step", 0)
         return f"{round(theirs / ours, 2)}x" if ours else "-"
     lines += _ab_rows(results, "persistent_full_plan",
                       lambda p, f: f"{round(100 * p.get('fast_plan_share', 0))}% | {p.get('par_commits', '-')} | "

@@ -1504,12 +1504,18 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         }
         plat.sync();
         if (sh->exit) break;
-        const uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
+        uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
         if (blink_commit_parallel(sh)) {   /* the same value in every thread: written before the barrier above */
+            const uint64_t t_commit = tid == 0 ? plat.now_ns(p) : 0;
+            if (tid == 0) p->stats->publish_ns += t_commit - t_pub;
             blink_phase_commit(plat, p, sh, tid, nt);
             plat.sync();
+            if (tid == 0) {
+                t_pub = plat.now_ns(p);   /* publish_ns goes on from here (the survey's start, or the end) */
+                p->stats->commit_ns += t_pub - t_commit;
+            }
         }
         if (sh->survey) {   /* the same value in every thread: written before the barrier above */
             if (tid == 0) {
