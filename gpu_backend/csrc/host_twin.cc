@@ -251,6 +251,10 @@ uint32_t blink_pkv_lookup_c(const blink_pkv_t *p, const uint64_t *k, uint32_t n,
 }
 int blink_pkv_take_c(blink_pkv_t *p, const uint32_t *b, uint32_t n) { return blink_pkv_take(p, b, n); }
 int blink_pkv_commit_c(blink_pkv_t *p, uint32_t b, uint64_t k) { return blink_pkv_commit(p, b, k); }
+void blink_pkv_lru_pop_c(blink_pkv_t *p, uint32_t n, uint32_t *out) { blink_pkv_lru_pop(p, n, out); }
+void blink_pkv_table_del_c(blink_pkv_t *p, uint64_t k) { blink_pkv_table_del(p, k); }
+int blink_pkv_table_check_c(const blink_pkv_t *p) { return blink_pkv_table_check(p); }
+void blink_pkv_table_rebuild_c(blink_pkv_t *p) { blink_pkv_table_rebuild(p); }
 uint64_t blink_block_hash_c(uint64_t parent, const int32_t *t, uint32_t n) { return blink_block_hash(parent, t, n); }
 
 int blink_kv_init_c(const blink_kv_t *kv, uint32_t *free_count) {
@@ -344,7 +348,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, policy_ns) X(blink_sched_control_t, apply_ns) X(blink_sched_control_t, rows_ns) \
     X(blink_sched_control_t, fast_plans) X(blink_sched_control_t, fast_plan_mismatches)                     \
     X(blink_sched_control_t, fill_blocks) X(blink_sched_control_t, par_commits)                            \
-    X(blink_sched_control_t, commit_ns)                                                                     \
+    X(blink_sched_control_t, commit_ns) X(blink_sched_control_t, fill_evictions)                            \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)              \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \

@@ -123,6 +123,7 @@ static inline BLINK_HD int blink_kv_check(const blink_kv_t *kv, uint32_t free_co
 /* ---- the prefix-caching allocator ---------------------------------------------------- */
 
 #define BLINK_KV_NIL 0xFFFFFFFFu
+#define BLINK_KV_TOMB 0xFFFFFFFEu     /* a table entry marked for deletion by the parallel evictions (sched_loop.h) */
 #define BLINK_KV_NOT_CACHED 5         /* take of a block with no key: nothing taken */
 #define BLINK_KV_ROOT_HASH 0x424C494E4B4B5643ull   /* kv_cache.ROOT_HASH */
 
@@ -191,11 +192,10 @@ static inline BLINK_HD void blink_pkv_table_put(blink_pkv_t *p, uint64_t k, uint
     p->table_block[i] = b;
 }
 
-/* Remove key k (present): backward-shift the run after it so every probe still ends at a gap. */
-static inline BLINK_HD void blink_pkv_table_del(blink_pkv_t *p, uint64_t k) {
+/* Remove the entry at index i: backward-shift the run after it so every probe still ends at a gap.
+ * Entries only move within the run (up to its first gap). */
+static inline BLINK_HD void blink_pkv_table_del_at(blink_pkv_t *p, uint32_t i) {
     const uint32_t mask = p->table_cap - 1;
-    uint32_t i = (uint32_t)k & mask;
-    while (p->table_key[i] != k || p->table_block[i] == BLINK_KV_NIL) i = (i + 1) & mask;
     for (uint32_t j = (i + 1) & mask; p->table_block[j] != BLINK_KV_NIL; j = (j + 1) & mask) {
         const uint32_t home = (uint32_t)p->table_key[j] & mask;
         /* entry j may move into the gap at i when its home is not cyclically in (i, j] */
@@ -206,6 +206,43 @@ static inline BLINK_HD void blink_pkv_table_del(blink_pkv_t *p, uint64_t k) {
         }
     }
     p->table_block[i] = BLINK_KV_NIL;
+}
+
+/* Remove key k (present). */
+static inline BLINK_HD void blink_pkv_table_del(blink_pkv_t *p, uint64_t k) {
+    const uint32_t mask = p->table_cap - 1;
+    uint32_t i = (uint32_t)k & mask;
+    while (p->table_key[i] != k || p->table_block[i] == BLINK_KV_NIL) i = (i + 1) & mask;
+    blink_pkv_table_del_at(p, i);
+}
+
+/* 0 when the table holds exactly the keyed blocks, each under its key and found by it (no entry
+ * marked for deletion left); else which rule failed. O(table_cap + num_blocks): the scheduler's
+ * check of its parallel evictions, and tests. */
+static inline BLINK_HD int blink_pkv_table_check(const blink_pkv_t *p) {
+    uint32_t entries = 0;
+    for (uint32_t i = 0; i < p->table_cap; ++i) {
+        const uint32_t b = p->table_block[i];
+        if (b == BLINK_KV_NIL) continue;
+        if (b >= p->num_blocks || !p->has_key[b] || p->key[b] != p->table_key[i]) return 1;
+        ++entries;
+    }
+    if (entries != p->cached) return 2;
+    for (uint32_t b = 0; b < p->num_blocks; ++b)
+        if (p->has_key[b] && blink_pkv_find(p, p->key[b]) != b) return 3;
+    return 0;
+}
+
+/* The table rebuilt from the blocks' own keys (distinct: a key enters only where the table lacks
+ * it), after a check of the parallel evictions failed: the scheduler heals itself. */
+static inline BLINK_HD void blink_pkv_table_rebuild(blink_pkv_t *p) {
+    for (uint32_t i = 0; i < p->table_cap; ++i) p->table_block[i] = BLINK_KV_NIL;
+    p->cached = 0;
+    for (uint32_t b = 0; b < p->num_blocks; ++b)
+        if (p->has_key[b]) {
+            blink_pkv_table_put(p, p->key[b], b);
+            ++p->cached;
+        }
 }
 
 static inline BLINK_HD void blink_pkv_lru_unlink(blink_pkv_t *p, uint32_t b) {
@@ -243,6 +280,27 @@ static inline BLINK_HD int blink_pkv_alloc(blink_pkv_t *p, uint32_t n, uint32_t 
         out[k] = b;
     }
     return BLINK_KV_OK;
+}
+
+/* The LRU's first n blocks (n <= evictable) unlinked in order into out, keys dropped: the blocks n
+ * evictions of blink_pkv_alloc would take, but for their keys' table entries, which the caller removes
+ * (blink_pkv_table_del, or in parallel: sched_loop.h blink_evict_keys). One dependent load a block. */
+static inline BLINK_HD void blink_pkv_lru_pop(blink_pkv_t *p, uint32_t n, uint32_t *out) {
+    uint32_t b = p->lru_head;
+    for (uint32_t i = 0; i < n; ++i) {
+        out[i] = b;
+        const uint32_t next = p->lru_next[b];
+        p->lru_prev[b] = p->lru_next[b] = BLINK_KV_NIL;
+        p->has_key[b] = 0;
+        b = next;
+    }
+    if (n == 0) return;
+    p->lru_head = b;
+    if (b != BLINK_KV_NIL) p->lru_prev[b] = BLINK_KV_NIL;
+    else p->lru_tail = BLINK_KV_NIL;
+    p->evictable -= n;
+    p->cached -= n;
+    p->evictions += n;
 }
 
 /* One more holder of each held block (a fork's shared prefix). */

@@ -91,6 +91,8 @@ typedef struct blink_sched_shared {
     uint32_t par_alloc;      /* schedule: the fill phase takes the needy ones' blocks (blink_fill_block) */
     uint32_t checking;       /* this iteration checks the survey's results against the full walks */
     uint32_t alloc_top;      /* the free stack's height before those blocks left it */
+    uint32_t evict_from;     /* needy ranks from here on take cached blocks the LRU gives up (BLINK_LIST_VICTIMS) */
+    uint32_t evict;          /* how many: their keys leave the table in the fill phase (blink_evict_keys) */
     uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
     uint32_t par_commit;     /* wait: this iteration may commit in parallel (blink_phase_commit) */
     uint32_t commit_multi;   /* publish: a chunk has more than one block to commit (thread 0's walk commits) */
@@ -208,19 +210,22 @@ BLINK_DEV uint32_t blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint
     return full > r->num_committed ? full - r->num_committed : 0;
 }
 
-/* plan_scratch holds twenty-two lists of max_batch_size entries: the planner's seven outputs; the
+/* plan_scratch holds twenty-five lists of max_batch_size entries: the planner's seven outputs; the
  * chunks whose requests have full blocks to commit, a bitmap publish marks for the schedule phase
  * of the same iteration; the survey's bitmap of running positions that need a KV block, and the fast
  * plan's new-block lists made from it (blink_fast_plan); the survey's bitmap of running positions
  * the reap drops, the running list without them and, for each kept request, its rank among the
  * needy ones (blink_phase_survey); the commit phase's candidates (a bitmap by chunk, each one's
- * block and key) and winners (a bitmap), and its check's list of winners (blink_phase_commit). */
+ * block and key) and winners (a bitmap), and its check's list of winners (blink_phase_commit); the
+ * cached blocks the fill phase evicts, their table entries and which of them removes its run's
+ * marks (blink_evict_keys). */
 enum {
     BLINK_LIST_PREFILL_ID, BLINK_LIST_PREFILL_LEN, BLINK_LIST_DECODE_ID, BLINK_LIST_PREEMPTED_ID,
     BLINK_LIST_ADMITTED_ID, BLINK_LIST_NEW_BLOCKS_ID, BLINK_LIST_NEW_BLOCKS_N, BLINK_LIST_COMMIT,
     BLINK_LIST_NEEDY_BITS, BLINK_LIST_NEEDY_ID, BLINK_LIST_NEEDY_N, BLINK_LIST_GONE_BITS, BLINK_LIST_KEPT,
     BLINK_LIST_KEPT_RANK, BLINK_LIST_CAND_BITS, BLINK_LIST_WIN_BITS, BLINK_LIST_CAND_BLOCK, BLINK_LIST_CAND_KLO,
-    BLINK_LIST_CAND_KHI, BLINK_LIST_CHECK_BLOCK, BLINK_LIST_CHECK_KLO, BLINK_LIST_CHECK_KHI, BLINK_SCRATCH_LISTS
+    BLINK_LIST_CAND_KHI, BLINK_LIST_CHECK_BLOCK, BLINK_LIST_CHECK_KLO, BLINK_LIST_CHECK_KHI, BLINK_LIST_VICTIMS,
+    BLINK_LIST_TOMBS, BLINK_LIST_LEADER, BLINK_SCRATCH_LISTS
 };
 static inline BLINK_HD uint32_t *blink_scratch_list(const blink_sched_params_t *p, uint32_t which) {
     return p->plan_scratch + which * p->policy.max_batch_size;
@@ -841,7 +846,9 @@ BLINK_DEV void blink_phase_survey(P &plat, const blink_sched_params_t *p, blink_
 
 /* all threads, in the fill phase of a fast plan with par_alloc: the block decode chunk k's request
  * needs, taken as blink_pkv_alloc would in running order: the needy one of rank j (the needy before
- * it) gets the free stack's entry j from the top, which the schedule phase took off the stack. */
+ * it) gets the free stack's entry j from the top, which the schedule phase took off the stack, or
+ * past the stack's height, the LRU's entry j - height from its head, which the schedule phase
+ * unlinked (blink_pkv_lru_pop; blink_evict_keys takes its key out of the table). */
 static inline BLINK_HD void blink_fill_block(const blink_sched_params_t *p, const blink_sched_shared_t *sh, uint32_t k,
                                              uint32_t slot) {
     const uint32_t *bits = blink_scratch_list(p, BLINK_LIST_NEEDY_BITS);
@@ -850,17 +857,69 @@ static inline BLINK_HD void blink_fill_block(const blink_sched_params_t *p, cons
                                                       : BLINK_NO_RANK;
     if (j == BLINK_NO_RANK) return;
     blink_req_t *r = &p->reqs[slot];
-    const uint32_t b = p->pkv->free_stack[sh->alloc_top - 1 - j];
-    p->pkv->refs[b] = 1;
+    blink_pkv_t *kv = p->pkv;
+    const uint32_t b = j < sh->evict_from ? kv->free_stack[sh->alloc_top - 1 - j]
+                                          : blink_scratch_list(p, BLINK_LIST_VICTIMS)[j - sh->evict_from];
+    kv->refs[b] = 1;
     blink_table(p, slot)[r->num_blocks] = b;
     r->num_blocks += 1;
 }
 
 /* thread 0, before the reap: whether the fill phase can take the needy ones' blocks in parallel:
- * one block each, no block table full, and the free stack holds them all (no eviction; the reap only
- * adds to the stack). Else the apply allocates them one by one (blink_pkv_alloc). */
+ * one block each, no block table full, and the pool has them all, on the free stack or evictable
+ * (the reap only adds free blocks). Else the apply allocates them one by one (blink_pkv_alloc). */
 static inline BLINK_HD int blink_par_alloc_ok(const blink_sched_params_t *p, const blink_sched_shared_t *sh) {
-    return sh->sv_needy == sh->sv_need && sh->sv_over == 0 && p->pkv->never_cached >= sh->sv_need;
+    return sh->sv_needy == sh->sv_need && sh->sv_over == 0 && blink_pkv_free_count(p->pkv) >= sh->sv_need;
+}
+
+/* all threads, in the fill phase where it evicted: the evicted blocks' keys out of the prefix cache's
+ * table, with blink_pkv_table_del's result (the same keys gone; entries may sit elsewhere in their
+ * runs). At 256 running in step, every block_size steps 256 blocks are evicted at once, and thread 0's
+ * blink_pkv_alloc paid a probe and a backward shift of dependent loads for each. Here each thread
+ * marks its victims' entries (a mark is no gap: probes still pass it), then the first mark of each run
+ * (entries between two gaps) names a thread that removes every mark of that run by backward shift,
+ * in order, up to the run's end as it was (a removal may open a gap inside the run, with marks after
+ * it); runs are disjoint and a shift never leaves its run, so the runs go in parallel. */
+template <class P>
+BLINK_DEV void blink_evict_keys(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh, unsigned tid,
+                                unsigned nt) {
+    blink_pkv_t *kv = p->pkv;
+    const uint32_t mask = kv->table_cap - 1, e = sh->evict;
+    const uint32_t *victims = blink_scratch_list(p, BLINK_LIST_VICTIMS);
+    uint32_t *tombs = blink_scratch_list(p, BLINK_LIST_TOMBS), *leader = blink_scratch_list(p, BLINK_LIST_LEADER);
+    for (uint32_t i = tid; i < e; i += nt) {   /* mark: each victim's entry (found by key and block) */
+        const uint32_t b = victims[i];
+        const uint64_t k = kv->key[b];
+        uint32_t t = (uint32_t)k & mask;
+        while (kv->table_block[t] != BLINK_KV_NIL && !(kv->table_block[t] == b && kv->table_key[t] == k))
+            t = (t + 1) & mask;
+        tombs[i] = kv->table_block[t] == b ? t : BLINK_KV_NIL;   /* a keyed block's key is in the table */
+        if (tombs[i] != BLINK_KV_NIL) kv->table_block[t] = BLINK_KV_TOMB;
+    }
+    plat.sync();
+    for (uint32_t i = tid; i < e; i += nt) {   /* lead: the first mark of its run (read only) */
+        const uint32_t t = tombs[i];
+        uint32_t lead = t != BLINK_KV_NIL;
+        uint32_t j = t;
+        while (lead && kv->table_block[(j - 1) & mask] != BLINK_KV_NIL) {   /* a gap ends every run: cap >= 2 x blocks */
+            j = (j - 1) & mask;
+            lead = kv->table_block[j] != BLINK_KV_TOMB;
+        }
+        leader[i] = lead;
+    }
+    plat.sync();
+    for (uint32_t i = tid; i < e; i += nt) {   /* remove: each run's marks, by its leader */
+#ifdef BLINK_PLANT_EVICT_FAULT   /* a test variant of the twin only: the marks stay in the table */
+        continue;
+#endif
+        if (!leader[i]) continue;
+        uint32_t end = tombs[i];   /* the run's gap, before anything moves: a removal may open gaps inside the run */
+        while (kv->table_block[end] != BLINK_KV_NIL) end = (end + 1) & mask;
+        for (uint32_t j = tombs[i]; j != end;) {
+            if (kv->table_block[j] == BLINK_KV_TOMB) blink_pkv_table_del_at(kv, j);   /* a later entry moves in, or a gap */
+            else j = (j + 1) & mask;
+        }
+    }
 }
 
 /* thread 0, before the reap compacts the running list: the survey's counts describe the list the
@@ -1227,13 +1286,20 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     }
     stats->fast_plans += (uint64_t)use_fast;   /* applied (a full window plans it again) */
     sh->par_alloc = use_fast && alloc_ok;
-    if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack here; blink_fill_block takes them */
+    sh->evict = 0;
+    if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack and the LRU here; blink_fill_block takes them */
         blink_pkv_t *kv = p->pkv;
         sh->alloc_top = kv->never_cached;
+        sh->evict_from = sh->sv_need < kv->never_cached ? sh->sv_need : kv->never_cached;
+        sh->evict = sh->sv_need - sh->evict_from;
+        uint32_t *victims = blink_scratch_list(p, BLINK_LIST_VICTIMS);
+        blink_pkv_lru_pop(kv, sh->evict, victims);   /* the LRU's first, in order: one dependent load each */
+        stats->fill_evictions += sh->evict;
         if (check)   /* what blink_pkv_alloc would give them, in order, for the launch phase's check */
             for (uint32_t j = 0; j < sh->sv_needy; ++j)
-                blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j] = kv->free_stack[sh->alloc_top - 1 - j];
-        kv->never_cached -= sh->sv_need;
+                blink_scratch_list(p, BLINK_LIST_NEEDY_N)[j] =
+                    j < sh->evict_from ? kv->free_stack[sh->alloc_top - 1 - j] : victims[j - sh->evict_from];
+        kv->never_cached -= sh->evict_from;
         stats->fill_blocks += sh->sv_need;
         plan.n_new_blocks = 0;
     }
@@ -1357,6 +1423,7 @@ BLINK_DEV void blink_phase_fill(P &plat, const blink_sched_params_t *p, blink_sc
         if (start + 1 > ctx) ctx = start + 1;
     }
     if (ctx) plat.max_shared(&sh->step_ctx, ctx);
+    if (sh->evict) blink_evict_keys(plat, p, sh, tid, nt);   /* the same in every thread: set before the barrier */
 }
 
 /* thread 0: the planned step's graph (key, O(1) lookup, rows), then its launch. */
@@ -1376,6 +1443,10 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
                 break;
             }
         }
+    if (sh->checking && sh->evict && blink_pkv_table_check(p->pkv)) {   /* the evicted keys' removal */
+        blink_fast_plan_failed(p);
+        blink_pkv_table_rebuild(p->pkv);   /* from the blocks' own keys: the cache as the walk leaves it */
+    }
     st->step_no += 1;
     st->prev_kind = kind;
     if (kind == BLINK_STEP_PREFILL) stats->steps_prefill += 1;

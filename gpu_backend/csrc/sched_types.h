@@ -200,7 +200,7 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
  * The device keeps its counters in a device-memory copy (params.stats) and
  * copies them here at every heartbeat: a read-modify-write of host memory
  * would cost a PCIe round trip per counter. */
-#define BLINK_LAST_COUNTER commit_ns   /* blink_sched_control_t's last u64 counter */
+#define BLINK_LAST_COUNTER fill_evictions   /* blink_sched_control_t's last u64 counter */
 typedef struct BLINK_ALIGN8 blink_sched_control {
     uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
     uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
@@ -236,6 +236,7 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t fill_blocks;         /* KV blocks the fill phase took in parallel (sched_loop.h blink_fill_block) */
     uint64_t par_commits;         /* blocks the commit phase put in the prefix cache in parallel (blink_phase_commit) */
     uint64_t commit_ns;           /* cumulative time in the commit phase (not in publish_ns; the walk's is in reap_ns) */
+    uint64_t fill_evictions;      /* of fill_blocks, cached blocks the fill phase evicted (LRU order, keys removed in parallel) */
     /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
      * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */

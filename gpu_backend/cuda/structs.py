@@ -70,13 +70,14 @@ class SchedState(_Struct):
 
 
 CHECK_ALWAYS = 0xFFFF_FFFF   # SchedParams.fast_plan_checks: check every fast plan (the twin in the tests)
-SCRATCH_LISTS = 22    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
+SCRATCH_LISTS = 25    # csrc/sched_loop.h BLINK_SCRATCH_LISTS: plan_scratch's lists of max_batch_size entries
 
 COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", "steps_prefill",
             "steps_decode", "tokens", "claimed", "completed", "preempted", "scan_ns", "scans", "wait_ns",
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
             "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
-            "fast_plan_mismatches", "fill_blocks", "par_commits", "commit_ns")
+            "fast_plan_mismatches", "fill_blocks", "par_commits", "commit_ns",
+            "fill_evictions")
 
 
 class SchedControl(_Struct):

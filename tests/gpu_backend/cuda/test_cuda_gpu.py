@@ -33,7 +33,7 @@ from shared_layout.shm import ShmRegion
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from frontend_player import FrontendPlayer  # noqa: E402
-from test_cuda_twin_loop import (COMMIT_CFG, GEOM, PREFIX_STATS, SURVEY_CFG, SURVEY_GEOM, _serve_workload,  # noqa: E402
+from test_cuda_twin_loop import (COMMIT_CFG, EVICT, GEOM, PREFIX_STATS, SURVEY_CFG, SURVEY_GEOM, _serve_workload,  # noqa: E402
                                  drain, echo, prefix_table, serve_survey_workload, serve_twin_commit_workload,
                                  submit_commit_workload)
 
@@ -127,30 +127,45 @@ def test_default_window_rolls_over_under_load(ring_name, device, module):
     assert s.counters["fast_plan_mismatches"] == 0, s.counters
 
 
-def test_the_survey_commits_blocks_in_parallel_on_the_device_as_the_walk(ring_name, device, module):
-    """The commit phase on the device (its compare-and-swap inserts, duplicates met in one step, its
-    first commits checked by thread 0's walk): the same prefix cache, key for key, and the same hits,
-    misses and steps as thread 0's walk in the twin on the same run."""
+def _device_against_the_walk(ring_name, device, module, unique: int = 40, **cfg):
+    """submit_commit_workload (`unique` unique prompts) on the device and through thread 0's walk in the
+    twin on the same run: every token; the same prefix cache, key for key (the device's table read
+    back), the same hits, misses and steps. Returns the device's counters."""
     region = ShmRegion.create(ring_name, SURVEY_GEOM.total_size)
     ring = Ring.create(region.buf, SURVEY_GEOM)
     fp = FrontendPlayer(ring)
-    want = submit_commit_workload(fp)                 # before the scheduler starts: one scan sees them all
-    rt, mapped = runtime_on(ring, device, module, **COMMIT_CFG)
+    want = submit_commit_workload(fp, unique)          # before the scheduler starts: one scan sees them all
+    rt, mapped = runtime_on(ring, device, module, **{**COMMIT_CFG, **cfg})
     for r in drain(fp, 60).values():
         assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
     rt.request_stop()
     assert rt.wait(30), "scheduler did not exit"
     table = prefix_table(rt.read_buffer, rt.config.kv_blocks)   # the device's table, before close frees it
     s = shut(rt, mapped)
-    print("parallel commits on the device:", s.counters)
-    assert s.exit_code == structs.EXIT_SHUTDOWN
-    assert s.counters["par_commits"] > 0 and s.counters["fast_plan_mismatches"] == 0, s.counters
+    assert s.exit_code == structs.EXIT_SHUTDOWN and s.counters["fast_plan_mismatches"] == 0, s.counters
     # thread 0's walk in the twin, on the same run (a ring in plain memory)
     walk, walk_table = serve_twin_commit_workload(Ring.create(bytearray(SURVEY_GEOM.total_size), SURVEY_GEOM),
-                                                  fast_plan=False)
+                                                  fast_plan=False, unique=unique, **cfg)
     assert table == walk_table
     for name in PREFIX_STATS:
         assert s.counters[name] == getattr(walk.stats, name), name
+    return s.counters
+
+
+def test_the_survey_commits_blocks_in_parallel_on_the_device_as_the_walk(ring_name, device, module):
+    """The commit phase on the device (its compare-and-swap inserts, duplicates met in one step, its
+    first commits checked by thread 0's walk) against the walk."""
+    c = _device_against_the_walk(ring_name, device, module)
+    print("parallel commits on the device:", c)
+    assert c["par_commits"] > 0, c
+
+
+def test_the_survey_evicts_blocks_in_parallel_on_the_device_as_the_walk(ring_name, device, module):
+    """A pool the workload outgrows: the fill phase's evictions on the device (LRU order, keys marked
+    and removed run by run by the block's threads, the first ones checked) against the walk."""
+    c = _device_against_the_walk(ring_name, device, module, **EVICT)
+    print("parallel evictions on the device:", c)
+    assert c["fill_evictions"] > 100, c
 
 
 def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):

@@ -149,8 +149,8 @@ def test_a_survey_that_disagrees_is_turned_off_and_the_full_walks_serve(twin_lib
 COMMIT_CFG = dict(max_batch_size=64, block_size=4, max_model_len=128, idle_sleep_ns=0, beat_interval_s=0.005)
 
 
-def submit_commit_workload(fp) -> dict:
-    """Blocks committed in step, with duplicates: 8 prompts of 5 tokens, 12 copies each, and 40
+def submit_commit_workload(fp, unique: int = 40) -> dict:
+    """Blocks committed in step, with duplicates: 8 prompts of 5 tokens, 12 copies each, and `unique`
     unique prompts of 3-30 tokens, submitted before the scheduler starts (one scan sees them all, so
     the run is the same run each time, on the twin and on the device). Copies admitted in one step
     compute the same blocks and commit them in the same step (the first in chunk order wins); copies
@@ -159,7 +159,7 @@ def submit_commit_workload(fp) -> dict:
     rng, want = np.random.default_rng(5), {}
     prompts = [rng.integers(0, 49152, 5).tolist() for _ in range(8)]
     jobs = [(prompts[i % 8], 24 + 4 * (i % 3)) for i in range(96)]
-    jobs += [(rng.integers(0, 49152, int(rng.integers(3, 31))).tolist(), int(rng.integers(4, 40))) for _ in range(40)]
+    jobs += [(rng.integers(0, 49152, int(rng.integers(3, 31))).tolist(), int(rng.integers(4, 40))) for _ in range(unique)]
     for prompt, n in jobs:
         fp.submit(prompt, n)
         want[fp.next_seq - 1] = echo(prompt, n)
@@ -183,13 +183,15 @@ PREFIX_STATS = ("prefix_hit_tokens", "prefix_miss_tokens", "prefix_hit_blocks", 
                 "steps_prefill", "steps_decode", "preempted", "tokens")
 
 
-def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=()):
-    """submit_commit_workload through the twin; every token and every KV block back. Returns the
-    scheduler (stopped) and its prefix cache's table."""
+def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=(), unique: int = 40,
+                               **cfg):
+    """submit_commit_workload through the twin (`cfg` over COMMIT_CFG); every token and every KV block
+    back. Returns the scheduler (stopped) and its prefix cache's table."""
     from gpu_backend.cuda.twin import TwinScheduler
     fp = FrontendPlayer(ring)
-    want = submit_commit_workload(fp)
-    tw = TwinScheduler(ring, SchedulerConfig(**COMMIT_CFG, fast_plan=fast_plan), threads=4, defines=defines)
+    want = submit_commit_workload(fp, unique)
+    tw = TwinScheduler(ring, SchedulerConfig(**{**COMMIT_CFG, **cfg}, fast_plan=fast_plan), threads=4,
+                       defines=defines)
     if checks is not None:
         tw.params.fast_plan_checks = checks
     tw.start()
@@ -217,6 +219,37 @@ def test_blocks_committed_in_parallel_are_the_walks(twin_lib, shm_ring):
     for name in PREFIX_STATS:
         assert getattr(s, name) == getattr(w, name), name
     assert s.prefix_hit_blocks > 0   # (the planted fault below shows copies meeting in one commit phase)
+
+
+EVICT = dict(unique=200, num_blocks=900)   # the commit workload with 200 unique prompts outgrows 900 blocks
+
+
+def test_blocks_evicted_in_parallel_are_the_walks(twin_lib, shm_ring):
+    """A pool the workload outgrows: the decode steps' blocks come from the LRU's cached ones, taken by
+    the fill phase in LRU order with their keys removed from the table by every thread at once. Against
+    thread 0's walk (blink_pkv_alloc, fast_plan=False) on the same run: the same table, hits, misses,
+    evictions and steps; the table checked after every parallel eviction (the twin's tests check all)."""
+    par, par_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), **EVICT)
+    walk, walk_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), fast_plan=False, **EVICT)
+    s, w = par.stats, walk.stats
+    assert s.fast_plan_mismatches == 0 and s.fill_evictions > 100 and w.fill_evictions == 0
+    assert par_table == walk_table
+    for name in PREFIX_STATS:
+        assert getattr(s, name) == getattr(w, name), name
+    pkv = [structs.PKV.from_buffer_copy(t.buffer("pkv", np.uint8)[:ctypes.sizeof(structs.PKV)].tobytes())
+           for t in (par, walk)]
+    assert pkv[0].evictions == pkv[1].evictions > s.fill_evictions // 2
+    assert (pkv[0].lru_head, pkv[0].lru_tail, pkv[0].evictable) == (pkv[1].lru_head, pkv[1].lru_tail, pkv[1].evictable)
+
+
+def test_parallel_evictions_that_break_the_table_are_healed(twin_lib, shm_ring):
+    """A twin whose fill phase leaves the evicted keys' marks in the table (planted): the check after
+    the first parallel eviction finds them, counts the disagreement, rebuilds the table from the
+    blocks' own keys and turns the parallel paths off; the cache ends as the walk's."""
+    _, walk_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), fast_plan=False, **EVICT)
+    tw, table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), defines=("BLINK_PLANT_EVICT_FAULT",), **EVICT)
+    assert tw.stats.fast_plan_mismatches == 1 and tw.state.fast_plan_off == 1 and tw.stats.fill_evictions > 0
+    assert table == walk_table
 
 
 def test_a_commit_phase_that_disagrees_is_turned_off_and_the_walk_commits(twin_lib, shm_ring):

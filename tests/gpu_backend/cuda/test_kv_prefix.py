@@ -76,6 +76,17 @@ class DeviceAllocator:
     def commit(self, b: int, key: int) -> int:
         return self.lib.blink_pkv_commit_c(ctypes.byref(self.p), b, ctypes.c_uint64(key))
 
+    def clone(self) -> "DeviceAllocator":
+        other = DeviceAllocator.__new__(DeviceAllocator)
+        other.lib, other.arrays = self.lib, {n: a.copy() for n, a in self.arrays.items()}
+        ptrs = {n: a.ctypes.data_as(u64p if a.dtype == np.uint64 else u32p) for n, a in other.arrays.items()}
+        other.p = PKV(**{n: getattr(self.p, n) for n, _ in PKV._fields_ if n not in ptrs}, **ptrs)
+        return other
+
+    def table(self) -> dict[int, int]:
+        blocks = self.arrays["table_block"]
+        return {int(k): int(b) for k, b in zip(self.arrays["table_key"], blocks) if b != NIL}
+
     def lru(self) -> list[int]:
         out, b = [], self.p.lru_head
         while b != NIL:
@@ -89,6 +100,7 @@ def pkv_lib(twin_lib):
     from gpu_backend.cuda.twin import lib
     so = lib()
     so.blink_pkv_lookup_c.restype = ctypes.c_uint32
+    so.blink_pkv_table_del_c.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
     so.blink_block_hash_c.restype = ctypes.c_uint64
     so.blink_block_hash_c.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32]
     return so
@@ -177,6 +189,61 @@ def test_chat_trace_with_a_shared_prefix_and_eviction(pkv_lib):
         same(dev, ref)
     assert ref.evictions > 0 and ref.lookup(hash_chain(system, bs)) == dev.lookup(hash_chain(system, bs))
     assert len(ref.lookup(hash_chain(system, bs))) == 8    # the shared prefix, used by everyone, survives
+
+
+def test_popping_the_lru_then_deleting_the_keys_is_blink_pkv_allocs_evictions(pkv_lib):
+    """The parallel evictions' pieces (sched_loop.h: blink_pkv_lru_pop on thread 0, the keys removed
+    from the table by every thread): popped blocks, LRU, counts and table are those of
+    blink_pkv_alloc's evictions, down to an emptied LRU (head and tail gone, then refilled); the
+    table check passes on every consistent state, fails on a broken one, and a rebuild from the
+    blocks' own keys restores the cache."""
+    rng = random.Random(7)
+    for trial in range(40):
+        dev, ref = DeviceAllocator(pkv_lib, 32), BlockAllocator(32)
+        keyspace = iter(rng.getrandbits(64) for _ in range(10_000))
+        for _ in range(rng.randint(1, 6)):                  # cached blocks on the LRU, some on the stack
+            n = rng.randint(1, min(8, dev.free_count))
+            got = dev.allocate(n)
+            assert got == ref.allocate(n)
+            for b in got[:rng.randint(0, n)]:
+                k = next(keyspace)
+                assert dev.commit(b, k) == int(ref.commit(b, k))
+            assert dev.free(got) == 0
+            ref.free(got)
+        assert pkv_lib.blink_pkv_table_check_c(ctypes.byref(dev.p)) == 0
+        if dev.p.evictable == 0:
+            continue
+        k = dev.p.evictable if trial % 4 == 0 else rng.randint(1, dev.p.evictable)   # now and then all of it
+        serial, on_stack = dev.clone(), dev.p.never_cached
+        want = serial.allocate(on_stack + k)[on_stack:]       # the stack first, then k evictions
+        assert dev.allocate(on_stack) is not None
+        out = np.zeros(k, np.uint32)
+        keys = [int(dev.arrays["key"][b]) for b in dev.lru()[:k]]
+        pkv_lib.blink_pkv_lru_pop_c(ctypes.byref(dev.p), k, out.ctypes.data_as(u32p))
+        assert out.tolist() == want
+        for key in keys:
+            pkv_lib.blink_pkv_table_del_c(ctypes.byref(dev.p), key)
+        dev.arrays["refs"][out] = 1
+        assert dev.lru() == serial.lru() and (dev.p.lru_head, dev.p.lru_tail) == (serial.p.lru_head, serial.p.lru_tail)
+        for n in ("evictable", "cached", "evictions", "never_cached"):
+            assert getattr(dev.p, n) == getattr(serial.p, n), n
+        assert dev.table() == serial.table() and dev.arrays["has_key"].tolist() == serial.arrays["has_key"].tolist()
+        assert pkv_lib.blink_pkv_table_check_c(ctypes.byref(dev.p)) == 0
+        assert dev.free(out.tolist()) == 0 and serial.free(want) == 0      # back on the stack (no keys), LRU intact
+        assert dev.lru() == serial.lru() and dev.free_count == serial.free_count
+    # a broken table (an entry lost, one left behind) fails the check; the rebuild restores the cache
+    dev = DeviceAllocator(pkv_lib, 16)
+    got = dev.allocate(6)
+    for i, b in enumerate(got):
+        dev.commit(b, 1000 + i)
+    want = dev.table()
+    slot = int(np.flatnonzero(dev.arrays["table_block"] == got[2])[0])
+    dev.arrays["table_block"][slot] = 0xFFFFFFFE                       # a mark left behind
+    assert pkv_lib.blink_pkv_table_check_c(ctypes.byref(dev.p)) == 1
+    pkv_lib.blink_pkv_table_rebuild_c(ctypes.byref(dev.p))
+    assert pkv_lib.blink_pkv_table_check_c(ctypes.byref(dev.p)) == 0 and dev.table() == want and dev.p.cached == 6
+    dev.arrays["table_block"][int(np.flatnonzero(dev.arrays["table_block"] == got[4])[0])] = NIL   # an entry lost
+    assert pkv_lib.blink_pkv_table_check_c(ctypes.byref(dev.p)) != 0
 
 
 def test_errors_change_nothing(pkv_lib):
