@@ -332,7 +332,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_state_t, plan_stamp) X(blink_sched_state_t, scan_valid)                                   \
     X(blink_sched_state_t, scan_bell) X(blink_sched_state_t, scan_epoch) X(blink_sched_state_t, scan_ns)    \
     X(blink_sched_state_t, fast_checked) X(blink_sched_state_t, fast_plan_off)                              \
-    X(blink_sched_state_t, commit_checked) X(blink_sched_state_t, reserved3)                                \
+    X(blink_sched_state_t, commit_checked) X(blink_sched_state_t, evict_checked)                            \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \

@@ -1443,9 +1443,12 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
                 break;
             }
         }
-    if (sh->checking && sh->evict && blink_pkv_table_check(p->pkv)) {   /* the evicted keys' removal */
-        blink_fast_plan_failed(p);
-        blink_pkv_table_rebuild(p->pkv);   /* from the blocks' own keys: the cache as the walk leaves it */
+    if (sh->evict && st->evict_checked < p->fast_plan_checks) {   /* the first parallel evictions, whenever they come */
+        st->evict_checked += 1;
+        if (blink_pkv_table_check(p->pkv)) {   /* the evicted keys' removal */
+            blink_fast_plan_failed(p);
+            blink_pkv_table_rebuild(p->pkv);   /* from the blocks' own keys: the cache as the walk leaves it */
+        }
     }
     st->step_no += 1;
     st->prev_kind = kind;

@@ -193,7 +193,7 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint32_t fast_checked;        /* fast plans checked against the full walks so far (sched_loop.h) */
     uint32_t fast_plan_off;       /* 1: a check disagreed; the full walks plan every step from then on */
     uint32_t commit_checked;      /* parallel commits checked against thread 0's walk so far (sched_loop.h) */
-    uint32_t reserved3;
+    uint32_t evict_checked;       /* parallel evictions whose table was checked so far (sched_loop.h) */
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.

@@ -66,7 +66,7 @@ class SchedState(_Struct):
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
                 ("step_launched_ns", u64), ("plan_stamp", u32), ("scan_valid", u32), ("scan_bell", u64),
                 ("scan_epoch", u64), ("scan_ns", u64), ("fast_checked", u32), ("fast_plan_off", u32),
-                ("commit_checked", u32), ("reserved3", u32)]
+                ("commit_checked", u32), ("evict_checked", u32)]
 
 
 CHECK_ALWAYS = 0xFFFF_FFFF   # SchedParams.fast_plan_checks: check every fast plan (the twin in the tests)

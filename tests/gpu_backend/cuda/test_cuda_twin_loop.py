@@ -233,6 +233,7 @@ def test_blocks_evicted_in_parallel_are_the_walks(twin_lib, shm_ring):
     walk, walk_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), fast_plan=False, **EVICT)
     s, w = par.stats, walk.stats
     assert s.fast_plan_mismatches == 0 and s.fill_evictions > 100 and w.fill_evictions == 0
+    assert par.state.evict_checked > 0                     # each parallel eviction's table checked
     assert par_table == walk_table
     for name in PREFIX_STATS:
         assert getattr(s, name) == getattr(w, name), name
