@@ -260,7 +260,7 @@ def run(args) -> dict:
             row["graph_ms"] = prof.graph_ms(g, args.runs)
         except Exception as e:                 # noqa: BLE001 - recorded in the result
             row["graph_ms"], row["graph_error"] = None, f"{type(e).__name__}: {e}"[:300]
-        splits = (fused_forward.decode_splits(g.rows, g.ctx, model, torch.device(device))
+        splits = (fused_forward.decode_splits(g.rows, g.ctx, model, torch.device(device), BLOCK)
                   if g.len == 1 and prof.step.kernels == "triton" else 1)
         row["splits"] = splits
         if splits > 1:                         # the split decode attention's A/B: the same step unsplit

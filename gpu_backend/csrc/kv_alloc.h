@@ -216,21 +216,30 @@ static inline BLINK_HD void blink_pkv_table_del(blink_pkv_t *p, uint64_t k) {
     blink_pkv_table_del_at(p, i);
 }
 
-/* 0 when the table holds exactly the keyed blocks, each under its key and found by it (no entry
- * marked for deletion left); else which rule failed. O(table_cap + num_blocks): the scheduler's
- * check of its parallel evictions, and tests. */
-static inline BLINK_HD int blink_pkv_table_check(const blink_pkv_t *p) {
-    uint32_t entries = 0;
-    for (uint32_t i = 0; i < p->table_cap; ++i) {
+/* Thread tid of nt's share of blink_pkv_table_check (entries tid, tid + nt, ... of the table, blocks
+ * likewise): 0, or the rule one broke (1: an entry not its block's key, or a mark left; 3: a keyed
+ * block its key does not find); *entries counts the entries it saw. */
+static inline BLINK_HD int blink_pkv_table_check_part(const blink_pkv_t *p, uint32_t tid, uint32_t nt,
+                                                      uint32_t *entries) {
+    *entries = 0;
+    for (uint32_t i = tid; i < p->table_cap; i += nt) {
         const uint32_t b = p->table_block[i];
         if (b == BLINK_KV_NIL) continue;
         if (b >= p->num_blocks || !p->has_key[b] || p->key[b] != p->table_key[i]) return 1;
-        ++entries;
+        ++*entries;
     }
-    if (entries != p->cached) return 2;
-    for (uint32_t b = 0; b < p->num_blocks; ++b)
+    for (uint32_t b = tid; b < p->num_blocks; b += nt)
         if (p->has_key[b] && blink_pkv_find(p, p->key[b]) != b) return 3;
     return 0;
+}
+
+/* 0 when the table holds exactly the keyed blocks, each under its key and found by it (no entry
+ * marked for deletion left); else which rule failed (2: the count is not `cached`). O(table_cap +
+ * num_blocks): tests, and in parts by every thread, the scheduler's check of its parallel evictions. */
+static inline BLINK_HD int blink_pkv_table_check(const blink_pkv_t *p) {
+    uint32_t entries;
+    const int bad = blink_pkv_table_check_part(p, 0, 1, &entries);
+    return bad ? bad : entries == p->cached ? 0 : 2;
 }
 
 /* The table rebuilt from the blocks' own keys (distinct: a key enters only where the table lacks

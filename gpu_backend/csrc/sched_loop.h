@@ -93,6 +93,9 @@ typedef struct blink_sched_shared {
     uint32_t alloc_top;      /* the free stack's height before those blocks left it */
     uint32_t evict_from;     /* needy ranks from here on take cached blocks the LRU gives up (BLINK_LIST_VICTIMS) */
     uint32_t evict;          /* how many: their keys leave the table in the fill phase (blink_evict_keys) */
+    uint32_t evict_check;    /* schedule: the fill phase checks the table after (the first fast_plan_checks times) */
+    uint32_t evict_bad;      /* fill: threads whose share of the table check failed */
+    uint32_t evict_entries;  /* fill: the table's entries, counted by every thread's share */
     uint32_t step_ids;       /* schedule: where a decode step's chunks are listed (BLINK_IDS_*) */
     uint32_t par_commit;     /* wait: this iteration may commit in parallel (blink_phase_commit) */
     uint32_t commit_multi;   /* publish: a chunk has more than one block to commit (thread 0's walk commits) */
@@ -338,17 +341,23 @@ BLINK_DEV void blink_abort_all(P &plat, const blink_sched_params_t *p, uint32_t 
 }
 
 /* thread 0, before an abort ends every request: the step in flight, if any, finishes first (within
- * the step timeout). It reads the requests' seats and copies while it stages its rows, and writes
- * their logprob records into the ring's arenas: completing its slots under it would let the frontend
- * reuse that memory while the graph still writes it, and a seat released mid-staging could split a
- * row's threads at the staging kernel's barriers. The twin runs its step inline: never in flight here.
- * Returns 0 where the step is still running at the timeout (the abort proceeds: the step is stuck). */
+ * the drain's grace period from now, and the step timeout, beating meanwhile: the host's wait for an
+ * aborted scheduler is longer than the grace). It reads the requests' seats and copies while it stages
+ * its rows, and writes their logprob records into the ring's arenas: completing its slots under it
+ * would let the frontend reuse that memory while the graph still writes it, and a seat released
+ * mid-staging could split a row's threads at the staging kernel's barriers. The twin runs its step
+ * inline: never in flight here. Returns 0 where the step still runs then (the abort proceeds: the
+ * step is stuck). */
 template <class P>
 BLINK_DEV int blink_settle_step(P &plat, const blink_sched_params_t *p) {
     blink_sched_state_t *st = p->state;
     if (!st->in_flight) return 1;
-    while (plat.ld32(p->done) != st->step_no)
-        if (plat.now_ns(p) - st->step_launched_ns > p->step_timeout_ns) return 0;
+    const uint64_t t0 = plat.now_ns(p);
+    while (plat.ld32(p->done) != st->step_no) {
+        const uint64_t now = plat.now_ns(p);
+        if (now - t0 > p->grace_ns || now - st->step_launched_ns > p->step_timeout_ns) return 0;
+        if (now - st->last_beat_ns >= p->beat_interval_ns) blink_beat(plat, p, now);
+    }
     plat.fence_dev();
     st->in_flight = 0;   /* its tokens are not published: every request it served is being aborted */
     return 1;
@@ -881,7 +890,7 @@ static inline BLINK_HD int blink_par_alloc_ok(const blink_sched_params_t *p, con
  * in order, up to the run's end as it was (a removal may open a gap inside the run, with marks after
  * it); runs are disjoint and a shift never leaves its run, so the runs go in parallel. */
 template <class P>
-BLINK_DEV void blink_evict_keys(P &plat, const blink_sched_params_t *p, const blink_sched_shared_t *sh, unsigned tid,
+BLINK_DEV void blink_evict_keys(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                 unsigned nt) {
     blink_pkv_t *kv = p->pkv;
     const uint32_t mask = kv->table_cap - 1, e = sh->evict;
@@ -920,6 +929,11 @@ BLINK_DEV void blink_evict_keys(P &plat, const blink_sched_params_t *p, const bl
             else j = (j + 1) & mask;
         }
     }
+    if (!sh->evict_check) return;   /* the same in every thread: set before the barrier ahead of the fill */
+    plat.sync();
+    uint32_t entries;   /* the whole table checked by every thread's share, for the launch phase */
+    if (blink_pkv_table_check_part(kv, tid, nt, &entries)) plat.add_shared(&sh->evict_bad, 1);
+    if (entries) plat.add_shared(&sh->evict_entries, entries);
 }
 
 /* thread 0, before the reap compacts the running list: the survey's counts describe the list the
@@ -1294,6 +1308,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         sh->evict = sh->sv_need - sh->evict_from;
         uint32_t *victims = blink_scratch_list(p, BLINK_LIST_VICTIMS);
         blink_pkv_lru_pop(kv, sh->evict, victims);   /* the LRU's first, in order: one dependent load each */
+        sh->evict_check = sh->evict && st->evict_checked < p->fast_plan_checks;
+        sh->evict_bad = sh->evict_entries = 0;
         stats->fill_evictions += sh->evict;
         if (check)   /* what blink_pkv_alloc would give them, in order, for the launch phase's check */
             for (uint32_t j = 0; j < sh->sv_needy; ++j)
@@ -1443,9 +1459,9 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
                 break;
             }
         }
-    if (sh->evict && st->evict_checked < p->fast_plan_checks) {   /* the first parallel evictions, whenever they come */
+    if (sh->evict && sh->evict_check) {   /* the first parallel evictions, whenever they come: the fill phase checked */
         st->evict_checked += 1;
-        if (blink_pkv_table_check(p->pkv)) {   /* the evicted keys' removal */
+        if (sh->evict_bad || sh->evict_entries != p->pkv->cached) {
             blink_fast_plan_failed(p);
             blink_pkv_table_rebuild(p->pkv);   /* from the blocks' own keys: the cache as the walk leaves it */
         }

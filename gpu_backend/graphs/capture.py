@@ -200,9 +200,9 @@ class GraphCache:
                 kinds[g.kind] = g
         warm = list(kinds.values())
         if self.step.kernels == "triton":
-            device = self.pool.k.device
+            device, bs = self.pool.k.device, self.table.config.block_size
             warm += [g for g in self.table.shapes if g.len == 1 and
-                     fused_forward.decode_splits(g.rows, g.ctx, self.model, device) > 1][:1]
+                     fused_forward.decode_splits(g.rows, g.ctx, self.model, device, bs) > 1][:1]
         with torch.cuda.stream(self.stream):
             self._pad_inputs()
             for g in [*warm, *warm]:

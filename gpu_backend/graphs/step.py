@@ -223,6 +223,8 @@ class StepFunction:
         (fused_forward: the fused Triton kernels), "auto" (triton where fused_forward.resolve says)."""
         self.model, self.pool, self.buffers, self.plan, self.attention = model, pool, buffers, plan, attention
         self.kernels = fused_forward.resolve(kernels, model, pool.k.device)
+        if self.kernels == "triton":     # the split decode attention in this model's variant, once a process
+            fused_forward.check_splits(model, pool.k.device, pool.shape.block_size)
 
     @torch.inference_mode()
     def forward(self, shape: GraphShape) -> torch.Tensor:

@@ -577,7 +577,7 @@ def test_an_abort_waits_for_the_step_in_flight(twin_lib, shm_ring, how):
     ring = shm_ring(GEOM)
     fp, holder = FrontendPlayer(ring), {}
     tw = twin(ring, launch_cb=lambda ctx, which: holder["cb"](ctx, which), max_model_len=8192,
-              grace_s=0.05 if how == "drain_deadline" else 2.0)
+              grace_s=0.3 if how == "drain_deadline" else 2.0)   # the wait for the step: within the grace
     holder["cb"] = cb = InFlightEcho(tw, ring, fp, 0.15)
     tw.start()
     slots = [fp.submit([3, 4, 5], 4000) for _ in range(4)]
@@ -594,6 +594,35 @@ def test_an_abort_waits_for_the_step_in_flight(twin_lib, shm_ring, how):
         r = fp.collect(s)
         assert (r.finish, r.error) == (FinishReason.ABORT, ErrorCode.BACKEND_SHUTDOWN)
         assert r.tokens == echo([3, 4, 5], len(r.tokens))
+
+
+def test_an_abort_waits_for_a_stuck_step_only_within_the_grace(twin_lib, shm_ring):
+    """A step that does not finish (a hung graph): the abort waits for it at most the drain's grace
+    period, beating meanwhile, then ends the requests anyway; the scheduler exits long before the
+    step timeout, inside the host's wait for it."""
+    ring = shm_ring(GEOM)
+    fp, holder = FrontendPlayer(ring), {}
+    tw = twin(ring, launch_cb=lambda ctx, which: holder["cb"](ctx, which), max_model_len=8192, grace_s=0.5)
+    holder["cb"] = cb = InFlightEcho(tw, ring, fp, 0.05)
+    tw.start()
+    slots = [fp.submit([3, 4, 5], 4000) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    while cb.steps < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cb.delay_s = 8.0                          # the next step hangs (past this test's waits)
+    steps = cb.steps
+    while len(cb.threads) <= steps + 1:       # it has been launched
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    beats = tw.stats.heartbeat
+    t0 = time.monotonic()
+    tw.stop(abort=True)
+    assert tw.join(5) and tw.exit_code == structs.EXIT_SHUTDOWN
+    assert 0.4 < time.monotonic() - t0 < 3.0  # the grace (0.5 s), not the step timeout (30 s)
+    assert tw.stats.heartbeat > beats + 10    # beating while it waited (every 5 ms)
+    for s in slots:
+        assert fp.collect(s).finish == FinishReason.ABORT
 
 
 def _slow_twin(ring, **cfg):

@@ -248,21 +248,27 @@ def test_the_self_test_passes_here_and_names_a_kernel_that_is_off(monkeypatch):
     fused_forward._SELF_TESTS.clear()
 
 
-def test_a_split_that_fails_its_self_test_turns_splitting_off_not_the_kernels(monkeypatch, caplog, tiny):
+def test_a_split_that_fails_its_check_turns_splitting_off_not_the_kernels(monkeypatch, caplog, tiny):
+    """check_splits runs the split decode attention in the model's own variant (its heads, head size,
+    dtype, block size) against the unsplit kernel; a disagreement turns splitting off for that
+    variant (logged), the Triton kernels stay."""
     _, model = tiny
     dev = torch.device(DEVICE)
-    fused_forward._SELF_TESTS.clear()
-    fused_forward._SPLIT_OFF.clear()
-    assert fused_forward.self_test(dev, torch.float32) is None
-    assert fused_forward.decode_splits(1, 1024, model, dev) == 4        # tiny's 2 KV heads: ctx-bound
+    fused_forward._SPLIT_CHECKS.clear()
+    assert fused_forward.check_splits(model, dev, 16) is None
+    assert fused_forward.decode_splits(1, 1024, model, dev, 16) == 4     # tiny's 2 KV heads: ctx-bound
     good = tk.decode_attention
-    monkeypatch.setattr(tk, "decode_attention", lambda *a, splits=1: good(*a, splits=splits) * (1.01 if splits > 1 else 1))
-    fused_forward._SELF_TESTS.clear()
-    assert fused_forward.self_test(dev, torch.float32) is None          # the Triton kernels stay
+    monkeypatch.setattr(tk, "decode_attention",
+                        lambda *a, splits=1: good(*a, splits=splits) * (1.01 if splits > 1 else 1))
+    assert fused_forward.check_splits(model, dev, 16) is None          # checked once a process
+    fused_forward._SPLIT_CHECKS.clear()
+    assert fused_forward.check_splits(model, dev, 16).startswith("decode_attention split 4 ways off by")
     assert "decode attention is not split along the context (decode_attention split 4 ways off by" in caplog.text
-    assert fused_forward.decode_splits(1, 1024, model, dev) == 1
+    assert fused_forward.decode_splits(1, 1024, model, dev, 16) == 1
+    assert fused_forward.decode_splits(1, 1024, model, dev, 32) == 4     # another block size: its own variant
     fused_forward._SELF_TESTS.clear()
-    fused_forward._SPLIT_OFF.clear()
+    assert fused_forward.self_test(dev, torch.float32) is None          # the kernels themselves still pass
+    fused_forward._SPLIT_CHECKS.clear()
 
 
 def _both_steps(model, config):
