@@ -367,6 +367,7 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             "fast_plan_share": round(c.get("fast_plans", 0) / max(1, c["steps_decode"]), 3),
             "fill_blocks": c.get("fill_blocks", 0),
             "par_commits": c.get("par_commits", 0),
+            "fill_evictions": c.get("fill_evictions", 0),
             "wait_us_per_step": round(c["wait_ns"] / 1e3 / steps, 3)}
 
 
@@ -435,9 +436,9 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
     lines += ["", "The survey, A/B in this run: steady decode steps planned from the block's parallel survey of "
               "the running list and the prefix-cache commits made by every thread (the default) vs by thread 0 "
               "walking the lists (fast_plan=False). The walk's commits count in reap:", "",
-              "| batch | decode steps fast-planned | blocks committed in parallel | commit us/step, survey | plan | "
-              "reap | policy | apply | commit us/step, walks | plan | reap | policy | apply | "
-              "walks / survey (commit + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| batch | decode steps fast-planned | blocks committed in parallel | blocks taken in parallel (of them "
+              "evicted) | commit us/step, survey | plan | reap | policy | apply | commit us/step, walks | plan | reap | "
+              "policy | apply | walks / survey (commit + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def parts(x):
         return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("commit", "plan", "reap", "policy", "apply"))
@@ -448,6 +449,7 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         return f"{round(theirs / ours, 2)}x" if ours else "-"
     lines += _ab_rows(results, "persistent_full_plan",
                       lambda p, f: f"{round(100 * p.get('fast_plan_share', 0))}% | {p.get('par_commits', '-')} | "
+                                   f"{p.get('fill_blocks', '-')} ({p.get('fill_evictions', '-')}) | "
                                    f"{parts(p)} | {parts(f)} | {ratio(p, f)}")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
