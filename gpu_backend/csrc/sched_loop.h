@@ -1300,7 +1300,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     }
     stats->fast_plans += (uint64_t)use_fast;   /* applied (a full window plans it again) */
     sh->par_alloc = use_fast && alloc_ok;
-    sh->evict = 0;
+    sh->evict = sh->evict_check = 0;
     if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack and the LRU here; blink_fill_block takes them */
         blink_pkv_t *kv = p->pkv;
         sh->alloc_top = kv->never_cached;
@@ -1459,7 +1459,7 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
                 break;
             }
         }
-    if (sh->evict && sh->evict_check) {   /* the first parallel evictions, whenever they come: the fill phase checked */
+    if (sh->evict_check) {   /* the first parallel evictions, whenever they come: the fill phase checked */
         st->evict_checked += 1;
         if (sh->evict_bad || sh->evict_entries != p->pkv->cached) {
             blink_fast_plan_failed(p);

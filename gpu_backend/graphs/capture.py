@@ -221,7 +221,7 @@ class GraphCache:
         except Exception as e:      # noqa: BLE001 - retried once with the other kernels, else raised
             if self.kernels_requested != "auto" or self.step.kernels != "triton":
                 raise
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            why = fused_forward.failure(e)
             log.warning("step graphs: capturing the Triton kernels failed (%s); capturing PyTorch's operators", why)
             self._release_graphs()
             torch.cuda.synchronize()

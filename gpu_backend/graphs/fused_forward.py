@@ -64,6 +64,18 @@ def resolve(kernels: str, model, device: torch.device) -> str:
     return "triton"
 
 
+def failure(e: Exception) -> str:
+    """A compiler's or driver's error as one line, the reason a kernel set is not used."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def _off(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None where got is want within the self-tests' tolerance for dtype (NaN never is), else why."""
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (got.float() - want.float()).abs().max().item()
+    return None if err <= tol * (1 + want.float().abs().max().item()) else f"{name} off by {err:.3g}"
+
+
 _SELF_TESTS: dict[tuple, str | None] = {}
 _SPLIT_CHECKS: dict[tuple, str | None] = {}   # split_key -> None, or why the split decode attention is off
 
@@ -95,7 +107,7 @@ def check_splits(model, device: torch.device, block_size: int) -> str | None:
             why = _split_self_test(torch.device(device), model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    block_size)
         except Exception as e:      # noqa: BLE001 - a compiler or driver error is the answer
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            why = failure(e)
         _SPLIT_CHECKS[key] = why
         if why is not None:
             log.warning("step graphs: decode attention is not split along the context (%s)", why)
@@ -111,7 +123,7 @@ def self_test(device: torch.device, dtype: torch.dtype) -> str | None:
         try:
             _SELF_TESTS[key] = _self_test(device, dtype)
         except Exception as e:      # noqa: BLE001 - a compiler or driver error is the answer
-            _SELF_TESTS[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            _SELF_TESTS[key] = failure(e)
     return _SELF_TESTS[key]
 
 
@@ -122,14 +134,12 @@ def _self_test(device: torch.device, dtype: torch.dtype) -> str | None:
     from ..model.llama import apply_rope
     from . import triton_kernels as tk
     gen = torch.Generator().manual_seed(0)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     def off(name, got, want):
-        err = (got.float() - want.float()).abs().max().item()
-        return None if err <= tol * (1 + want.float().abs().max().item()) else f"{name} off by {err:.3g}"
+        return _off(name, got, want, dtype)
 
     x, delta, w = rnd(3, 64), rnd(3, 64), rnd(64)
     want_x = x + delta
@@ -177,7 +187,6 @@ def _split_self_test(device: torch.device, dtype: torch.dtype, h: int, kv: int, 
     the first key (3 of the 4 splits empty), mid-context and at the end."""
     from . import triton_kernels as tk
     gen = torch.Generator().manual_seed(1)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
     ctx = 4 * max(tk.SPLIT_MIN_KEYS, bs)
     rows = 3
     tables = torch.arange(rows * ctx // bs, device=device).view(rows, ctx // bs)
@@ -187,11 +196,9 @@ def _split_self_test(device: torch.device, dtype: torch.dtype, h: int, kv: int, 
     pos = torch.tensor([0, ctx // 2 + 5, ctx - 1], device=device)
     slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
-    want = tk.decode_attention(qkv, pos, inv, slots, kc.clone(), vc.clone(), tables, h, ctx).float()
-    got = tk.decode_attention(qkv, pos, inv, slots, kc, vc, tables, h, ctx, splits=4).float()
-    err = (got - want).abs().max().item()
-    ok = err <= tol * (1 + want.abs().max().item())      # NaN fails too
-    return None if ok else f"decode_attention split 4 ways off by {err:.3g}"
+    want = tk.decode_attention(qkv, pos, inv, slots, kc.clone(), vc.clone(), tables, h, ctx)
+    got = tk.decode_attention(qkv, pos, inv, slots, kc, vc, tables, h, ctx, splits=4)
+    return _off("decode_attention split 4 ways", got, want, dtype)
 
 
 def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None:
