@@ -362,7 +362,9 @@ async def _serve_10k(ring_name: str, n_requests: int, seed: int) -> dict:
             long_one = rng.random() < 0.02
             prompt = [rng.randrange(49152) for _ in range(rng.randint(1, 64))]
             n = rng.randint(1000, 3000) if long_one else rng.randint(1, 64)
-            cancel_after = rng.randint(0, n) if rng.random() < 0.05 else None
+            # ~5% of the short ones and half the long ones are cancelled part way: a long one's cancel
+            # mostly comes with hundreds of tokens left, so it reaches the backend before the end
+            cancel_after = rng.randint(0, n) if rng.random() < (0.5 if long_one else 0.05) else None
             while True:
                 try:
                     h = await client.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True), queue_timeout_s=60)
@@ -403,7 +405,8 @@ def test_10k_requests_through_the_frontend_and_daemon(ring_name):
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert tally["length"] + tally["abort"] == 10_000
-    # ~5% are cancelled part way; a cancel that reaches the backend after the last token leaves LENGTH
-    # (the faster the loop, the more do), so aborts are a floor, and every abort was asked for (above)
+    # a cancel that reaches the backend after the last token leaves LENGTH (the faster the loop, the
+    # more do: 15 of 563 short-heavy cancels aborted on an H200), so aborts are a floor, carried by the
+    # long requests' cancels, and every abort was asked for (above)
     assert tally["long"] > 50 and tally["cancelled"] > 300 and tally["abort"] >= 20
     assert "persistent scheduler started" in err

@@ -31,6 +31,18 @@ def test_workloads_through_a_real_daemon(tmp_path, ring_name):
     assert not pathlib.Path(f"/dev/shm/{ring_name}").exists()
 
 
+def test_no_run_repeats_another_runs_prompt_blocks():
+    """Every run_workload call of a daemon's conditions takes its own seed, so no prompt's first KV block
+    (16 tokens) repeats anywhere in the run plan: a repeat would be served from the prefix cache and make
+    a later condition look faster (the H200's 2026-11-27 run: 68% of prefill tokens hit)."""
+    workloads = [(64, 128, 32), (64, 512, 128), (256, 128, 128)]
+    seeds = bench.run_seeds(workloads, 3)
+    assert len(seeds) == len(bench.CONDITIONS) * len(workloads) * (1 + 3)
+    firsts = [p[:16].tobytes() for (_c, (n, i, _o), _r), seed in seeds.items()
+              for p in bench.workload_prompts(seed, n, i, 49152)]
+    assert len(firsts) == 3 * 4 * (64 + 64 + 256) and len(set(firsts)) == len(firsts)
+
+
 def _fake(p_iso, h_iso, p_int, h_int, p_all=None, h_all=None):
     def runs(a, b, c):
         out = {"isolated": {"64x128->32": {"makespan_ms": a, "j_per_token": 0.5}},
