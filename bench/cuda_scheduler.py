@@ -365,6 +365,7 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             **{f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3)
                for k in ("reap", "policy", "apply", "rows")},
             "fast_plan_share": round(c.get("fast_plans", 0) / max(1, c["steps_decode"]), 3),
+            "fast_admit_share": round(c.get("fast_admits", 0) / max(1, c["steps_prefill"]), 3),
             "fill_blocks": c.get("fill_blocks", 0),
             "par_commits": c.get("par_commits", 0),
             "fill_evictions": c.get("fill_evictions", 0),
@@ -433,12 +434,12 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
     lines += _ab_rows(results, "persistent_scan_every_iteration", lambda p, e: (
         f"{p['us_per_step']} | {p.get('scans_per_step', '-')} | {p['scheduler_overhead_us_per_step']} | "
         f"{e['us_per_step']} | {e['scheduler_overhead_us_per_step']} | {round(e['us_per_step'] / p['us_per_step'], 2)}x"))
-    lines += ["", "The survey, A/B in this run: steady decode steps planned from the block's parallel survey of "
-              "the running list and the prefix-cache commits made by every thread (the default) vs by thread 0 "
+    lines += ["", "The survey, A/B in this run: steady decode steps and the PREFILL steps that admit into freed seats "
+              "planned from the block's parallel survey of the running list and the prefix-cache commits made by every thread (the default) vs by thread 0 "
               "walking the lists (fast_plan=False). The walk's commits count in reap:", "",
-              "| batch | decode steps fast-planned | blocks committed in parallel | blocks taken in parallel (of them "
+              "| batch | decode steps fast-planned | prefill steps admitting from the survey | blocks committed in parallel | blocks taken in parallel (of them "
               "evicted) | commit us/step, survey | plan | reap | policy | apply | commit us/step, walks | plan | reap | "
-              "policy | apply | walks / survey (commit + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "policy | apply | walks / survey (commit + plan) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def parts(x):
         return " | ".join(str(x.get(f"{k}_us_per_step", "-")) for k in ("commit", "plan", "reap", "policy", "apply"))
@@ -448,7 +449,8 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
         theirs = f.get("plan_us_per_step", 0) + f.get("commit_us_per_step", 0)
         return f"{round(theirs / ours, 2)}x" if ours else "-"
     lines += _ab_rows(results, "persistent_full_plan",
-                      lambda p, f: f"{round(100 * p.get('fast_plan_share', 0))}% | {p.get('par_commits', '-')} | "
+                      lambda p, f: f"{round(100 * p.get('fast_plan_share', 0))}% | "
+                                   f"{round(100 * p.get('fast_admit_share', 0))}% | {p.get('par_commits', '-')} | "
                                    f"{p.get('fill_blocks', '-')} ({p.get('fill_evictions', '-')}) | "
                                    f"{parts(p)} | {parts(f)} | {ratio(p, f)}")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "

@@ -333,6 +333,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_state_t, scan_bell) X(blink_sched_state_t, scan_epoch) X(blink_sched_state_t, scan_ns)    \
     X(blink_sched_state_t, fast_checked) X(blink_sched_state_t, fast_plan_off)                              \
     X(blink_sched_state_t, commit_checked) X(blink_sched_state_t, evict_checked)                            \
+    X(blink_sched_state_t, admit_checked) X(blink_sched_state_t, reserved_state)                            \
     X(blink_sched_control_t, stop) X(blink_sched_control_t, abort) X(blink_sched_control_t, running)        \
     X(blink_sched_control_t, exit_code) X(blink_sched_control_t, heartbeat)                                 \
     X(blink_sched_control_t, iterations) X(blink_sched_control_t, windows)                                  \
@@ -349,6 +350,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, fast_plans) X(blink_sched_control_t, fast_plan_mismatches)                     \
     X(blink_sched_control_t, fill_blocks) X(blink_sched_control_t, par_commits)                            \
     X(blink_sched_control_t, commit_ns) X(blink_sched_control_t, fill_evictions)                            \
+    X(blink_sched_control_t, fast_admits)                                                                     \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)              \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \

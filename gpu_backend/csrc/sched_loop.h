@@ -25,9 +25,10 @@
  *   survey   (all)       each running request: dropped by the reap, decoding one token, or
  *                        not; which cross a block boundary (bitmaps by warp ballot); where
  *                        the reap is due, the running list without the dropped ones. The
- *                        schedule phase then reaps only those, and under FCFS with nobody
- *                        waiting or no seat free plans the steady decode step without
- *                        walking the running list (blink_fast_plan)
+ *                        schedule phase then reaps only those, and under FCFS, where every
+ *                        running request decodes, plans the steady decode step
+ *                        (blink_fast_plan) or the PREFILL step that admits waiting requests
+ *                        into freed seats (blink_fast_admit) without walking the running list
  *   schedule (thread 0)  commit the blocks the step filled (where the commit phase did not), drop
  *                        finished, reap aborted (their KV blocks back to the allocator),
  *                        look up each waiting request's cached prefix (key chain over its
@@ -951,15 +952,61 @@ static inline BLINK_DEV uint32_t blink_survey_needy(const blink_sched_params_t *
     return k + 1;   /* 0: no fast plan; else 1 + the number of needy requests */
 }
 
+/* Rule 1 with every running request a decoder (the survey's case): a PREFILL step admits waiting
+ * requests into free seats unless the last step was the PREFILL step (decode resumes then). */
+static inline BLINK_HD int blink_admission_due(const blink_sched_params_t *p) {
+    const blink_sched_state_t *st = p->state;
+    return st->w_count && st->n_running < p->policy.max_batch_size && st->prev_kind != BLINK_STEP_PREFILL;
+}
+
+/* thread 0, after the reap and the waiting requests' prefix lookups: rule 1's PREFILL step from the
+ * survey's counts where every running request decodes one token next (FCFS, as the survey asks).
+ * Then the full planner's rule 2a has nobody to chunk, its reserve is the survey's needy count and
+ * nothing is freed by victims, so rule 2b (blink_plan_admit) runs as the full planner would without
+ * one walk of the running list (three walks there, a dependent load or two a request each: at 256
+ * running with mixed lengths, where most steps admit into a seat the step before freed, the policy
+ * was 33 us a step on the H200). 1: `plan` admits (its lists set by the caller); 0: nobody admitted,
+ * and the full planner would go on to rule 3 (the fast decode plan, `none_admitted`). */
+static inline BLINK_HD int blink_fast_admit(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
+                                            int64_t free_blocks, blink_plan_t *plan) {
+    const blink_sched_state_t *st = p->state;
+    const uint32_t cap = (uint32_t)p->slot_count;
+    plan->kind = BLINK_STEP_IDLE;
+    plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
+    int64_t seats = (int64_t)p->policy.max_batch_size - st->n_running;
+#ifdef BLINK_PLANT_ADMIT_FAULT   /* a test variant of the twin only: one seat too many */
+    seats += 1;
+#endif
+    blink_plan_admit(&p->policy, p->reqs, p->waiting, st->w_head, st->w_count, cap, p->policy.max_prefill_tokens,
+                     free_blocks, sh->sv_needy, seats, 0, plan, p->waiting, st->w_head, cap);
+    if (plan->n_prefill == 0) return 0;
+    plan->kind = BLINK_STEP_PREFILL;
+    return 1;
+}
+
+/* The twin's and the device's check of an admission from the survey: the full planner's plan `want`
+ * (its rule 2a listed nobody) against it, entry for entry. */
+static inline BLINK_HD int blink_admits_agree(const blink_plan_t *want, const blink_plan_t *got) {
+    if (want->kind != got->kind || want->n_prefill != got->n_prefill || want->n_decode || want->n_preempted ||
+        want->n_admitted != got->n_admitted || want->n_new_blocks != got->n_new_blocks)
+        return 0;
+    for (uint32_t k = 0; k < got->n_prefill; ++k)
+        if (want->prefill_id[k] != got->prefill_id[k] || want->prefill_len[k] != got->prefill_len[k] ||
+            want->admitted_id[k] != got->admitted_id[k] || want->new_blocks_id[k] != got->new_blocks_id[k] ||
+            want->new_blocks_n[k] != got->new_blocks_n[k])
+            return 0;
+    return 1;
+}
+
 /* thread 0, after the reap: the fast plan (the full planner's own result for this case), or 0 where
- * it does not hold: nobody left running, a seat free for a waiting request (the reap freed one:
- * rule 2b admits), or a pool that cannot give every decoder its block without preempting. */
+ * it does not hold: nobody left running, a seat free for a waiting request that rule 1 would admit
+ * (unless `none_admitted`: blink_fast_admit found rule 2b admits nobody), or a pool that cannot give
+ * every decoder its block without preempting. */
 static inline BLINK_HD int blink_fast_plan(const blink_sched_params_t *p, const blink_sched_shared_t *sh,
                                            const uint32_t *running, uint32_t n_needy, int lists,
-                                           int64_t free_blocks, blink_plan_t *plan) {
+                                           int64_t free_blocks, int none_admitted, blink_plan_t *plan) {
     const blink_sched_state_t *st = p->state;
-    if (st->n_running == 0 || (st->w_count && st->n_running < p->policy.max_batch_size) ||
-        (int64_t)sh->sv_need > free_blocks)
+    if (st->n_running == 0 || (blink_admission_due(p) && !none_admitted) || (int64_t)sh->sv_need > free_blocks)
         return 0;
     const int64_t bs = p->policy.block_size;
     plan->kind = BLINK_STEP_DECODE;
@@ -1182,6 +1229,30 @@ BLINK_DEV void blink_phase_commit(P &plat, const blink_sched_params_t *p, blink_
     if (won) plat.add_shared(&sh->commit_won, won);
 }
 
+/* A plan's seven lists: the planner's (plan_scratch's first seven), or (`alternate`, for the check
+ * of an admission from the survey against the full planner) lists nothing reads in a step that
+ * admits: the fill phase's evictions (a fast decode plan's only) and the commit phase's (done for
+ * this iteration). An admission writes no decode or preempted entries. */
+static inline BLINK_HD void blink_plan_lists(const blink_sched_params_t *p, blink_plan_t *plan, int alternate) {
+    plan->prefill_id = blink_scratch_list(p, alternate ? BLINK_LIST_VICTIMS : BLINK_LIST_PREFILL_ID);
+    plan->prefill_len = blink_scratch_list(p, alternate ? BLINK_LIST_TOMBS : BLINK_LIST_PREFILL_LEN);
+    plan->decode_id = blink_scratch_list(p, BLINK_LIST_DECODE_ID);
+    plan->preempted_id = blink_scratch_list(p, BLINK_LIST_PREEMPTED_ID);
+    plan->admitted_id = blink_scratch_list(p, alternate ? BLINK_LIST_LEADER : BLINK_LIST_ADMITTED_ID);
+    plan->new_blocks_id = blink_scratch_list(p, alternate ? BLINK_LIST_CAND_BLOCK : BLINK_LIST_NEW_BLOCKS_ID);
+    plan->new_blocks_n = blink_scratch_list(p, alternate ? BLINK_LIST_CHECK_BLOCK : BLINK_LIST_NEW_BLOCKS_N);
+}
+
+/* thread 0: the prefix-cache hit of the first `seats` waiting requests (scheduler._policy_input). */
+template <class P>
+BLINK_DEV void blink_waiting_hits(P &plat, const blink_sched_params_t *p, uint32_t seats) {
+    const blink_sched_state_t *st = p->state;
+    for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {
+        const uint32_t slot = p->waiting[(st->w_head + k) % p->slot_count];
+        blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
+    }
+}
+
 /* thread 0: drop finished, reap aborted, then plan the next step and launch it. */
 template <class P>
 BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh) {
@@ -1246,13 +1317,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
 
     blink_plan_t plan;
     const uint32_t mb = p->policy.max_batch_size;
-    plan.prefill_id = blink_scratch_list(p, BLINK_LIST_PREFILL_ID);
-    plan.prefill_len = blink_scratch_list(p, BLINK_LIST_PREFILL_LEN);
-    plan.decode_id = blink_scratch_list(p, BLINK_LIST_DECODE_ID);
-    plan.preempted_id = blink_scratch_list(p, BLINK_LIST_PREEMPTED_ID);
-    plan.admitted_id = blink_scratch_list(p, BLINK_LIST_ADMITTED_ID);
-    plan.new_blocks_id = blink_scratch_list(p, BLINK_LIST_NEW_BLOCKS_ID);
-    plan.new_blocks_n = blink_scratch_list(p, BLINK_LIST_NEW_BLOCKS_N);
+    blink_plan_lists(p, &plan, 0);
     /* scheduler._policy_input: the clock, each waiting request's prefix-cache hit (under FCFS only
      * those a free seat can admit; any of them under the others), the free count less the blocks'
      * extra holders (a preempted sharer frees fewer than the policy would assume; not clamped) */
@@ -1260,18 +1325,41 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     rules.now_us = (int64_t)(t0 / 1000);
     st->plan_stamp += 1;
     const int64_t free_blocks = (int64_t)blink_pkv_free_count(p->pkv) - (int64_t)p->pkv->extra_refs;
+    /* only the waiting requests the plan may admit are looked up: rule 2b stops at the seats, and a
+     * hit is looked up again before it is read (FCFS; under the other policies seats == w_count) */
+    const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
     blink_plan_t fast;
-    int use_fast = fast_needy && !st->fast_plan_off &&
-                   blink_fast_plan(p, sh, running, fast_needy - 1, lists, free_blocks, &fast);
-    if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
-    if (!use_fast || check) {
-        const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
-        /* only those the plan may admit: rule 2b stops at the seats, and a hit is looked up again
-         * before it is read (FCFS; under the other policies seats == w_count) */
-        for (uint32_t k = 0; k < st->w_count && k < seats; ++k) {
-            const uint32_t slot = p->waiting[(st->w_head + k) % cap];
-            blink_prefix_hit(plat, p, slot, &p->reqs[slot]);
+    int planned = 0, looked_up = 0, use_admit = 0, none_admitted = 0;
+    if (fast_needy && !st->fast_plan_off && blink_admission_due(p)) {   /* rule 1's PREFILL step */
+        /* `running` may still be the survey's kept list: read-only here, and copied back (below) only
+         * where the plan is not a fast decode plan, whose fill phase places blocks by the survey's
+         * positions (the kept ranks) */
+        blink_waiting_hits(plat, p, seats);
+        looked_up = 1;
+        const int admit_check = st->admit_checked < p->fast_plan_checks;
+        blink_plan_lists(p, &fast, admit_check);
+        use_admit = blink_fast_admit(p, sh, free_blocks, &fast);
+        none_admitted = !use_admit;
+        if (use_admit && admit_check) {   /* the full planner beside it, read-only until one is applied */
+            blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
+                                   (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
+                                   p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+            st->admit_checked += 1;
+            planned = 1;                  /* agreeing, the full plan is the same plan, in the planner's lists */
+            if (!blink_admits_agree(&plan, &fast)) {
+                blink_fast_plan_failed(p);
+                use_admit = 0;
+            }
+        } else if (use_admit) {
+            plan = fast;
+            planned = 1;
         }
+    }
+    int use_fast = !planned && fast_needy && !st->fast_plan_off &&
+                   blink_fast_plan(p, sh, running, fast_needy - 1, lists, free_blocks, none_admitted, &fast);
+    if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
+    if (!planned && (!use_fast || check)) {
+        if (!looked_up) blink_waiting_hits(plat, p, seats);
         blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
                                (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
                                p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
@@ -1299,6 +1387,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         return;
     }
     stats->fast_plans += (uint64_t)use_fast;   /* applied (a full window plans it again) */
+    stats->fast_admits += (uint64_t)use_admit;
     sh->par_alloc = use_fast && alloc_ok;
     sh->evict = sh->evict_check = 0;
     if (sh->par_alloc) {   /* the needy ones' blocks leave the free stack and the LRU here; blink_fill_block takes them */

@@ -236,6 +236,35 @@ static inline BLINK_HD int64_t blink_hit_taken(const blink_policy_config_t *cfg,
     return (int64_t)w->cached_idle + (held < avail ? held : avail);
 }
 
+/* Rule 2b: waiting requests in queue order, each its prompt from its cached prefix on, while the
+ * prefill budget, a seat and the free blocks last (less `reserve`, one for each decoder whose next
+ * token needs one, and less the idle cached blocks a hit takes). blink_plan_core's, and the
+ * persistent scheduler's admission planned from its survey (sched_loop.h blink_fast_admit). */
+static inline BLINK_HD void blink_plan_admit(const blink_policy_config_t *cfg, const blink_req_t *reqs,
+                                             const uint32_t *waiting, uint32_t w_head, uint32_t w_count,
+                                             uint32_t w_cap, int64_t budget, int64_t free, int64_t reserve,
+                                             int64_t seats, int64_t freed, blink_plan_t *plan, const uint32_t *queue,
+                                             uint32_t q_head, uint32_t q_cap) {
+    const int64_t bs = cfg->block_size;
+    for (uint32_t k = 0; k < w_count; ++k) {
+        if (budget == 0 || seats == 0) break;
+        uint32_t id = waiting[(w_head + k) % w_cap];
+        const blink_req_t *w = &reqs[id];   /* a prefix-cache hit computes from num_cached on */
+        int64_t taken = blink_hit_taken(cfg, reqs, id, queue, q_head, w_count, q_cap, plan, freed);
+        int64_t chunk = blink_min3((int64_t)blink_req_tokens(w) - w->num_cached, budget, (free - reserve - taken) * bs);
+        if (chunk <= 0) break;
+        int64_t need = blink_blocks_needed(chunk, bs);   /* num_cached is block-aligned */
+        free -= need + taken;
+        budget -= chunk;
+        --seats;
+        plan->prefill_id[plan->n_prefill] = id;
+        plan->prefill_len[plan->n_prefill++] = (uint32_t)chunk;
+        plan->new_blocks_id[plan->n_new_blocks] = id;
+        plan->new_blocks_n[plan->n_new_blocks++] = (uint32_t)need;
+        plan->admitted_id[plan->n_admitted++] = id;
+    }
+}
+
 /* Rules 1-4 of policy.py after rule 0: `waiting` is a deque of capacity w_cap starting at
  * w_head, `running` in the policy's order; `victims` leave for a PREFILL step. Ids index
  * `reqs`. Fills `plan` (its arrays hold max_batch_size entries, or n_running where that
@@ -297,24 +326,8 @@ static inline BLINK_HD void blink_plan_core(const blink_policy_config_t *cfg, co
                     blink_blocks_needed((int64_t)r->num_computed + 1, bs) > (int64_t)r->num_blocks)
                     ++reserve;
             }
-            for (uint32_t k = 0; k < w_count; ++k) {               /* rule 2b */
-                if (budget == 0 || seats == 0) break;
-                uint32_t id = waiting[(w_head + k) % w_cap];
-                const blink_req_t *w = &reqs[id];   /* a prefix-cache hit computes from num_cached on */
-                int64_t taken = blink_hit_taken(cfg, reqs, id, queue, q_head, w_count, q_cap, plan, freed);
-                int64_t chunk = blink_min3((int64_t)blink_req_tokens(w) - w->num_cached, budget,
-                                           (free - reserve - taken) * bs);
-                if (chunk <= 0) break;
-                int64_t need = blink_blocks_needed(chunk, bs);   /* num_cached is block-aligned */
-                free -= need + taken;
-                budget -= chunk;
-                --seats;
-                plan->prefill_id[plan->n_prefill] = id;
-                plan->prefill_len[plan->n_prefill++] = (uint32_t)chunk;
-                plan->new_blocks_id[plan->n_new_blocks] = id;
-                plan->new_blocks_n[plan->n_new_blocks++] = (uint32_t)need;
-                plan->admitted_id[plan->n_admitted++] = id;
-            }
+            blink_plan_admit(cfg, reqs, waiting, w_head, w_count, w_cap, budget, free, reserve, seats, freed, plan,
+                             queue, q_head, q_cap);                /* rule 2b */
         }
         if (plan->n_prefill > 0) {
             plan->kind = BLINK_STEP_PREFILL;

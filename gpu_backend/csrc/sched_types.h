@@ -194,13 +194,15 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
     uint32_t fast_plan_off;       /* 1: a check disagreed; the full walks plan every step from then on */
     uint32_t commit_checked;      /* parallel commits checked against thread 0's walk so far (sched_loop.h) */
     uint32_t evict_checked;       /* parallel evictions whose table was checked so far (sched_loop.h) */
+    uint32_t admit_checked;       /* admissions planned from the survey checked against the full planner so far */
+    uint32_t reserved_state;
 } blink_sched_state_t;
 
 /* Host-mapped pinned memory: the host writes stop/abort, the device the rest.
  * The device keeps its counters in a device-memory copy (params.stats) and
  * copies them here at every heartbeat: a read-modify-write of host memory
  * would cost a PCIe round trip per counter. */
-#define BLINK_LAST_COUNTER fill_evictions   /* blink_sched_control_t's last u64 counter */
+#define BLINK_LAST_COUNTER fast_admits   /* blink_sched_control_t's last u64 counter */
 typedef struct BLINK_ALIGN8 blink_sched_control {
     uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
     uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
@@ -237,6 +239,7 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t par_commits;         /* blocks the commit phase put in the prefix cache in parallel (blink_phase_commit) */
     uint64_t commit_ns;           /* cumulative time in the commit phase (not in publish_ns; the walk's is in reap_ns) */
     uint64_t fill_evictions;      /* of fill_blocks, cached blocks the fill phase evicted (LRU order, keys removed in parallel) */
+    uint64_t fast_admits;         /* prefill steps admitting waiting requests planned from the survey's counts (blink_fast_admit) */
     /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
      * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */

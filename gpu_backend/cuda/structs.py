@@ -66,7 +66,7 @@ class SchedState(_Struct):
                 ("drain_deadline_ns", u64), ("last_beat_ns", u64),
                 ("step_launched_ns", u64), ("plan_stamp", u32), ("scan_valid", u32), ("scan_bell", u64),
                 ("scan_epoch", u64), ("scan_ns", u64), ("fast_checked", u32), ("fast_plan_off", u32),
-                ("commit_checked", u32), ("evict_checked", u32)]
+                ("commit_checked", u32), ("evict_checked", u32), ("admit_checked", u32), ("reserved_state", u32)]
 
 
 CHECK_ALWAYS = 0xFFFF_FFFF   # SchedParams.fast_plan_checks: check every fast plan (the twin in the tests)
@@ -77,7 +77,7 @@ COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", 
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
             "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
             "fast_plan_mismatches", "fill_blocks", "par_commits", "commit_ns",
-            "fill_evictions")
+            "fill_evictions", "fast_admits")
 
 
 class SchedControl(_Struct):

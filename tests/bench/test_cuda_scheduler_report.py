@@ -73,7 +73,8 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     ab = md.split("The frontend doorbell, A/B in this run")[1]
     assert f"| 8 | {bell['us_per_step']} | {bell['scans_per_step']} |" in ab
     survey = md.split("The survey, A/B in this run")[1]
-    assert (f"| 8 | {round(100 * bell['fast_plan_share'])}% | {bell['par_commits']} | {bell['fill_blocks']} "
+    assert (f"| 8 | {round(100 * bell['fast_plan_share'])}% | {round(100 * bell['fast_admit_share'])}% | "
+            f"{bell['par_commits']} | {bell['fill_blocks']} "
             f"({bell['fill_evictions']}) | {bell['commit_us_per_step']} | {bell['plan_us_per_step']} |") in survey
     assert bell["commit_us_per_step"] > 0 == full["commit_us_per_step"]    # the walk's commits are in its plan
     assert full["par_commits"] == 0 < bell["par_commits"]      # the echo's blocks, committed by every thread

@@ -33,8 +33,9 @@ from shared_layout.shm import ShmRegion
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from frontend_player import FrontendPlayer  # noqa: E402
-from test_cuda_twin_loop import (COMMIT_CFG, EVICT, GEOM, PREFIX_STATS, SURVEY_CFG, SURVEY_GEOM, _serve_workload,  # noqa: E402
-                                 drain, echo, prefix_table, serve_survey_workload, serve_twin_commit_workload,
+from test_cuda_twin_loop import (ADMIT_STATS, COMMIT_CFG, EVICT, GEOM, PREFIX_STATS, SURVEY_CFG,  # noqa: E402
+                                 SURVEY_GEOM, _serve_workload, drain, echo, prefix_table, serve_admission_workload,
+                                 serve_survey_workload, serve_twin_commit_workload, submit_admission_workload,
                                  submit_commit_workload)
 
 pytestmark = pytest.mark.gpu
@@ -166,6 +167,37 @@ def test_the_survey_evicts_blocks_in_parallel_on_the_device_as_the_walk(ring_nam
     c = _device_against_the_walk(ring_name, device, module, **EVICT)
     print("parallel evictions on the device:", c)
     assert c["fill_evictions"] > 100, c
+
+
+@pytest.mark.parametrize("num_blocks", [0, 1200])
+def test_the_survey_admits_on_the_device_as_the_walk(ring_name, device, module, num_blocks):
+    """The PREFILL steps that admit into freed seats, planned from the survey on the device (the first
+    32 checked against the full planner there), against thread 0's walks in the twin on the same run:
+    every token, the same steps, hits, misses, preemptions and prefix cache (the device's table read
+    back); a pool for every seat's context, and one where admissions wait for blocks and decode steps
+    preempt."""
+    region = ShmRegion.create(ring_name, SURVEY_GEOM.total_size)
+    ring = Ring.create(region.buf, SURVEY_GEOM)
+    fp = FrontendPlayer(ring)
+    want = submit_admission_workload(fp)                 # before the scheduler starts: one scan sees them all
+    rt, mapped = runtime_on(ring, device, module, **SURVEY_CFG, num_blocks=num_blocks)
+    res = drain(fp, 120)
+    assert len(res) == 400
+    for r in res.values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
+    rt.request_stop()
+    assert rt.wait(30), "scheduler did not exit"
+    table = prefix_table(rt.read_buffer, rt.config.kv_blocks)
+    s = shut(rt, mapped)
+    c = s.counters
+    print(f"survey admissions on the device ({num_blocks} blocks):", c)
+    assert s.exit_code == structs.EXIT_SHUTDOWN and c["fast_plan_mismatches"] == 0, c
+    assert 2 * c["fast_admits"] > c["steps_prefill"], c
+    walk = serve_admission_workload(Ring.create(bytearray(SURVEY_GEOM.total_size), SURVEY_GEOM), fast_plan=False,
+                                    num_blocks=num_blocks)
+    assert table == prefix_table(walk.buffer, walk.config.kv_blocks)
+    for name in ADMIT_STATS:
+        assert c[name] == getattr(walk.stats, name), name
 
 
 def test_the_survey_at_256_seats_on_the_device(ring_name, device, module):

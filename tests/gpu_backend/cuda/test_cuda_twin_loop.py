@@ -265,6 +265,77 @@ def test_a_commit_phase_that_disagrees_is_turned_off_and_the_walk_commits(twin_l
     assert table == walk_table
 
 
+def submit_admission_workload(fp) -> dict:
+    """serve_admission_workload's 400 requests (seq -> the echo it must get)."""
+    rng = np.random.default_rng(33)
+    return submit_mixed(fp, rng, rng.integers(0, 49152, 12).tolist(), 400, lambda: int(rng.integers(5, 90)))
+
+
+def serve_admission_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=(), num_blocks=0):
+    """400 requests of 5-89 output tokens (prompts of 1-29 tokens, every other one behind a shared
+    12-token prefix) on 256 seats, submitted before the start (one scan sees them all: the same run
+    each time). Requests end at different steps, so most PREFILL steps admit into seats the step
+    before freed, with every running request a decoder: the survey's admissions. Every token and every
+    KV block back; `num_blocks`: a pool too small for them all (admissions wait for blocks, decode steps
+    preempt). Returns the scheduler (stopped)."""
+    from gpu_backend.cuda.twin import TwinScheduler
+    fp = FrontendPlayer(ring)
+    want = submit_admission_workload(fp)
+    tw = TwinScheduler(ring, SchedulerConfig(**SURVEY_CFG, beat_interval_s=0.005, fast_plan=fast_plan,
+                                             num_blocks=num_blocks), threads=4, defines=defines)
+    if checks is not None:
+        tw.params.fast_plan_checks = checks
+    tw.start()
+    res = drain(fp, 120)
+    assert len(res) == 400
+    for r in res.values():
+        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH, r.seq
+    tw.stop()
+    assert tw.join(30) and tw.exit_code == structs.EXIT_SHUTDOWN
+    assert ring.get("kv_blocks_free") == ring.get("kv_blocks_total")
+    return tw
+
+
+ADMIT_STATS = PREFIX_STATS + ("completed", "claimed")
+
+
+@pytest.mark.parametrize("num_blocks", [0, 1200])
+def test_admissions_planned_by_the_survey_are_the_full_planners(twin_lib, shm_ring, num_blocks):
+    """Rule 1's PREFILL steps planned from the survey's counts (blink_fast_admit: no walk of the
+    running list) against thread 0's walks (fast_plan=False) on the same run: the same steps, hits,
+    misses, preemptions and prefix cache, with every admission checked against the full planner
+    beside it (the twin's setting) and with none checked (the device's after its first 32); a pool
+    for every seat's whole context, and one of 1,200 blocks, where an admission leaves the decoders'
+    next blocks free (rule 2b's reserve) and decode steps preempt."""
+    walk = serve_admission_workload(shm_ring(SURVEY_GEOM), fast_plan=False, num_blocks=num_blocks)
+    walk_table = prefix_table(walk.buffer, walk.config.kv_blocks)
+    assert walk.stats.fast_admits == walk.stats.fast_plans == 0
+    for checks in (None, 0):
+        tw = serve_admission_workload(shm_ring(SURVEY_GEOM), checks=checks, num_blocks=num_blocks)
+        s = tw.stats
+        assert s.fast_plan_mismatches == 0 and tw.state.fast_plan_off == 0
+        # most PREFILL steps admit from the survey (the first, with nobody running yet, is the full planner's)
+        assert 2 * s.fast_admits > s.steps_prefill > 20, (s.fast_admits, s.steps_prefill)
+        assert (s.preempted > 0) == bool(num_blocks)
+        assert tw.state.admit_checked == (s.fast_admits if checks is None else 0)
+        for name in ADMIT_STATS:
+            assert getattr(s, name) == getattr(walk.stats, name), (checks, name)
+        assert prefix_table(tw.buffer, tw.config.kv_blocks) == walk_table
+
+
+def test_an_admission_that_disagrees_is_turned_off_and_the_full_planner_serves(twin_lib, shm_ring):
+    """A twin whose survey admissions take one seat too many (planted) and the device's setting (the
+    first 32 checked): the first check disagrees, the full planner's plan serves that step, the
+    survey is off from then on, and the run is the walk's."""
+    walk = serve_admission_workload(shm_ring(SURVEY_GEOM), fast_plan=False)
+    tw = serve_admission_workload(shm_ring(SURVEY_GEOM), checks=32, defines=("BLINK_PLANT_ADMIT_FAULT",))
+    s = tw.stats
+    assert s.fast_plan_mismatches == 1 and tw.state.fast_plan_off == 1
+    assert tw.state.admit_checked == 1 and s.fast_admits == 0
+    for name in ADMIT_STATS:
+        assert getattr(s, name) == getattr(walk.stats, name), name
+
+
 def test_the_survey_switch_and_its_checks(monkeypatch):
     from gpu_backend.cuda.config import FAST_PLAN_ENV
     assert SchedulerConfig().fast_plan and SchedulerConfig().fast_plan_checks == 32
