@@ -30,7 +30,8 @@ untied head; the embedded GGUF is 98 MB, over what the lent GPU machine can be s
 Speed does not depend on the weights; outputs are not checked for quality here.
 
     python -m bench.cuda_graphs [--machine h100] [--out DIR] [--quick]
-      -> DIR/2026-11-22-<machine>-cuda_graphs.json + .md  (DIR: $OUT if set, else bench/results)
+      -> DIR/2026-11-22-<machine>-cuda_graphs.json + .md  (DIR: $OUT if set, else bench/results;
+         -cuda_graphs-bf16 with --dtype bfloat16)
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ DAEMON_CPU = 0
 TARGET_SHORT_OUTPUT_RATIO = 1.7       # host-loop / persistent makespan on the short-output workload (issue 17: Fig. 3)
 TARGET_RETENTION = 0.97               # persistent interfered / isolated throughput
 CONDITIONS = ("isolated", "interference", "all_cores")
+DTYPE_TAGS = {"bfloat16": "bf16"}     # result files' suffix where the model is not float32
 INTERFERED = CONDITIONS[1:]
 
 
@@ -350,7 +352,8 @@ def ratios(res: dict, workloads) -> dict:
 
 
 def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
-    stem = out_dir / f"{DATE}-{machine}-cuda_graphs"
+    dtype = res.get("dtype", "float32")
+    stem = out_dir / f"{DATE}-{machine}-cuda_graphs{'' if dtype == 'float32' else '-' + DTYPE_TAGS.get(dtype, dtype)}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
     ex = res["executors"]
     lines = [f"# CUDA graphs: persistent scheduler vs host loop, {machine} ({res.get('device')})", "",

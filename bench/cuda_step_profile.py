@@ -107,6 +107,10 @@ class Profiler:
         # operators beside it: the A/B of the kernels alone
         self.torch_step = None if self.step.kernels == "torch" else StepFunction(
             model, self.pool, self.buffers, self.plan, kernels="torch")
+        # where the served step's prefill takes PyTorch's operators ("auto" on a GPU), the Triton kernels'
+        # prefill beside it: the A/B that decides it
+        self.triton_step = None if self.step.kernels != "triton" or self.step.prefill_kernels == "triton" else \
+            StepFunction(model, self.pool, self.buffers, self.plan, kernels="triton")
         # the A/B: the step as it was before the kernel-count work (projections unfused, explicit
         # RMSNorm operations, attention as matmul / mask / softmax / matmul), same buffers and pool
         self.base_step = None if baseline_model is None else StepFunction(
@@ -162,8 +166,8 @@ class Profiler:
                 "sample_ms": self._timed(lambda: sample_step(logits, b.row_params.view(r), b.seats, self.step.kernels),
                                          runs),
                 "step_ms": self._timed(lambda: self.step.run(g), runs),
-                "row_group": "-" if self.step.kernels == "triton" else GraphAttention(
-                    self.pool, b, g, self.plan.row_group(g)).group}
+                "row_group": "-" if (self.step.kernels if g.len == 1 else self.step.prefill_kernels) == "triton"
+                else GraphAttention(self.pool, b, g, self.plan.row_group(g)).group}
 
     @torch.inference_mode()
     def base_step_ms(self, g, runs: int) -> float:
@@ -250,7 +254,7 @@ def run(args) -> dict:
     prof = Profiler(model, config, decode, prefill, device, base, kernels=args.kernels)
     res = {"date": DATE, "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
            "model": args.model, "dtype": args.dtype, "runs": args.runs, "torch": torch.__version__,
-           "kernels": prof.step.kernels,
+           "kernels": prof.step.kernels, "prefill_kernels": prof.step.prefill_kernels,
            "kv_pool_mib": round(prof.pool.nbytes / 2**20, 1), "setup_s": round(time.perf_counter() - t0, 1),
            "shapes": []}
     for g in prof.shapes:
@@ -276,6 +280,11 @@ def run(args) -> dict:
                 row["torch_graph_ms"] = prof.graph_ms(g, args.runs, prof.torch_step)
             except Exception as e:             # noqa: BLE001 - recorded in the result
                 row["torch_graph_ms"], row["graph_error"] = None, f"torch ops {type(e).__name__}: {e}"[:300]
+        if prof.triton_step is not None and g.len > 1:   # a prefill served on PyTorch's operators: Triton's
+            try:
+                row["triton_graph_ms"] = prof.graph_ms(g, args.runs, prof.triton_step)
+            except Exception as e:             # noqa: BLE001 - recorded in the result
+                row["triton_graph_ms"], row["graph_error"] = None, f"triton {type(e).__name__}: {e}"[:300]
         if prof.base_step is not None:
             row["base_step_ms"] = prof.base_step_ms(g, args.runs)
             try:
@@ -331,21 +340,25 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     kernels = res.get("kernels", "torch")
     if any("base_step_ms" in r for r in res["shapes"]):
         bp, tp = res.get("base_profile", {}), res.get("torch_profile")
+        tt = any("triton_graph_ms" in r for r in res["shapes"])   # prefill served on PyTorch's operators
         count = "kernels_per_step" if p.get("kernels_per_step") is not None else "launching_ops_per_step"
-        served = ("the fused Triton kernels (graphs/fused_forward.py)" if kernels == "triton" else
+        served = ("the fused Triton kernels (graphs/fused_forward.py)" + (
+                      "; prefill steps on PyTorch's operators, with `Triton graph ms` the same prefill on the Triton "
+                      "kernels" if tt else "") if kernels == "triton" else
                   "PyTorch's operators: projections fused, F.rms_norm, attention by scaled_dot_product_attention "
                   "with one mask a step")
         lines += ["", f"A/B in this run: the step as served ({served})"
                   + (", the same model on PyTorch's operators (projections fused, F.rms_norm, SDPA)" if tp else "")
                   + " and the baseline (unfused, explicit norm operations, matmul / mask / softmax / matmul):", "",
-                  "| shape | graph ms | " + ("PyTorch ops graph ms | " if tp else "")
+                  "| shape | graph ms | " + ("PyTorch ops graph ms | " if tp else "") + ("Triton graph ms | " if tt else "")
                   + "baseline graph ms | eager step ms | baseline eager step ms |",
-                  "|---|---|---|---|---|" + ("---|" if tp else "")]
+                  "|---|---|---|---|---|" + ("---|" if tp else "") + ("---|" if tt else "")]
 
         def ms(v):
             return v if v is not None else "-"
         for r in res["shapes"]:
             lines.append(f"| {r['shape']} | {ms(r['graph_ms'])} | " + (f"{ms(r.get('torch_graph_ms'))} | " if tp else "")
+                         + (f"{ms(r.get('triton_graph_ms'))} | " if tt else "")
                          + f"{ms(r.get('base_graph_ms'))} | {r['step_ms']} | {r['base_step_ms']} |")
         if "error" not in p and "error" not in bp:
             lines += ["", f"{count.replace('_', ' ')} of {p['shape']}: {p[count]} as served"

@@ -28,7 +28,7 @@ KIND = "nvidia-h100-x1 or nvidia-h200"   # a plain run gets either (README); bot
 COMMAND_CHARS = 2000          # one command's text
 CALL_LIMIT_S = 600            # one command's run
 DEVICE_BUDGET_S = 15 * 60     # device time of a developer's session, start and transfers included
-START_S = 75                  # a cold start, counted once (2026-11-26, H200: ~40 s)
+START_S = 60                  # a cold start, counted once (H200: ~40 s on 2026-11-26, ~30 s on 2026-11-27)
 TRANSFER_S = 15               # sending a <= 64 MiB tree, per call
 TREE_LIMIT = 64 * MIB         # tracked + untracked-not-ignored + carried paths
 OUT_FILES = 8                 # files back from $OUT
@@ -159,22 +159,18 @@ TRITON_T = "tests/gpu_backend/graphs/test_triton_kernels.py"
 TRITON_SAMPLER_T = "tests/gpu_backend/graphs/test_triton_sampler.py"
 SMOL_BUCKETS = '{"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]}'
 GGUF_COLLECT = Stage("gguf", 5, 40, (PY, "scripts/gguf_parts.py", "collect"))
-BENCH_SCHED = Stage("bench_sched", 30, 75, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
+BENCH_SCHED = Stage("bench_sched", 15, 60, (PY, "-m", "bench.cuda_scheduler", "--out", "{out}"),
                     outputs=("*-cuda_scheduler.json", "*-cuda_scheduler.md"))
 
-# Three calls, back to back, each carrying one part of the GGUF. Expected times are about twice what each
-# stage took on the first lent machine (NVIDIA H200, 2026-11-26: bench/results/2026-11-26-h200-gpu-check):
-# probe 0 s, build 7, sched_smoke 3, graph_smoke 9, sched 3, echo_10k 12, graphs_inproc 33, agreement 47,
-# frontend_1000 45, real_weights 25, bench_sched ~15, bench_graphs ~85 (~130 with its all_cores condition,
-# added after that run: 1.5x that here); step_profile (added after it, not yet run on a GPU: an estimate) is ~10 s on a CPU
-# with --quick. The H200 run answered tensorrt (not installed), so that stage gave its place to step_profile;
-# bench_sched moved into the first call, since the scheduler changed after that run (timed even on a short
-# lease), and echo_10k into the third (it passed there). The triton stage (added later: the fused kernels
-# compile, ~5 s for their 13 variants here, and their diff tests) took its expected time from build (7 s on
-# the H200, was expected 30), graph_smoke (9 s, was 30), echo_10k (12 s, was 30) and the cold start (~40 s,
-# was 90), and its budget from bench_sched's (~15 s there, was 90). step_profile expects 30 s (budget 90): on a
-# fresh machine it compiles the Triton kernels' variants first (~1 s each) and captures a third step per shape
-# (the same model on PyTorch's operators); frontend_1000 gave it budget (45 s on the H200, was 160).
+# Three calls, back to back, each carrying one part of the GGUF. Expected times are about 1.5x what each
+# stage took on the second lent machine (NVIDIA H200, 2026-11-27: bench/results/2026-11-27-h200-gpu-check):
+# probe 1 s, gguf 1, build 14, sched_smoke 3, triton 43 (13 once its kernels were compiled), graph_smoke 19,
+# sched 5 (the survey's admissions, two more device runs and their twin walks, came after it: ~10 s more),
+# bench_sched 3; graphs_inproc 47, agreement 45, frontend_1000 30, step_profile 31; real_weights 23,
+# echo_10k 14, bench_graphs 69 with one repeat and 109 with three (the third call's and all three calls'
+# ~6 min in all, start included, of the 15). The first lent run (2026-11-26) took about as long. Since then
+# bench_graphs runs three repeats (its interfered conditions are valid now: each run its own prompts), and
+# the same A/B in bfloat16 follows it (bench_graphs_bf16, one repeat: not yet run on a GPU, an estimate).
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
          "through many tail-launch windows from a host-mapped ring and from device memory; the step graphs' "
@@ -185,15 +181,15 @@ CALLS: tuple[Call, ...] = (
          "the Python policies' exact results, cancel / stale epoch / abort; control-plane costs (scan, device "
          "vs host launch, tail relaunch, scheduler overhead per step by phase: goal <= 5 us), measured first "
          "because the scheduler changed after the last lent run and a short lease should still time it",
-         (Stage("probe", 10, 40, (PY, "-m", "gpu_backend.cuda.probe")),
+         (Stage("probe", 5, 40, (PY, "-m", "gpu_backend.cuda.probe")),
           GGUF_COLLECT,
-          Stage("build", 20, 90, (PY, "-c", "from gpu_backend.cuda import build; "
+          Stage("build", 25, 60, (PY, "-c", "from gpu_backend.cuda import build; "
                                    "print(build.build_device_module()); print(build.build_host_twin())")),
-          Stage("sched_smoke", 15, 60, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
-          Stage("triton", 30, 75, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
-          Stage("graph_smoke", 20, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
+          Stage("sched_smoke", 10, 60, _pytest(CUDA_T, k="tail_relaunch_windows or device_memory"), pytest=True),
+          Stage("triton", 65, 110, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
+          Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
-          Stage("sched", 20, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"), pytest=True),
+          Stage("sched", 25, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"), pytest=True),
           BENCH_SCHED),
          gguf_part=1),
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "
@@ -211,9 +207,9 @@ CALLS: tuple[Call, ...] = (
                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu "
                                                     "or structured_outputs_on_the_device"),
                 pytest=True),
-          Stage("agreement", 95, 150, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
-          Stage("frontend_1000", 90, 130, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
-          Stage("step_profile", 30, 90, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
+          Stage("agreement", 65, 150, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
+          Stage("frontend_1000", 45, 130, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
+          Stage("step_profile", 45, 90, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
                 outputs=("*-cuda_step_profile.json", "*-cuda_step_profile.md"), dry_cpu=True)),
          gguf_part=2),
     Call("bench", "the real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy "
@@ -221,13 +217,17 @@ CALLS: tuple[Call, ...] = (
          "slots; the paper's Fig. 3 A/B on SmolLM2 shapes with seeded "
          "random weights made on the device (host-loop / persistent makespan, goal >= 1.7x), isolated and with "
          "every host core but the daemon's busy and with every one busy, the daemon's too (persistent >= 0.97x of "
-         "isolated; the host loop's own figure), NVML energy per token",
+         "isolated; the host loop's own figure), NVML energy per token; the same A/B with the model in bfloat16 "
+         "(tensor-core matmuls, half the bytes: the GPU's usual serving dtype)",
          (GGUF_COLLECT,
-          Stage("real_weights", 50, 100, _pytest(REAL_T), pytest=True, may_skip=True),
-          Stage("echo_10k", 25, 100, _pytest(CUDA_T, k="10k_requests"), pytest=True),
-          Stage("bench_graphs", 200, 320, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
-                                           "--repeats", "1", "--buckets", SMOL_BUCKETS),
-                outputs=("*-cuda_graphs.json", "*-cuda_graphs.md"))),
+          Stage("real_weights", 35, 70, _pytest(REAL_T), pytest=True, may_skip=True),
+          Stage("echo_10k", 25, 60, _pytest(CUDA_T, k="10k_requests"), pytest=True),
+          Stage("bench_graphs", 150, 225, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
+                                           "--repeats", "3", "--buckets", SMOL_BUCKETS),
+                outputs=("*-cuda_graphs.json", "*-cuda_graphs.md")),
+          Stage("bench_graphs_bf16", 100, 165, (PY, "-m", "bench.cuda_graphs", "--out", "{out}", "--dtype",
+                                                "bfloat16", "--repeats", "1", "--buckets", SMOL_BUCKETS),
+                outputs=("*-cuda_graphs-bf16.json", "*-cuda_graphs-bf16.md"))),
          gguf_part=3),
 )
 

@@ -7,7 +7,8 @@ who schedules.
     BLINK_GRAPH_BLAS     "cublas" or "cublaslt": torch's preferred BLAS library while capturing,
                          should one library's kernels refuse device launch on some GPU
     BLINK_GRAPH_KERNELS  "auto" (default), "triton" or "torch": the kernels of the model's
-                         forward in a step graph (graphs/fused_forward.py; "torch" for an A/B)
+                         forward in a step graph (graphs/fused_forward.py; "auto": Triton's for
+                         decode steps on a GPU, PyTorch's for prefill; "torch" for an A/B)
       -> policy (max batch, prefill budget, block size), KV pool blocks,
          max_model_len, BucketConfig (grids), dtype, BLAS choice, step kernels
 """

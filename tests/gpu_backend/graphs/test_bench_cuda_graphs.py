@@ -70,6 +70,8 @@ def test_ratios_and_report(tmp_path):
     res = _fake(100.0, 175.0, 100.0, 175.0)
     res["ratios"] = bench.ratios(res, [(64, 128, 32)])
     assert res["ratios"]["targets"]["met"] and res["ratios"]["targets"]["hostloop_over_persistent"] == 1.75
+    res["dtype"] = "bfloat16"                  # the bf16 A/B beside the float32 one, in the same $OUT
+    assert bench.write_results(res, tmp_path, "t").name == f"{bench.DATE}-t-cuda_graphs-bf16"
 
 
 def test_every_core_busy_is_its_own_condition(tmp_path):

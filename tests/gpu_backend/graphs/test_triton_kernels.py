@@ -9,6 +9,7 @@ step of SmolLM2's shape is also captured into a CUDA graph and replayed."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pathlib
 
@@ -468,3 +469,48 @@ def test_the_persistent_twin_serves_the_references_tokens_with_the_triton_kernel
     assert graphs.step.kernels == "triton"
     assert got == [greedy_generate(model, p, n) for p, n, _ in work]
     assert tw.stats.preempted > 0 and tw.stats.steps_prefill > 0 and tw.stats.steps_decode > 0
+
+
+def test_auto_serves_decode_steps_on_the_kernels_and_prefill_steps_on_pytorchs(twin_lib, shm_ring, monkeypatch):
+    """"auto" where it takes the Triton kernels (a GPU; here the interpreter, by resolve's answer):
+    decode steps run the fused forward, prefill steps PyTorch's operators (their graphs replayed
+    12-15% faster on the H200), each reading the K/V the other wrote: the scheduler's twin, with
+    preemption and split prefill rows, serves greedy_generate's tokens request for request."""
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from test_step_cpu import BS, GEOM, MAX_LEN, serve_twin, workload
+    from gpu_backend.model import LlamaModel, greedy_generate, tiny_config
+    from gpu_backend.scheduler.policy import blocks_needed
+    real_resolve, real_forward, lens = fused_forward.resolve, fused_forward.forward, set()
+    monkeypatch.setattr(fused_forward, "resolve", lambda k, m, d: "triton" if k == "auto" else real_resolve(k, m, d))
+
+    def forward(model, input_ids, positions, slot_mapping, tables, k, v, r, s, c):
+        lens.add(s)
+        return real_forward(model, input_ids, positions, slot_mapping, tables, k, v, r, s, c)
+    monkeypatch.setattr(fused_forward, "forward", forward)
+    model = LlamaModel.random(tiny_config(), seed=3).eval()
+    fused = LlamaModel.random(tiny_config(), seed=3).eval().fuse_projections()
+    work = workload(model.config.vocab_size, 8, seed=4)
+    got, tw, graphs = serve_twin(fused, shm_ring(GEOM), blocks_needed(MAX_LEN, BS) + 2, work, kernels="auto")
+    assert (graphs.step.kernels, graphs.step.prefill_kernels) == ("triton", "torch")
+    assert lens == {1}                          # the fused forward ran the decode steps only
+    assert got == [greedy_generate(model, p, n) for p, n, _ in work]
+    assert tw.stats.preempted > 0 and tw.stats.steps_prefill > 0 and tw.stats.steps_decode > 0
+
+
+def test_the_profile_sets_autos_prefill_against_the_triton_kernels(tiny, tmp_path, monkeypatch):
+    """bench.cuda_step_profile with "auto" where it takes the Triton kernels (here by resolve's answer):
+    its served prefill steps are PyTorch's operators, and a prefill shape also gets the Triton kernels'
+    replay (`Triton graph ms`, None on a CPU), the A/B behind the choice; decode shapes do not."""
+    from bench import cuda_step_profile as sp
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(tiny[0].to_hf()))
+    real_resolve = fused_forward.resolve
+    monkeypatch.setattr(fused_forward, "resolve", lambda k, m, d: "triton" if k == "auto" else real_resolve(k, m, d))
+    assert sp.main(["--device", "cpu", "--model", f"random:{tmp_path / 'model'}", "--kernels", "auto", "--decode", "2x32",
+                    "--prefill", "1x16x32", "--runs", "1", "--no-baseline", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / f"{sp.DATE}-cpu-cuda_step_profile.json").read_text())
+    assert (res["kernels"], res["prefill_kernels"]) == ("triton", "torch")
+    decode, prefill = res["shapes"]
+    assert "triton_graph_ms" not in decode and "triton_graph_ms" in prefill
+    assert decode["row_group"] == "-" != prefill["row_group"]
