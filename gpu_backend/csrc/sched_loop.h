@@ -974,8 +974,8 @@ static inline BLINK_HD int blink_fast_admit(const blink_sched_params_t *p, const
     plan->kind = BLINK_STEP_IDLE;
     plan->n_prefill = plan->n_decode = plan->n_preempted = plan->n_admitted = plan->n_new_blocks = 0;
     int64_t seats = (int64_t)p->policy.max_batch_size - st->n_running;
-#ifdef BLINK_PLANT_ADMIT_FAULT   /* a test variant of the twin only: one seat too many */
-    seats += 1;
+#ifdef BLINK_PLANT_ADMIT_FAULT   /* a test variant of the twin only: one seat too many (within the lists' room) */
+    if (seats < (int64_t)p->policy.max_batch_size) seats += 1;
 #endif
     blink_plan_admit(&p->policy, p->reqs, p->waiting, st->w_head, st->w_count, cap, p->policy.max_prefill_tokens,
                      free_blocks, sh->sv_needy, seats, 0, plan, p->waiting, st->w_head, cap);
@@ -1339,7 +1339,8 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         const int admit_check = st->admit_checked < p->fast_plan_checks;
         blink_plan_lists(p, &fast, admit_check);
         use_admit = blink_fast_admit(p, sh, free_blocks, &fast);
-        none_admitted = !use_admit;
+        none_admitted = !use_admit;   /* (a fast decode plan follows: its own check holds this against the full
+                                       * planner while it runs; an admission check only sees admissions) */
         if (use_admit && admit_check) {   /* the full planner beside it, read-only until one is applied */
             blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
                                    (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
