@@ -184,10 +184,12 @@ BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uin
     const uint32_t bs = p->policy.block_size;
     for (uint32_t j = r->n_keys; j < n && j < p->kv_max_blocks; ++j) {
         uint64_t h = blink_kv_mix64((j ? keys[j - 1] : BLINK_KV_ROOT_HASH) + 0x9E3779B97F4A7C15ull);
-        for (uint32_t i0 = 0; i0 < bs; i0 += 8) {   /* 8 loads in flight, then the hash: over PCIe each
-                                                       load is a round trip, so they must not wait in turn */
-            const uint32_t m = bs - i0 < 8 ? bs - i0 : 8;
-            uint32_t tok[8];
+        for (uint32_t i0 = 0; i0 < bs; i0 += 16) {   /* 16 loads in flight (a default block's), then the
+                                                        hash: over PCIe each load is a round trip, so they
+                                                        must not wait in turn (at 256 running with mixed
+                                                        lengths some request fills a block in most steps) */
+            const uint32_t m = bs - i0 < 16 ? bs - i0 : 16;
+            uint32_t tok[16];
             for (uint32_t q = 0; q < m; ++q) tok[q] = (uint32_t)blink_req_token(plat, p, r, j * bs + i0 + q);
             for (uint32_t q = 0; q < m; ++q) h = blink_kv_mix64((h ^ (uint64_t)tok[q]) + 0x9E3779B97F4A7C15ull);
         }
