@@ -159,7 +159,8 @@ class GraphCache:
         self.kernels_requested, self.kernels_fallback = kernels, None
         if kernels == "auto" and self.step.kernels == "torch":     # why "auto" did not take the Triton kernels
             self.kernels_fallback = fused_forward.supported(model) or fused_forward.self_test(model.device, model.dtype)
-        log.info("step graphs: %s kernels in the model's forward", self.step.kernels)
+        log.info("step graphs: %s kernels in the model's forward (prefill steps: %s)", self.step.kernels,
+                 self.step.prefill_kernels)
         self.io = self.buffers.io(bs, self.pool.sink_block)
         self.io_addr = int(check(d.cuMemAlloc(ctypes.sizeof(self.io)), "cuMemAlloc(step io)"))
         check(d.cuMemcpyHtoD(self.io_addr, ctypes.addressof(self.io), ctypes.sizeof(self.io)), "cuMemcpyHtoD(step io)")
@@ -303,7 +304,8 @@ class GraphCache:
     def report(self) -> dict:
         est = self.plan.memory_estimate()
         nodes = [sum(g.nodes.values()) for g in self.graphs if g is not None]
-        return {"buckets": self.table.describe(), "kernels": self.step.kernels, "kernels_fallback": self.kernels_fallback,
+        return {"buckets": self.table.describe(), "kernels": self.step.kernels,
+                "prefill_kernels": self.step.prefill_kernels, "kernels_fallback": self.kernels_fallback,
                 "timing": self.timing, "memory": self.memory,
                 "estimate": est.as_dict(), "nodes_per_graph": {"min": min(nodes), "max": max(nodes)} if nodes else {},
                 "node_types": _sum_counts(g.nodes for g in self.graphs if g is not None),

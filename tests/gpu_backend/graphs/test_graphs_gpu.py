@@ -123,8 +123,10 @@ def test_capture_is_device_launchable_and_reported(tiny_folder, shm_ring, tiny_b
         assert rep["timing"]["total_s"] > 0 and rep["memory"]["graph_cache_bytes"] > 0
         assert all(len(g.execs) == 2 for g in ex.graphs.cache.graphs)
         print("graph cache report", json.dumps(rep, indent=1))
-        # the fused Triton kernels, as "auto" picks them on a GPU (the triton stage says why, should they fail)
+        # the fused Triton kernels, as "auto" picks them on a GPU (the triton stage says why, should they fail),
+        # for decode steps; prefill steps on PyTorch's operators (faster there on the H200)
         assert rep["kernels"] == "triton", rep.get("kernels_fallback")
+        assert rep["prefill_kernels"] == "torch", rep
     finally:
         ex.close()
 

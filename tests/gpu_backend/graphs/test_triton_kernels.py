@@ -471,6 +471,7 @@ def test_the_persistent_twin_serves_the_references_tokens_with_the_triton_kernel
     assert tw.stats.preempted > 0 and tw.stats.steps_prefill > 0 and tw.stats.steps_decode > 0
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors under the interpreter (the plan runs this file on a GPU)")
 def test_auto_serves_decode_steps_on_the_kernels_and_prefill_steps_on_pytorchs(twin_lib, shm_ring, monkeypatch):
     """"auto" where it takes the Triton kernels (a GPU; here the interpreter, by resolve's answer):
     decode steps run the fused forward, prefill steps PyTorch's operators (their graphs replayed
@@ -498,6 +499,7 @@ def test_auto_serves_decode_steps_on_the_kernels_and_prefill_steps_on_pytorchs(t
     assert tw.stats.preempted > 0 and tw.stats.steps_prefill > 0 and tw.stats.steps_decode > 0
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors under the interpreter (the plan runs this file on a GPU)")
 def test_the_profile_sets_autos_prefill_against_the_triton_kernels(tiny, tmp_path, monkeypatch):
     """bench.cuda_step_profile with "auto" where it takes the Triton kernels (here by resolve's answer):
     its served prefill steps are PyTorch's operators, and a prefill shape also gets the Triton kernels'
