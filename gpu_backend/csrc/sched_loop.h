@@ -1331,6 +1331,11 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
      * hit is looked up again before it is read (FCFS; under the other policies seats == w_count) */
     const uint32_t seats = rules.policy == BLINK_POLICY_FCFS ? mb - st->n_running : st->w_count;
     blink_plan_t fast;
+    auto full_plan = [&]() {   /* the full planner under the daemon's policy, into `plan` (the planner's lists) */
+        blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
+                               (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
+                               p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+    };
     int planned = 0, looked_up = 0, use_admit = 0, none_admitted = 0;
     if (fast_needy && !st->fast_plan_off && blink_admission_due(p)) {   /* rule 1's PREFILL step */
         /* `running` may still be the survey's kept list: read-only here, and copied back (below) only
@@ -1344,9 +1349,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
         none_admitted = !use_admit;   /* (a fast decode plan follows: its own check holds this against the full
                                        * planner while it runs; an admission check only sees admissions) */
         if (use_admit && admit_check) {   /* the full planner beside it, read-only until one is applied */
-            blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
-                                   (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
-                                   p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+            full_plan();
             st->admit_checked += 1;
             planned = 1;                  /* agreeing, the full plan is the same plan, in the planner's lists */
             if (!blink_admits_agree(&plan, &fast)) {
@@ -1363,9 +1366,7 @@ BLINK_DEV void blink_phase_schedule(P &plat, const blink_sched_params_t *p, blin
     if (!use_fast) running = blink_running_settle(p, running);   /* the full plan's apply edits p->running */
     if (!planned && (!use_fast || check)) {
         if (!looked_up) blink_waiting_hits(plat, p, seats);
-        blink_plan_step_policy(&p->policy, &rules, p->reqs, p->times, p->waiting, st->w_head, st->w_count,
-                               (uint32_t)cap, running, st->n_running, free_blocks, st->prev_kind, &plan,
-                               p->plan_w_out, p->plan_r_out, p->plan_victims, p->plan_lkey, p->plan_lid);
+        full_plan();
     }
     if (use_fast && check) {
         st->fast_checked += 1;
