@@ -363,7 +363,7 @@ def _persistent_stats(c, makespan_ns: int) -> dict:
             **_phases(c, steps),
             "launch_call_us_per_step": round(c["launch_ns"] / 1e3 / steps, 3),
             **{f"{k}_us_per_step": round(c.get(f"{k}_ns", 0) / 1e3 / steps, 3)
-               for k in ("reap", "policy", "apply", "rows")},
+               for k in ("reap", "policy", "apply", "rows", "pub_keys")},
             "fast_plan_share": round(c.get("fast_plans", 0) / max(1, c["steps_decode"]), 3),
             "fast_admit_share": round(c.get("fast_admits", 0) / max(1, c["steps_prefill"]), 3),
             "fill_blocks": c.get("fill_blocks", 0),
@@ -410,13 +410,16 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                      f"{p['us_per_step']} | {p['scheduler_overhead_us_per_step']} | {h['makespan_ms']} | "
                      f"{h['us_per_step']} | {w['ratio_makespan_host_over_persistent']}x |")
     lines += ["", "Overhead per step by phase, us (slot scan / publish / the parallel prefix-cache commits / schedule "
-              "phase, its launch included):", "",
-              "| batch | persistent scan | publish | commit | plan | host loop scan | publish | commit | plan |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "phase, its launch included); `keys`: of the persistent publish, the longest any thread spent on "
+              "the block keys of the prefix cache (ring token loads and hashes) each step:", "",
+              "| batch | persistent scan | publish | keys | commit | plan | host loop scan | publish | commit | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
         p, h = w["persistent"], w["host_loop"]
-        lines.append(f"| {w['batch']} | " + " | ".join(str(x.get(f"{k}_us_per_step", "-")) for x in (p, h)
-                                                      for k in ("scan", "publish", "commit", "plan")) + " |")
+        lines.append(f"| {w['batch']} | " + " | ".join(str(p.get(f"{k}_us_per_step", "-")) for k in
+                                                      ("scan", "publish", "pub_keys", "commit", "plan")) + " | "
+                     + " | ".join(str(h.get(f"{k}_us_per_step", "-")) for k in ("scan", "publish", "commit", "plan"))
+                     + " |")
     lines += ["", "The persistent schedule phase in parts, us per step (one GPU thread): commit + reap walks / the "
               "policy (prefix lookups included) / applying it (preempt, admit, allocate, chunks) / the graph's key, "
               "lookup and rows / the launch call:", "",
@@ -455,16 +458,16 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                                    f"{parts(p)} | {parts(f)} | {ratio(p, f)}")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
-              "| batch | us/step | overhead us/step | scan | publish | plan | host-mapped overhead us/step |",
-              "|---|---|---|---|---|---|---|"]
+              "| batch | us/step | overhead us/step | scan | publish | keys | plan | host-mapped overhead us/step |",
+              "|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
         dv, p = w.get("persistent_device_ring", {"error": "not run"}), w["persistent"]
         if "error" in dv:
-            lines.append(f"| {w['batch']} | failed: {dv['error']} | | | | | {p['scheduler_overhead_us_per_step']} |")
+            lines.append(f"| {w['batch']} | failed: {dv['error']} | | | | | | {p['scheduler_overhead_us_per_step']} |")
         else:
             lines.append(f"| {w['batch']} | {dv['us_per_step']} | {dv['scheduler_overhead_us_per_step']} | "
-                         f"{dv['scan_us_per_step']} | {dv['publish_us_per_step']} | {dv['plan_us_per_step']} | "
-                         f"{p['scheduler_overhead_us_per_step']} |")
+                         f"{dv['scan_us_per_step']} | {dv['publish_us_per_step']} | {dv.get('pub_keys_us_per_step', '-')} | "
+                         f"{dv['plan_us_per_step']} | {p['scheduler_overhead_us_per_step']} |")
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_scheduler`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem

@@ -351,6 +351,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_control_t, fill_blocks) X(blink_sched_control_t, par_commits)                            \
     X(blink_sched_control_t, commit_ns) X(blink_sched_control_t, fill_evictions)                            \
     X(blink_sched_control_t, fast_admits)                                                                     \
+    X(blink_sched_control_t, pub_keys_ns)                                                                     \
     X(blink_sched_control_t, last_launch_error) X(blink_sched_control_t, max_window_launches)              \
     X(blink_sched_params_t, ring) X(blink_sched_params_t, slot_count)                                       \
     X(blink_sched_params_t, prompt_arena_tokens) X(blink_sched_params_t, output_arena_tokens)               \

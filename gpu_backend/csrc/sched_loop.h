@@ -102,6 +102,7 @@ typedef struct blink_sched_shared {
     uint32_t commit_multi;   /* publish: a chunk has more than one block to commit (thread 0's walk commits) */
     uint32_t commit_serial;  /* commit phase: two candidates share a block, or the check disagreed (the walk commits) */
     uint32_t commit_won;     /* commit phase: blocks it put in the prefix cache */
+    uint32_t keys_ns;        /* publish: the longest any thread spent on block keys (stats pub_keys_ns) */
 } blink_sched_shared_t;
 
 /* blink_sched_shared_t.step_ids: the planner's decode list; the running list itself (a fast plan);
@@ -168,34 +169,41 @@ static inline BLINK_HD void blink_blocks_release(const blink_sched_params_t *p, 
     p->state->free_blocks = blink_pkv_free_count(p->pkv);
 }
 
-/* Token t of a request (prompt, then its output) from the ring's arenas. */
-template <class P>
-BLINK_DEV int32_t blink_req_token(P &plat, const blink_sched_params_t *p, const blink_req_t *r, uint32_t t) {
-    return t < r->prompt_len ? (int32_t)plat.ld32(&blink_prompt_arena(p)[r->prompt_offset + t])
-                             : (int32_t)plat.ld32(&blink_output_arena(p)[r->output_offset + t - r->prompt_len]);
-}
-
 /* The prefix-cache keys of the slot's first n full blocks (scheduler._keys: the chain extended
  * as needed, kept in kv_keys, kv_alloc.h's blink_block_hash over tokens read from the ring). */
 template <class P>
 BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
                                      uint32_t n) {
     uint64_t *keys = p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
-    const uint32_t bs = p->policy.block_size;
-    for (uint32_t j = r->n_keys; j < n && j < p->kv_max_blocks; ++j) {
-        uint64_t h = blink_kv_mix64((j ? keys[j - 1] : BLINK_KV_ROOT_HASH) + 0x9E3779B97F4A7C15ull);
+    const uint32_t bs = p->policy.block_size, last = n < p->kv_max_blocks ? n : p->kv_max_blocks;
+    /* Everything an address needs, read once into registers before the first ring load: the
+     * compiler re-reads memory operands after each volatile access, and a thread's loads return in
+     * order, so a re-read of r->output_offset between two ring loads waited for the PCIe round
+     * trip of the first (16 round trips a block on the H200, not one). */
+    const uint32_t plen = r->prompt_len;
+    const int32_t *prompt = blink_prompt_arena(p) + r->prompt_offset;
+    const int32_t *output = blink_output_arena(p) + r->output_offset;
+    uint64_t h = r->n_keys ? keys[r->n_keys - 1] : BLINK_KV_ROOT_HASH;
+    for (uint32_t j = r->n_keys; j < last; ++j) {
+        h = blink_kv_mix64(h + 0x9E3779B97F4A7C15ull);
         for (uint32_t i0 = 0; i0 < bs; i0 += 16) {   /* 16 loads in flight (a default block's), then the
                                                         hash: over PCIe each load is a round trip, so they
                                                         must not wait in turn (at 256 running with mixed
                                                         lengths some request fills a block in most steps) */
             const uint32_t m = bs - i0 < 16 ? bs - i0 : 16;
+            const int32_t *at[16];
+            for (uint32_t q = 0; q < 16; ++q) {
+                const uint32_t t = j * bs + i0 + q;
+                at[q] = t < plen ? prompt + t : output + (t - plen);
+            }
             uint32_t tok[16];
-            for (uint32_t q = 0; q < m; ++q) tok[q] = (uint32_t)blink_req_token(plat, p, r, j * bs + i0 + q);
+            for (uint32_t q = 0; q < 16; ++q)
+                if (q < m) tok[q] = plat.ld32(at[q]);
             for (uint32_t q = 0; q < m; ++q) h = blink_kv_mix64((h ^ (uint64_t)tok[q]) + 0x9E3779B97F4A7C15ull);
         }
         keys[j] = h;
-        r->n_keys = j + 1;
     }
+    if (last > r->n_keys) r->n_keys = last;
     return keys;
 }
 
@@ -482,6 +490,22 @@ BLINK_UNROLL
     }
 }
 
+/* Whether the token ids w[t] for t = lo, lo + step, ... < hi are all in the vocabulary [0, vocab):
+ * 16 ring loads in flight at a time, the addresses and the bound in registers (see blink_keys),
+ * so a prompt over PCIe costs a round trip per 16 tokens, not one per token. */
+template <class P>
+BLINK_DEV int blink_tokens_ok(P &plat, const int32_t *w, uint32_t lo, uint32_t hi, uint32_t step, uint32_t vocab) {
+    int ok = 1;
+    for (uint32_t t0 = lo; t0 < hi; t0 += 16 * step) {
+        uint32_t tok[16];
+        for (uint32_t q = 0; q < 16; ++q)
+            if (t0 + q * step < hi) tok[q] = plat.ld32(&w[t0 + q * step]);
+        for (uint32_t q = 0; q < 16; ++q)
+            if (t0 + q * step < hi) ok &= (int32_t)tok[q] >= 0 && tok[q] < vocab;
+    }
+    return ok;
+}
+
 /* all threads: claimed slots -> blink_req_t copies, checked as intake._read does;
  * the accepted ones join the waiting queue ordered by (seq, slot). */
 template <class P>
@@ -539,9 +563,11 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->output_offset = v.output_offset;
         r->max_tokens = v.max_tokens;
         r->flags = v.flags;
-        r->n_stop = v.n_stop_ids < BLINK_MAX_STOP_IDS ? v.n_stop_ids : BLINK_MAX_STOP_IDS;
-        for (uint32_t k = 0; k < BLINK_MAX_STOP_IDS; ++k)
-            r->stop_ids[k] = k < r->n_stop ? (int32_t)plat.ld32(&s->stop_ids[k]) : 0;
+        const uint32_t n_stop = v.n_stop_ids < BLINK_MAX_STOP_IDS ? v.n_stop_ids : BLINK_MAX_STOP_IDS;
+        uint32_t stops[BLINK_MAX_STOP_IDS];   /* every load issued before the first store that uses one */
+        for (uint32_t k = 0; k < BLINK_MAX_STOP_IDS; ++k) stops[k] = k < n_stop ? plat.ld32(&s->stop_ids[k]) : 0;
+        r->n_stop = n_stop;
+        for (uint32_t k = 0; k < BLINK_MAX_STOP_IDS; ++k) r->stop_ids[k] = (int32_t)stops[k];
         r->temperature = v.temperature;
         r->top_p = v.top_p;
         r->top_k = v.top_k;
@@ -591,9 +617,7 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         for (uint32_t a = 0; a < n; ++a) {
             blink_req_t *r = &p->reqs[p->arrivals[a]];
             if (r->intake_error) continue;          /* uniform: every thread reads the same word */
-            int bad = 0;
-            for (uint32_t t = tid; t < r->prompt_len; t += nt)
-                bad |= !blink_token_ok(cfg, (int32_t)plat.ld32(&arena[r->prompt_offset + t]));
+            int bad = !blink_tokens_ok(plat, arena + r->prompt_offset, tid, r->prompt_len, nt, cfg->vocab_size);
             bad = plat.sync_or(bad);
             if (bad && tid == 0) r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_TOKEN;
         }
@@ -601,11 +625,8 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         for (uint32_t a = tid; a < n; a += nt) {
             blink_req_t *r = &p->reqs[p->arrivals[a]];
             if (r->intake_error) continue;
-            for (uint32_t t = 0; t < r->prompt_len; ++t)
-                if (!blink_token_ok(cfg, (int32_t)plat.ld32(&arena[r->prompt_offset + t]))) {
-                    r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_TOKEN;
-                    break;
-                }
+            if (!blink_tokens_ok(plat, arena + r->prompt_offset, 0, r->prompt_len, 1, cfg->vocab_size))
+                r->intake_error = BLINK_FINISH_ERROR << 16 | BLINK_ERR_INVALID_TOKEN;
         }
     }
     plat.sync();
@@ -711,7 +732,13 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        const uint32_t to_commit = p->prefix_caching ? blink_keys_ahead(plat, p, slot, r) : 0;
+        uint32_t to_commit = 0;
+        if (p->prefix_caching) {
+            const uint64_t k0 = plat.now_ns(p);
+            to_commit = blink_keys_ahead(plat, p, slot, r);
+            const uint64_t dk = plat.now_ns(p) - k0;
+            plat.max_shared(&sh->keys_ns, dk < 0xffffffffull ? (uint32_t)dk : 0xffffffffu);
+        }
         if (to_commit) {
             /* for the commit: a bit per chunk, so it is walked in chunk order without sorting */
             plat.or_bit(blink_scratch_list(p, BLINK_LIST_COMMIT), c);
@@ -1659,7 +1686,7 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         /* Every thread has read the previous iteration's exit flag before thread 0 may write it again. */
         plat.sync();
         if (tid == 0) {
-            sh->reap_waiting = sh->reap_running = sh->commit = 0;
+            sh->reap_waiting = sh->reap_running = sh->commit = sh->keys_ns = 0;
             sh->commit_multi = sh->commit_serial = sh->commit_won = 0;
             blink_phase_control(plat, p, sh);
         }
@@ -1690,6 +1717,7 @@ BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink
         uint64_t t_pub = tid == 0 ? plat.now_ns(p) : 0;
         blink_phase_publish(plat, p, sh, tid, nt);
         plat.sync();
+        if (tid == 0) p->stats->pub_keys_ns += sh->keys_ns;
         if (blink_commit_parallel(sh)) {   /* the same value in every thread: written before the barrier above */
             const uint64_t t_commit = tid == 0 ? plat.now_ns(p) : 0;
             if (tid == 0) p->stats->publish_ns += t_commit - t_pub;

@@ -418,7 +418,7 @@ static inline BLINK_HD int blink_is_finite(float x) {
 /* The checks of intake._read that need no prompt tokens, in its order:
  * stale epoch, cancel flag, shared_layout.request_error, prompt too long.
  * Returns FinishReason << 16 | ErrorCode; 0 when the request is acceptable
- * so far (its token ids are checked separately: blink_token_ok). */
+ * so far (its token ids are checked separately: sched_loop.h blink_tokens_ok). */
 static inline BLINK_HD uint32_t blink_intake_check(const blink_policy_config_t *cfg, uint64_t prompt_arena_tokens,
                                                    uint64_t output_arena_tokens, uint64_t logprob_arena_words,
                                                    uint64_t frontend_epoch, const blink_slot_t *s) {
@@ -518,10 +518,6 @@ static inline BLINK_HD uint64_t blink_mix64(uint64_t x) {
 
 static inline BLINK_HD uint64_t blink_derive_seed(uint64_t seq, uint64_t epoch, uint32_t slot, uint64_t now_ns) {
     return blink_mix64(blink_mix64(seq ^ (epoch << 40) ^ ((uint64_t)slot << 20)) ^ now_ns);
-}
-
-static inline BLINK_HD int blink_token_ok(const blink_policy_config_t *cfg, int32_t token) {
-    return token >= 0 && (uint32_t)token < cfg->vocab_size;
 }
 
 #endif /* BLINK_SCHED_POLICY_H */

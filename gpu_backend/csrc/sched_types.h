@@ -202,7 +202,7 @@ typedef struct BLINK_ALIGN8 blink_sched_state {
  * The device keeps its counters in a device-memory copy (params.stats) and
  * copies them here at every heartbeat: a read-modify-write of host memory
  * would cost a PCIe round trip per counter. */
-#define BLINK_LAST_COUNTER fast_admits   /* blink_sched_control_t's last u64 counter */
+#define BLINK_LAST_COUNTER pub_keys_ns   /* blink_sched_control_t's last u64 counter */
 typedef struct BLINK_ALIGN8 blink_sched_control {
     uint32_t stop;                /* host: stop claiming, finish in-flight work within the grace period */
     uint32_t abort;               /* host: end every request ABORT/BACKEND_SHUTDOWN now and exit */
@@ -240,6 +240,8 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t commit_ns;           /* cumulative time in the commit phase (not in publish_ns; the walk's is in reap_ns) */
     uint64_t fill_evictions;      /* of fill_blocks, cached blocks the fill phase evicted (LRU order, keys removed in parallel) */
     uint64_t fast_admits;         /* prefill steps admitting waiting requests planned from the survey's counts (blink_fast_admit) */
+    uint64_t pub_keys_ns;         /* of publish_ns: per step the longest any thread spent on block keys (ring token
+                                     loads and hashes, blink_keys_ahead), summed over the steps */
     /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
      * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */

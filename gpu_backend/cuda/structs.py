@@ -77,7 +77,7 @@ COUNTERS = ("heartbeat", "iterations", "windows", "launches", "launch_retries", 
             "publish_ns", "plan_ns", "launch_ns", "fallback_steps", "prefix_hit_tokens", "prefix_miss_tokens",
             "prefix_hit_blocks", "prefix_miss_blocks", "reap_ns", "policy_ns", "apply_ns", "rows_ns", "fast_plans",
             "fast_plan_mismatches", "fill_blocks", "par_commits", "commit_ns",
-            "fill_evictions", "fast_admits")
+            "fill_evictions", "fast_admits", "pub_keys_ns")
 
 
 class SchedControl(_Struct):

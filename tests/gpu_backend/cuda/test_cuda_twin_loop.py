@@ -149,13 +149,14 @@ def test_a_survey_that_disagrees_is_turned_off_and_the_full_walks_serve(twin_lib
 COMMIT_CFG = dict(max_batch_size=64, block_size=4, max_model_len=128, idle_sleep_ns=0, beat_interval_s=0.005)
 
 
-def submit_commit_workload(fp, unique: int = 40) -> dict:
+def submit_commit_workload(fp, unique: int = 40, tokens: dict | None = None) -> dict:
     """Blocks committed in step, with duplicates: 8 prompts of 5 tokens, 12 copies each, and `unique`
     unique prompts of 3-30 tokens, submitted before the scheduler starts (one scan sees them all, so
     the run is the same run each time, on the twin and on the device). Copies admitted in one step
     compute the same blocks and commit them in the same step (the first in chunk order wins); copies
     admitted later hit the cache. Prefills of one full block and decode steps take the commit phase;
-    longer prefills the walk. Returns seq -> the echo it must get."""
+    longer prefills the walk. Returns seq -> the echo it must get (into `tokens`, if given: seq -> (its
+    prompt, that echo))."""
     rng, want = np.random.default_rng(5), {}
     prompts = [rng.integers(0, 49152, 5).tolist() for _ in range(8)]
     jobs = [(prompts[i % 8], 24 + 4 * (i % 3)) for i in range(96)]
@@ -163,6 +164,8 @@ def submit_commit_workload(fp, unique: int = 40) -> dict:
     for prompt, n in jobs:
         fp.submit(prompt, n)
         want[fp.next_seq - 1] = echo(prompt, n)
+        if tokens is not None:
+            tokens[fp.next_seq - 1] = (prompt, want[fp.next_seq - 1])
     return want
 
 
@@ -184,12 +187,12 @@ PREFIX_STATS = ("prefix_hit_tokens", "prefix_miss_tokens", "prefix_hit_blocks", 
 
 
 def serve_twin_commit_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=(), unique: int = 40,
-                               **cfg):
+                               tokens: dict | None = None, **cfg):
     """submit_commit_workload through the twin (`cfg` over COMMIT_CFG); every token and every KV block
     back. Returns the scheduler (stopped) and its prefix cache's table."""
     from gpu_backend.cuda.twin import TwinScheduler
     fp = FrontendPlayer(ring)
-    want = submit_commit_workload(fp, unique)
+    want = submit_commit_workload(fp, unique, tokens)
     tw = TwinScheduler(ring, SchedulerConfig(**{**COMMIT_CFG, **cfg}, fast_plan=fast_plan), threads=4,
                        defines=defines)
     if checks is not None:
@@ -222,6 +225,21 @@ def test_blocks_committed_in_parallel_are_the_walks(twin_lib, shm_ring):
 
 
 EVICT = dict(unique=200, num_blocks=900)   # the commit workload with 200 unique prompts outgrows 900 blocks
+
+
+def test_the_cached_keys_are_the_python_schedulers_hash_chains(twin_lib, shm_ring):
+    """Every key in the prefix cache after the commit workload is kv_cache.hash_chain's key of a block
+    of some request's prompt + output, as the Python scheduler keys it: the loop reads those tokens
+    from the ring's two arenas (blink_keys, its loads issued 16 at a time), and most cached blocks
+    hold generated tokens, so a misread output token changes keys here."""
+    from gpu_backend.scheduler.kv_cache import hash_chain
+    tokens: dict = {}
+    _, table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), tokens=tokens)
+    bs = COMMIT_CFG["block_size"]
+    chains = {k for prompt, out in tokens.values() for k in hash_chain(prompt + out, bs)}
+    prompt_keys = {k for prompt, _ in tokens.values() for k in hash_chain(prompt, bs)}
+    assert table and set(table) <= chains
+    assert len(set(table) - prompt_keys) > len(table) // 2
 
 
 def test_blocks_evicted_in_parallel_are_the_walks(twin_lib, shm_ring):
@@ -532,6 +550,36 @@ def test_same_results_as_the_cpu_engine(twin_lib, shm_ring):
     finishes = {(f, e) for _, f, e in want.values()}
     assert {(FinishReason.STOP, 0), (FinishReason.LENGTH, 0), (FinishReason.ERROR, ErrorCode.INVALID_TOKEN),
             (FinishReason.ERROR, ErrorCode.PROMPT_TOO_LONG), (FinishReason.ERROR, ErrorCode.INVALID_REQUEST)} <= finishes
+
+
+@pytest.mark.parametrize("threads,together", [(8, False), (2, True)])
+def test_a_token_outside_the_vocabulary_anywhere_in_the_prompt_is_refused(twin_lib, shm_ring, threads, together):
+    """Intake reads a prompt's ids 16 at a time (blink_tokens_ok): one arrival in a scan of 8 threads
+    (the block strides over the prompt) and many at once (a thread per prompt); a bad id at any
+    position of a load group (first, last, past the first group, a partial last group) refuses only
+    its request."""
+    rng = np.random.default_rng(11)
+    ring = shm_ring(GEOM)
+    fp = FrontendPlayer(ring)
+    tw = twin(ring, threads=threads, max_model_len=128).start()
+    cases, got = [], {}
+    for pos, bad in [(0, 49152), (15, -1), (16, 60000), (17, 49152), (39, 1 << 30), (None, None)]:
+        prompt = rng.integers(0, 49152, 40).tolist()
+        if pos is not None:
+            prompt[pos] = bad
+        slot = fp.submit(prompt, 3)
+        cases.append((fp.next_seq - 1, prompt, pos))
+        if not together:
+            got[fp.next_seq - 1] = fp.wait(slot)
+    got.update(drain(fp))
+    assert len(got) == len(cases)
+    for seq, prompt, pos in cases:
+        r = got[seq]
+        if pos is None:
+            assert (r.finish, r.tokens) == (FinishReason.LENGTH, echo(prompt, 3))
+        else:
+            assert (r.finish, r.error) == (FinishReason.ERROR, ErrorCode.INVALID_TOKEN), pos
+    assert stop(tw) == structs.EXIT_SHUTDOWN
 
 
 def test_preemption_with_a_tight_kv_pool(twin_lib, shm_ring):
