@@ -26,12 +26,13 @@ the persistent scheduler's token path has no host thread), in one run.
        and each executor's interfered / isolated throughput under each condition
 
 Model: `random:smollm2` by default (SmolLM2-135M's shape with random weights and an
-untied head; the embedded GGUF is 98 MB, over what the lent GPU machine can be sent), float32.
+untied head; the embedded GGUF is 98 MB, over what the lent GPU machine can be sent), in the
+executors' default dtype (bfloat16: executors.CUDA_AUTO_DTYPE) unless --dtype says float32.
 Speed does not depend on the weights; outputs are not checked for quality here.
 
     python -m bench.cuda_graphs [--machine h100] [--out DIR] [--quick]
-      -> DIR/2026-11-22-<machine>-cuda_graphs.json + .md  (DIR: $OUT if set, else bench/results;
-         -cuda_graphs-bf16 with --dtype bfloat16)
+      -> DIR/2026-11-22-<machine>-cuda_graphs-bf16.json + .md  (DIR: $OUT if set, else bench/results;
+         -cuda_graphs, no suffix, with --dtype float32)
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from gpu_backend.executors import CUDA_AUTO_DTYPE
 
 from .machine_label import machine_label
 
@@ -259,7 +262,8 @@ def run(args) -> dict:
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    res = {"date": DATE, "machine": args.machine, "model": args.model, "dtype": args.dtype,
+    res = {"date": DATE, "machine": args.machine, "model": args.model,
+           "dtype": CUDA_AUTO_DTYPE if args.dtype == "auto" else args.dtype, "dtype_option": args.dtype,
            "daemon_cpu": DAEMON_CPU, "interferer_cpus": list(others), "interferer": kind or why_not,
            "energy": "nvml" if energy.handle is not None else energy.why, "config": {
                "max_batch_size": args.max_batch_size, "max_prefill_tokens": args.max_prefill_tokens,
@@ -351,9 +355,14 @@ def ratios(res: dict, workloads) -> dict:
     return out
 
 
+def dtype_suffix(dtype: str) -> str:
+    """The result files' suffix for the model's dtype ("auto" resolved as the executors resolve it)."""
+    dtype = CUDA_AUTO_DTYPE if dtype == "auto" else dtype
+    return "" if dtype == "float32" else "-" + DTYPE_TAGS.get(dtype, dtype)
+
+
 def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
-    dtype = res.get("dtype", "float32")
-    stem = out_dir / f"{DATE}-{machine}-cuda_graphs{'' if dtype == 'float32' else '-' + DTYPE_TAGS.get(dtype, dtype)}"
+    stem = out_dir / f"{DATE}-{machine}-cuda_graphs{dtype_suffix(res.get('dtype', 'float32'))}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
     ex = res["executors"]
     lines = [f"# CUDA graphs: persistent scheduler vs host loop, {machine} ({res.get('device')})", "",
@@ -407,8 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--machine", default="auto", help="result files' label; auto: the card's model (h100, h200)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
     ap.add_argument("--model", default="random:smollm2")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="the daemons' --dtype (both executors alike)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the daemons' --dtype (both executors alike); auto: theirs, bfloat16")
     ap.add_argument("--workloads", default=",".join(f"{n}x{i}x{o}" for n, i, o in WORKLOADS),
                     help="comma-separated NxIxO (requests x prompt tokens x output tokens)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -58,7 +58,8 @@ DAEMON_FLAGS = (
     ("--kv-cache-mb", int, "KV cache memory budget in MiB"),
     ("--max-model-len", int, "context length (prompt + output) to serve"),
     ("--threads", int, "CPU threads for the cpu executor (default: all cores)"),
-    ("--dtype", str, "cpu executor weights/KV: auto | float32 | bfloat16 (auto: bf16 on CPUs with native bf16)"),
+    ("--dtype", str, "weights/KV: auto | float32 | bfloat16 (auto: the cpu executor bf16 on CPUs with native "
+                    "bf16, else float32; the cuda executors bf16)"),
     ("--kv-cache-dtype", str, "cpu executor KV cache: auto | float32 | bfloat16 (auto: the model's dtype; bf16 "
                               "for quantized weights computed in float32)"),
     ("--shutdown-grace-s", float, "on stop, in-flight requests get this long before they are aborted"),

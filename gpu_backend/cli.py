@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GOMP_SPINCOUNT is set)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weights and KV cache; cpu executor, auto: bfloat16 where the CPU computes it "
-                        "natively (avx512_bf16 / amx), else float32; cuda executors, auto: float32 (bfloat16: "
-                        "tensor-core matmuls, half the bytes)")
+                        "natively (avx512_bf16 / amx), else float32; cuda executors, auto: bfloat16 (the model's "
+                        "own dtype, tensor-core matmuls, half the bytes of float32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="KV cache of the cpu executor; auto: the model's dtype, except bfloat16 for quantized "
                         "weights computed in float32 (CPUs without bf16 math: half the KV bytes, as llama.cpp's "

@@ -168,9 +168,11 @@ BENCH_SCHED = Stage("bench_sched", 15, 60, (PY, "-m", "bench.cuda_scheduler", "-
 # sched 5 (the survey's admissions, two more device runs and their twin walks, came after it: ~10 s more),
 # bench_sched 3; graphs_inproc 47, agreement 45, frontend_1000 30, step_profile 31; real_weights 23,
 # echo_10k 14, bench_graphs 69 with one repeat and 109 with three (the third call's and all three calls'
-# ~6 min in all, start included, of the 15). The first lent run (2026-11-26) took about as long. Since then
-# bench_graphs runs three repeats (its interfered conditions are valid now: each run its own prompts), and
-# the same A/B in bfloat16 follows it (bench_graphs_bf16, one repeat: not yet run on a GPU, an estimate).
+# ~6 min in all, start included, of the 15). The first lent run (2026-11-26) took about as long. The third
+# (H200, 2026-11-27, bench/results/2026-11-27-h200-gpu-check-2): the three calls 84 / 168 / 226 s, with
+# bench_graphs 126 s (float32, three repeats) and the bfloat16 A/B 65 s (one repeat), 70 s for one workload
+# with three. Since then the executors' default dtype is bfloat16, so bench_graphs runs in it, five repeats
+# (its host loop moved by 19% from run to run there), and the float32 A/B follows with one (bench_graphs_f32).
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
          "through many tail-launch windows from a host-mapped ring and from device memory; the step graphs' "
@@ -215,19 +217,19 @@ CALLS: tuple[Call, ...] = (
     Call("bench", "the real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy "
          "tokens on the cuda daemon; 10,000 echo requests through the daemon and the real RingClient over 4096 "
          "slots; the paper's Fig. 3 A/B on SmolLM2 shapes with seeded "
-         "random weights made on the device (host-loop / persistent makespan, goal >= 1.7x), isolated and with "
+         "random weights made on the device, in the executors' default dtype (bfloat16) (host-loop / persistent "
+         "makespan, goal >= 1.7x), isolated and with "
          "every host core but the daemon's busy and with every one busy, the daemon's too (persistent >= 0.97x of "
-         "isolated; the host loop's own figure), NVML energy per token; the same A/B with the model in bfloat16 "
-         "(tensor-core matmuls, half the bytes: the GPU's usual serving dtype)",
+         "isolated; the host loop's own figure), NVML energy per token; the same A/B with the model in float32",
          (GGUF_COLLECT,
           Stage("real_weights", 35, 70, _pytest(REAL_T), pytest=True, may_skip=True),
           Stage("echo_10k", 25, 60, _pytest(CUDA_T, k="10k_requests"), pytest=True),
-          Stage("bench_graphs", 150, 225, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
-                                           "--repeats", "3", "--buckets", SMOL_BUCKETS),
-                outputs=("*-cuda_graphs.json", "*-cuda_graphs.md")),
-          Stage("bench_graphs_bf16", 100, 165, (PY, "-m", "bench.cuda_graphs", "--out", "{out}", "--dtype",
-                                                "bfloat16", "--repeats", "1", "--buckets", SMOL_BUCKETS),
-                outputs=("*-cuda_graphs-bf16.json", "*-cuda_graphs-bf16.md"))),
+          Stage("bench_graphs", 130, 200, (PY, "-m", "bench.cuda_graphs", "--out", "{out}",
+                                           "--repeats", "5", "--buckets", SMOL_BUCKETS),
+                outputs=("*-cuda_graphs-bf16.json", "*-cuda_graphs-bf16.md")),
+          Stage("bench_graphs_f32", 100, 165, (PY, "-m", "bench.cuda_graphs", "--out", "{out}", "--dtype",
+                                               "float32", "--repeats", "1", "--buckets", SMOL_BUCKETS),
+                outputs=("*-cuda_graphs.json", "*-cuda_graphs.md"))),
          gguf_part=3),
 )
 

@@ -23,6 +23,12 @@ from shared_layout import Ring
 from ..scheduler.intake import IntakeConfig
 from ..scheduler.policy import PolicyConfig, Scenario, SchedPolicy
 
+# --dtype auto on the CUDA executors (graphs/config.graph_dtype): bfloat16, the dtype SmolLM2 ships in
+# and what vLLM's "auto" serves it in on a GPU: tensor-core matmuls and half the bytes of float32
+# (the H200's step graphs 2.3x shorter, bench/results/2026-11-27-h200-gpu-check-2); float32 stays
+# one flag away, and is what the GPU tests compare with the CPU reference in.
+CUDA_AUTO_DTYPE = "bfloat16"
+
 
 class Executor(Protocol):
     name: str
@@ -48,7 +54,7 @@ class ExecutorOptions:
     kv_cache_mb: int | None = None
     max_model_len: int | None = None
     threads: int | None = None
-    dtype: str = "auto"                 # cpu executor: auto | float32 | bfloat16
+    dtype: str = "auto"                 # auto | float32 | bfloat16 (cpu.resolve_dtype; CUDA: CUDA_AUTO_DTYPE)
     kv_cache_dtype: str = "auto"        # cpu executor: auto | float32 | bfloat16 (cpu.resolve_kv_dtype)
     shutdown_grace_s: float = 2.0
     policy_trace: str | None = None     # write every policy decision here as a Scenario (JSON)

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..executors import CUDA_AUTO_DTYPE
 from ..kv_pool import blocks_for_budget
 from ..model.config import ModelConfig
 from ..scheduler.policy import PolicyConfig, blocks_needed
@@ -42,10 +43,11 @@ class GraphConfigError(ValueError):
 
 
 def graph_dtype(option: str) -> torch.dtype:
-    """--dtype of the CUDA executors: auto and float32 -> float32 (the step graphs then agree with
-    the CPU reference but for near ties), bfloat16 -> bfloat16 weights, activations and KV cache
-    (tensor-core matmuls, half the bytes; the sampler stays float32)."""
-    dtypes = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    """--dtype of the CUDA executors: auto and bfloat16 -> bfloat16 weights, activations and KV cache
+    (tensor-core matmuls, half the bytes; the sampler stays float32; executors.CUDA_AUTO_DTYPE says
+    why auto is bf16), float32 -> float32 (the step graphs then agree with the CPU reference but for
+    near ties: what the GPU tests compare in)."""
+    dtypes = {"auto": getattr(torch, CUDA_AUTO_DTYPE), "float32": torch.float32, "bfloat16": torch.bfloat16}
     if option not in dtypes:
         raise GraphConfigError(f"--dtype must be one of {', '.join(dtypes)}, got {option!r}")
     return dtypes[option]

@@ -85,8 +85,8 @@ def test_benchmark_outputs_are_the_declared_files():
     assert sorted(set(s.argv[2] for _, s in benches)) == sorted(names)
     for c, s in benches:
         date, stem = names[s.argv[2]]
-        if "--dtype" in s.argv:                 # bench.cuda_graphs' bf16 A/B beside its float32 one
-            stem += "-" + cuda_graphs.DTYPE_TAGS[s.argv[s.argv.index("--dtype") + 1]]
+        if s.argv[2] == "bench.cuda_graphs":    # its default dtype (bf16) and the float32 A/B beside it
+            stem += cuda_graphs.dtype_suffix(s.argv[s.argv.index("--dtype") + 1] if "--dtype" in s.argv else "auto")
         written = [f"{date}-{machine_label('auto', card)}-{stem}.{ext}"
                    for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for ext in ("json", "md")]
         assert all(any(fnmatch.fnmatch(w, d) for d in c.out_files()) for w in written), (c.name, written)

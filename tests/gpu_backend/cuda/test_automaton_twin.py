@@ -328,7 +328,8 @@ def test_structured_outputs_on_the_device(shm_ring, tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
     work, want = _cpu_reference(LlamaModel.random(config, seed=0))     # `random:<folder>` builds these weights
     ex = CudaExecutor(ExecutorOptions(model=f"random:{tmp_path}", max_batch_size=BATCH, max_prefill_tokens=BUDGET,
-                                      block_size=BS, max_model_len=MAX_LEN, kv_cache_mb=8, shutdown_grace_s=2.0))
+                                      block_size=BS, max_model_len=MAX_LEN, kv_cache_mb=8, shutdown_grace_s=2.0,
+                                      dtype="float32"))   # compared with the float32 CPU executor
     ring = shm_ring(RingGeometry(*GEOM_ARGS))
     stop = threading.Event()
     t = threading.Thread(target=ex.serve, args=(ring, stop), daemon=True)

@@ -71,8 +71,9 @@ def tiny_gpu(tiny_cpu):
 
 
 def _options(folder, **kw) -> ExecutorOptions:
+    # float32, not the executors' default bfloat16: the tokens are compared with the float32 CPU reference
     base = dict(model=f"random:{folder}", max_batch_size=BATCH, max_prefill_tokens=BUDGET, block_size=BS,
-                max_model_len=MAX_LEN, kv_cache_mb=ROOMY_MB, shutdown_grace_s=2.0)
+                max_model_len=MAX_LEN, kv_cache_mb=ROOMY_MB, shutdown_grace_s=2.0, dtype="float32")
     base.update(kw)
     return ExecutorOptions(**base)
 
@@ -193,11 +194,15 @@ def test_persistent_and_hostloop_sample_alike(tiny_folder, shm_ring, tiny_bucket
 SMOL_BUCKETS = json.dumps({"prefill_rows": [1, 4, 16, 64], "decode_rows": [1, 8, 32, 128], "decode_ctxs": [256]})
 
 
-def _start_daemon(ring_name: str, executor: str, *extra: str, model: str = "random:smollm2") -> subprocess.Popen:
+def _start_daemon(ring_name: str, executor: str, *extra: str, model: str = "random:smollm2",
+                  dtype: str | None = "float32") -> subprocess.Popen:
+    """A gpu-daemon on SmolLM2's shape; `dtype` None: the executors' default (bfloat16), else float32
+    where its tokens are compared with the CPU reference."""
     env = child_env(BLINK_GRAPH_BUCKETS=SMOL_BUCKETS)
     return subprocess.Popen([sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", executor,
                              "--model", model, "--ring", ring_name, "--max-batch-size", "128",
-                             "--max-model-len", "1024", "--kv-cache-mb", "4096", *extra],
+                             "--max-model-len", "1024", "--kv-cache-mb", "4096",
+                             *(("--dtype", dtype) if dtype else ()), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -334,7 +339,7 @@ async def _serve_1000(ring_name: str, n: int, seed: int) -> dict:
 @pytest.mark.parametrize("executor", ["cuda"])
 def test_1000_requests_through_the_frontend(ring_name, executor):
     proc = _start_daemon(ring_name, executor, "--slots", "2048", "--prompt-arena-tokens", str(1 << 21),
-                         "--output-arena-tokens", str(1 << 21))
+                         "--output-arena-tokens", str(1 << 21), dtype=None)   # the default (bf16): nothing lost
     try:
         tally = asyncio.run(_serve_1000(ring_name, 1000, seed=2026))
     finally:

@@ -156,7 +156,8 @@ def _agree(got, want, work, max_parted: int) -> None:
 
 def _options(folder, **kw) -> ExecutorOptions:
     base = dict(model=f"random:{folder}", max_batch_size=surf.BATCH, max_prefill_tokens=surf.BUDGET,
-                block_size=surf.BS, max_model_len=surf.MAX_LEN, kv_cache_mb=8, shutdown_grace_s=2.0)
+                block_size=surf.BS, max_model_len=surf.MAX_LEN, kv_cache_mb=8, shutdown_grace_s=2.0,
+                dtype="float32")   # compared with the float32 CPU twin, not the executors' default bf16
     base.update(kw)
     return ExecutorOptions(**base)
 

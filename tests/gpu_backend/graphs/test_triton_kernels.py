@@ -300,8 +300,8 @@ def _both_steps(model, config):
 
 def test_the_cuda_executors_dtype_option():
     from gpu_backend.graphs.config import GraphConfigError, graph_dtype
-    assert graph_dtype("auto") == graph_dtype("float32") == torch.float32
-    assert graph_dtype("bfloat16") == torch.bfloat16
+    assert graph_dtype("auto") == graph_dtype("bfloat16") == torch.bfloat16   # what users get, as vLLM's auto
+    assert graph_dtype("float32") == torch.float32
     with pytest.raises(GraphConfigError, match="--dtype must be one of auto, float32, bfloat16"):
         graph_dtype("float16")
 
