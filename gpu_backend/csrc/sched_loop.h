@@ -287,14 +287,16 @@ BLINK_DEV float blink_ld_f32(P &plat, const float *w) {
     return f;
 }
 
-/* Ring writes that end a request: finish reason and error, then the state word. */
+/* Ring writes that end a request: finish reason and error, then the state word. A request that
+ * never had a token stamped gets t_last_ns now; `stamped`: the caller has just stamped it (publish),
+ * which spares reading it back (a PCIe round trip on the host-mapped ring, on the step's path). */
 template <class P>
 BLINK_DEV void blink_complete_slot(P &plat, const blink_sched_params_t *p, uint32_t slot, uint32_t finish,
-                                   uint32_t error) {
+                                   uint32_t error, int stamped = 0) {
     blink_slot_t *s = blink_slot_ptr(p, slot);
     plat.st32(&s->finish_reason, finish);
     plat.st32(&s->error_code, error);
-    if (plat.ld64(&s->t_last_ns) == 0) plat.st64(&s->t_last_ns, plat.now_ns(p));
+    if (!stamped && plat.ld64(&s->t_last_ns) == 0) plat.st64(&s->t_last_ns, plat.now_ns(p));
     plat.fence_sys();   /* finish reason, error, count and tokens before the state word that hands the slot back */
     plat.st32(&s->state, BLINK_DECODE_COMPLETED);
 }
@@ -767,7 +769,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         const uint32_t finish = blink_finish_reason(&p->policy, r, token);
         if (finish != BLINK_FINISH_NONE) {
             r->status = BLINK_REQ_FINISHED;
-            blink_complete_slot(plat, p, slot, finish, BLINK_ERR_NONE);
+            blink_complete_slot(plat, p, slot, finish, BLINK_ERR_NONE, 1);   /* t_last_ns stamped above */
             plat.add_shared(&sh->n_completed, 1);
             plat.add_shared(&sh->reap_running, 1);
         } else if (r->ring_state != BLINK_DECODE_PROCESSING) {
