@@ -192,8 +192,8 @@ BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uin
                                                         lengths some request fills a block in most steps) */
             const uint32_t m = bs - i0 < 16 ? bs - i0 : 16;
             const int32_t *at[16];
-            for (uint32_t q = 0; q < 16; ++q) {
-                const uint32_t t = j * bs + i0 + q;
+            for (uint32_t q = 0; q < 16; ++q) {   /* past the block's end (q >= m): its first token's, unread */
+                const uint32_t t = j * bs + i0 + (q < m ? q : 0);
                 at[q] = t < plen ? prompt + t : output + (t - plen);
             }
             uint32_t tok[16];
@@ -729,6 +729,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
     if (!sh->in_flight) return;
     const blink_sched_state_t *st = p->state;
     int32_t *out = blink_output_arena(p);
+    uint64_t keys_dt = 0;   /* this thread's time on block keys, all its chunks (stats pub_keys_ns) */
     for (uint32_t c = tid; c < st->n_chunks; c += nt) {
         const uint32_t slot = p->chunk_slot[c];
         blink_req_t *r = &p->reqs[slot];
@@ -738,8 +739,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         if (p->prefix_caching) {
             const uint64_t k0 = plat.now_ns(p);
             to_commit = blink_keys_ahead(plat, p, slot, r);
-            const uint64_t dk = plat.now_ns(p) - k0;
-            plat.max_shared(&sh->keys_ns, dk < 0xffffffffull ? (uint32_t)dk : 0xffffffffu);
+            keys_dt += plat.now_ns(p) - k0;
         }
         if (to_commit) {
             /* for the commit: a bit per chunk, so it is walked in chunk order without sorting */
@@ -778,6 +778,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
             r->ring_state = BLINK_DECODE_PROCESSING;
         }
     }
+    if (keys_dt) plat.max_shared(&sh->keys_ns, keys_dt < 0xffffffffull ? (uint32_t)keys_dt : 0xffffffffu);
 }
 
 /* ---- The steady decode step, planned in parallel ----
