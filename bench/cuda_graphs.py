@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from gpu_backend.executors import CUDA_AUTO_DTYPE
+from gpu_backend.executors import cuda_dtype_name
 
 from .machine_label import machine_label
 
@@ -263,7 +263,7 @@ def run(args) -> dict:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"date": DATE, "machine": args.machine, "model": args.model,
-           "dtype": CUDA_AUTO_DTYPE if args.dtype == "auto" else args.dtype, "dtype_option": args.dtype,
+           "dtype": cuda_dtype_name(args.dtype), "dtype_option": args.dtype,
            "daemon_cpu": DAEMON_CPU, "interferer_cpus": list(others), "interferer": kind or why_not,
            "energy": "nvml" if energy.handle is not None else energy.why, "config": {
                "max_batch_size": args.max_batch_size, "max_prefill_tokens": args.max_prefill_tokens,
@@ -357,7 +357,7 @@ def ratios(res: dict, workloads) -> dict:
 
 def dtype_suffix(dtype: str) -> str:
     """The result files' suffix for the model's dtype ("auto" resolved as the executors resolve it)."""
-    dtype = CUDA_AUTO_DTYPE if dtype == "auto" else dtype
+    dtype = cuda_dtype_name(dtype)
     return "" if dtype == "float32" else "-" + DTYPE_TAGS.get(dtype, dtype)
 
 

@@ -215,12 +215,18 @@ static inline BLINK_HD uint32_t blink_full_blocks(const blink_sched_params_t *p,
 
 /* The keys of every full block the request has computed (what blink_commit_blocks will commit),
  * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
- * across requests, and the commit finds them done. Returns how many blocks it has to commit (a
- * request's full blocks change only where its chunk is published). */
+ * across requests, and the commit finds them done; the time they take is added to `dt` (only
+ * where there are keys to make: the clock stays off a decode step's usual path). Returns how many
+ * blocks it has to commit (a request's full blocks change only where its chunk is published). */
 template <class P>
-BLINK_DEV uint32_t blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r) {
+BLINK_DEV uint32_t blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
+                                    uint64_t &dt) {
     const uint32_t full = blink_full_blocks(p, r);
-    if (full > r->n_keys) blink_keys(plat, p, slot, r, full);
+    if (full > r->n_keys) {
+        const uint64_t t0 = plat.now_ns(p);
+        blink_keys(plat, p, slot, r, full);
+        dt += plat.now_ns(p) - t0;
+    }
     return full > r->num_committed ? full - r->num_committed : 0;
 }
 
@@ -735,12 +741,7 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_req_t *r = &p->reqs[slot];
         if (r->status != BLINK_REQ_RUNNING) continue;
         r->num_computed += p->chunk_len[c];
-        uint32_t to_commit = 0;
-        if (p->prefix_caching) {
-            const uint64_t k0 = plat.now_ns(p);
-            to_commit = blink_keys_ahead(plat, p, slot, r);
-            keys_dt += plat.now_ns(p) - k0;
-        }
+        const uint32_t to_commit = p->prefix_caching ? blink_keys_ahead(plat, p, slot, r, keys_dt) : 0;
         if (to_commit) {
             /* for the commit: a bit per chunk, so it is walked in chunk order without sorting */
             plat.or_bit(blink_scratch_list(p, BLINK_LIST_COMMIT), c);

@@ -30,6 +30,11 @@ from ..scheduler.policy import PolicyConfig, Scenario, SchedPolicy
 CUDA_AUTO_DTYPE = "bfloat16"
 
 
+def cuda_dtype_name(option: str) -> str:
+    """The CUDA executors' --dtype as the name of the dtype they load (auto -> CUDA_AUTO_DTYPE)."""
+    return CUDA_AUTO_DTYPE if option == "auto" else option
+
+
 class Executor(Protocol):
     name: str
     vocab_size: int       # published in the ring header before READY

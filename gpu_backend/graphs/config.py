@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..executors import CUDA_AUTO_DTYPE
+from ..executors import cuda_dtype_name
 from ..kv_pool import blocks_for_budget
 from ..model.config import ModelConfig
 from ..scheduler.policy import PolicyConfig, blocks_needed
@@ -47,10 +47,10 @@ def graph_dtype(option: str) -> torch.dtype:
     (tensor-core matmuls, half the bytes; the sampler stays float32; executors.CUDA_AUTO_DTYPE says
     why auto is bf16), float32 -> float32 (the step graphs then agree with the CPU reference but for
     near ties: what the GPU tests compare in)."""
-    dtypes = {"auto": getattr(torch, CUDA_AUTO_DTYPE), "float32": torch.float32, "bfloat16": torch.bfloat16}
-    if option not in dtypes:
-        raise GraphConfigError(f"--dtype must be one of {', '.join(dtypes)}, got {option!r}")
-    return dtypes[option]
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if option != "auto" and option not in dtypes:
+        raise GraphConfigError(f"--dtype must be one of auto, {', '.join(dtypes)}, got {option!r}")
+    return dtypes[cuda_dtype_name(option)]
 
 
 def _bucket_overrides() -> dict:
