@@ -411,7 +411,8 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                      f"{h['us_per_step']} | {w['ratio_makespan_host_over_persistent']}x |")
     lines += ["", "Overhead per step by phase, us (slot scan / publish / the parallel prefix-cache commits / schedule "
               "phase, its launch included); `keys`: of the persistent publish, the longest any thread spent on "
-              "the block keys of the prefix cache (ring token loads and hashes) each step:", "",
+              "reading tokens back from the ring for the prefix cache's block keys each step (0 where the key chain "
+              "kept up with the tokens: the prompt hashed at intake, each generated token as it is published):", "",
               "| batch | persistent scan | publish | keys | commit | plan | host loop scan | publish | commit | plan |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:

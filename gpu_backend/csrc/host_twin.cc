@@ -323,6 +323,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_req_t, bad_words_words) X(blink_req_t, automaton_words) X(blink_req_t, automaton_offset)        \
     X(blink_req_t, automaton_state) X(blink_req_t, reserved2) X(blink_req_t, num_cached)                    \
     X(blink_req_t, cached_idle) X(blink_req_t, num_committed) X(blink_req_t, n_keys)                        \
+    X(blink_req_t, key_pos) X(blink_req_t, reserved3) X(blink_req_t, key_run)                              \
     X(blink_sched_state_t, w_head) X(blink_sched_state_t, w_count) X(blink_sched_state_t, n_running)        \
     X(blink_sched_state_t, free_blocks) X(blink_sched_state_t, prev_kind) X(blink_sched_state_t, in_flight) \
     X(blink_sched_state_t, step_no) X(blink_sched_state_t, n_chunks) X(blink_sched_state_t, draining)       \

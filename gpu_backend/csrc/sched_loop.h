@@ -169,42 +169,76 @@ static inline BLINK_HD void blink_blocks_release(const blink_sched_params_t *p, 
     p->state->free_blocks = blink_pkv_free_count(p->pkv);
 }
 
-/* The prefix-cache keys of the slot's first n full blocks (scheduler._keys: the chain extended
- * as needed, kept in kv_keys, kv_alloc.h's blink_block_hash over tokens read from the ring). */
+/* The prefix-cache keys (kv_alloc.h's blink_block_hash chain, scheduler._keys) are made a token at a
+ * time as the request's tokens become known: its prompt at intake, read from the ring
+ * (blink_keys_read), each generated token at publish from the register it is in (blink_key_feed).
+ * Reading them back from the ring made a block's key cost ~20 us on the H200 over the host-mapped
+ * ring (16 loads issued back to back, thread 0's publish waiting for them: 18.4 of publish's 22.9 us
+ * a step at 256 running with mixed lengths, 2026-11-27), and a generated token is in a register
+ * when it is published. r->key_pos counts the tokens hashed: keys for the full blocks among them,
+ * r->key_run the chain's state in the block they end in. */
+#define BLINK_KEY_STEP 0x9E3779B97F4A7C15ull   /* kv_alloc.h's blink_block_hash increment */
+
+static inline BLINK_HD void blink_keys_reset(blink_req_t *r) {
+    r->n_keys = r->key_pos = 0;
+    r->key_run = blink_kv_mix64(BLINK_KV_ROOT_HASH + BLINK_KEY_STEP);
+}
+
+/* The token at position r->key_pos into the chain; at a block's last token its key joins kv_keys. */
+static inline BLINK_HD void blink_key_feed(const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
+                                           uint32_t tok) {
+    if (r->n_keys >= p->kv_max_blocks) return;   /* every key a block table can use is made */
+    uint64_t h = blink_kv_mix64((r->key_run ^ (uint64_t)tok) + BLINK_KEY_STEP);
+    if (++r->key_pos % p->policy.block_size == 0) {
+        p->kv_keys[(uint64_t)slot * p->kv_max_blocks + r->n_keys++] = h;
+        h = blink_kv_mix64(h + BLINK_KEY_STEP);
+    }
+    r->key_run = h;
+}
+
+/* Tokens [r->key_pos, upto) read from the ring's two arenas into the chain, 16 loads in flight at a
+ * time: every address computed before the first load (the compiler re-reads memory operands after
+ * each volatile access, and a re-read between two ring loads waits for the first's round trip). */
+template <class P>
+BLINK_DEV void blink_keys_read(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
+                               uint32_t upto) {
+    uint64_t *keys = p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
+    const uint32_t bs = p->policy.block_size, cap = p->kv_max_blocks, plen = r->prompt_len;
+    const int32_t *prompt = blink_prompt_arena(p) + r->prompt_offset;
+    const int32_t *output = blink_output_arena(p) + r->output_offset;
+    uint32_t pos = r->key_pos, nk = r->n_keys;
+    uint64_t h = r->key_run;
+    while (pos < upto && nk < cap) {
+        const uint32_t m = upto - pos < 16 ? upto - pos : 16;
+        const int32_t *at[16];
+        for (uint32_t q = 0; q < 16; ++q) {   /* past upto (q >= m): pos's token, unread */
+            const uint32_t t = pos + (q < m ? q : 0);
+            at[q] = t < plen ? prompt + t : output + (t - plen);
+        }
+        uint32_t tok[16];
+        for (uint32_t q = 0; q < 16; ++q)
+            if (q < m) tok[q] = plat.ld32(at[q]);
+        for (uint32_t q = 0; q < m && nk < cap; ++q) {
+            h = blink_kv_mix64((h ^ (uint64_t)tok[q]) + BLINK_KEY_STEP);
+            if (++pos % bs == 0) {
+                keys[nk++] = h;
+                h = blink_kv_mix64(h + BLINK_KEY_STEP);
+            }
+        }
+    }
+    r->key_pos = pos;
+    r->n_keys = nk;
+    r->key_run = h;
+}
+
+/* The keys of the slot's first n full blocks. Made already where intake and publish kept the
+ * chain up with the tokens; read from the ring otherwise. */
 template <class P>
 BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
                                      uint32_t n) {
-    uint64_t *keys = p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
-    const uint32_t bs = p->policy.block_size, last = n < p->kv_max_blocks ? n : p->kv_max_blocks;
-    /* Everything an address needs, read once into registers before the first ring load: the
-     * compiler re-reads memory operands after each volatile access, and a thread's loads return in
-     * order, so a re-read of r->output_offset between two ring loads waited for the PCIe round
-     * trip of the first (16 round trips a block on the H200, not one). */
-    const uint32_t plen = r->prompt_len;
-    const int32_t *prompt = blink_prompt_arena(p) + r->prompt_offset;
-    const int32_t *output = blink_output_arena(p) + r->output_offset;
-    uint64_t h = r->n_keys ? keys[r->n_keys - 1] : BLINK_KV_ROOT_HASH;
-    for (uint32_t j = r->n_keys; j < last; ++j) {
-        h = blink_kv_mix64(h + 0x9E3779B97F4A7C15ull);
-        for (uint32_t i0 = 0; i0 < bs; i0 += 16) {   /* 16 loads in flight (a default block's), then the
-                                                        hash: over PCIe each load is a round trip, so they
-                                                        must not wait in turn (at 256 running with mixed
-                                                        lengths some request fills a block in most steps) */
-            const uint32_t m = bs - i0 < 16 ? bs - i0 : 16;
-            const int32_t *at[16];
-            for (uint32_t q = 0; q < 16; ++q) {   /* past the block's end (q >= m): its first token's, unread */
-                const uint32_t t = j * bs + i0 + (q < m ? q : 0);
-                at[q] = t < plen ? prompt + t : output + (t - plen);
-            }
-            uint32_t tok[16];
-            for (uint32_t q = 0; q < 16; ++q)
-                if (q < m) tok[q] = plat.ld32(at[q]);
-            for (uint32_t q = 0; q < m; ++q) h = blink_kv_mix64((h ^ (uint64_t)tok[q]) + 0x9E3779B97F4A7C15ull);
-        }
-        keys[j] = h;
-    }
-    if (last > r->n_keys) r->n_keys = last;
-    return keys;
+    const uint32_t last = n < p->kv_max_blocks ? n : p->kv_max_blocks;
+    if (last > r->n_keys) blink_keys_read(plat, p, slot, r, last * p->policy.block_size);
+    return p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
 }
 
 /* The request's blocks that are full and computed: what the prefix cache may hold of it. */
@@ -214,9 +248,10 @@ static inline BLINK_HD uint32_t blink_full_blocks(const blink_sched_params_t *p,
 }
 
 /* The keys of every full block the request has computed (what blink_commit_blocks will commit),
- * computed ahead by the thread that publishes its chunk: the ring reads they take run in parallel
- * across requests, and the commit finds them done; the time they take is added to `dt` (only
- * where there are keys to make: the clock stays off a decode step's usual path). Returns how many
+ * made before by intake and publish (blink_key_feed); where the chain fell behind the tokens, read
+ * here by the thread that publishes its chunk, in parallel across requests, so the commit finds
+ * them done. The time ring reads take is added to `dt` (stats pub_keys_ns: 0 where the chain kept
+ * up; the clock stays off a decode step's usual path). Returns how many
  * blocks it has to commit (a request's full blocks change only where its chunk is published). */
 template <class P>
 BLINK_DEV uint32_t blink_keys_ahead(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
@@ -601,7 +636,8 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         r->automaton_words = v.automaton_words;
         r->automaton_offset = v.extra_offset + 2 * v.n_logit_bias + v.n_allowed_ids + v.bad_words_words;
         r->automaton_state = -1;
-        r->num_cached = r->cached_idle = r->num_committed = r->n_keys = 0;
+        r->num_cached = r->cached_idle = r->num_committed = 0;
+        blink_keys_reset(r);
         blink_req_time_t *tm = &p->times[slot];   /* what the policy reads (intake.py's Sequence fields) */
         tm->id = slot;
         tm->priority = v.priority;
@@ -686,9 +722,10 @@ BLINK_DEV void blink_phase_intake(P &plat, const blink_sched_params_t *p, blink_
         }
         p->waiting[(st->w_head + st->w_count + rank) % p->slot_count] = slot;
         plat.add_shared(&sh->n_valid, 1);
-        /* its prompt's block keys, which the prefix-cache lookup at admission reads: here, one thread
-         * per arrival, rather than in the serial schedule phase */
-        if (p->prefix_caching) blink_keys(plat, p, slot, r, (r->prompt_len - 1) / p->policy.block_size);
+        /* its prompt into the key chain (the block keys the prefix-cache lookup at admission reads;
+         * publish goes on with the generated tokens): here, one thread per arrival, rather than in
+         * the serial schedule phase */
+        if (p->prefix_caching) blink_keys_read(plat, p, slot, r, r->prompt_len);
     }
     plat.sync();
     if (tid == 0) {
@@ -753,6 +790,10 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         const int32_t token = p->step_tokens[c];
         blink_slot_t *s = blink_slot_ptr(p, slot);
         plat.st32(&out[r->output_offset + r->generated], (uint32_t)token);
+#ifndef BLINK_KEYS_FROM_RING   /* (a twin built with it reads each generated token back from the ring: the tests' A/B) */
+        if (p->prefix_caching && r->key_pos == r->prompt_len + r->generated)   /* the chain is up with the tokens */
+            blink_key_feed(p, slot, r, (uint32_t)token);
+#endif
         const uint64_t now = plat.now_ns(p);
         if (r->generated == 0) plat.st64(&s->t_first_ns, now);
         plat.st64(&s->t_last_ns, now);

@@ -167,6 +167,10 @@ typedef struct BLINK_ALIGN8 blink_req {
     uint32_t cached_idle;         /* waiting: of those blocks, the ones no request holds (policy.WaitingReq) */
     uint32_t num_committed;       /* running: leading blocks offered to the prefix cache */
     uint32_t n_keys;              /* prefix-cache keys of its full blocks computed so far (kv_keys) */
+    uint32_t key_pos;             /* tokens hashed so far (sched_loop.h blink_key_feed): keys for the full blocks
+                                     among them, key_run for the block they end in */
+    uint32_t reserved3;
+    uint64_t key_run;             /* the hash chain's state over tokens [n_keys * block_size, key_pos) */
 } blink_req_t;
 
 typedef struct BLINK_ALIGN8 blink_sched_state {
@@ -240,8 +244,9 @@ typedef struct BLINK_ALIGN8 blink_sched_control {
     uint64_t commit_ns;           /* cumulative time in the commit phase (not in publish_ns; the walk's is in reap_ns) */
     uint64_t fill_evictions;      /* of fill_blocks, cached blocks the fill phase evicted (LRU order, keys removed in parallel) */
     uint64_t fast_admits;         /* prefill steps admitting waiting requests planned from the survey's counts (blink_fast_admit) */
-    uint64_t pub_keys_ns;         /* of publish_ns: per step the longest any thread spent on block keys (ring token
-                                     loads and hashes, blink_keys_ahead), summed over the steps */
+    uint64_t pub_keys_ns;         /* of publish_ns: per step the longest any thread spent reading block keys' tokens
+                                     back from the ring (blink_keys_ahead: 0 while the key chain keeps up with the
+                                     tokens), summed over the steps */
     /* a new counter goes above this line and into BLINK_LAST_COUNTER: the beat copies the counters
      * heartbeat..BLINK_LAST_COUNTER to the host's control block (structs.COUNTERS) */
     int32_t last_launch_error;    /* cudaError_t of the last refused launch */

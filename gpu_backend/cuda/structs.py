@@ -56,7 +56,8 @@ class Req(_Struct):
                 ("logprobs", u32), ("logprobs_offset", u32), ("seat", u32), ("seat_fresh", u32),
                 ("extra_offset", u32), ("n_logit_bias", u32), ("n_allowed_ids", u32), ("bad_words_words", u32),
                 ("automaton_words", u32), ("automaton_offset", u32), ("automaton_state", i32), ("reserved2", u32),
-                ("num_cached", u32), ("cached_idle", u32), ("num_committed", u32), ("n_keys", u32)]
+                ("num_cached", u32), ("cached_idle", u32), ("num_committed", u32), ("n_keys", u32),
+                ("key_pos", u32), ("reserved3", u32), ("key_run", u64)]
 
 
 class SchedState(_Struct):

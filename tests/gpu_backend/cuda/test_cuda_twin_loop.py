@@ -229,9 +229,10 @@ EVICT = dict(unique=200, num_blocks=900)   # the commit workload with 200 unique
 
 def test_the_cached_keys_are_the_python_schedulers_hash_chains(twin_lib, shm_ring):
     """Every key in the prefix cache after the commit workload is kv_cache.hash_chain's key of a block
-    of some request's prompt + output, as the Python scheduler keys it: the loop reads those tokens
-    from the ring's two arenas (blink_keys, its loads issued 16 at a time), and most cached blocks
-    hold generated tokens, so a misread output token changes keys here."""
+    of some request's prompt + output, as the Python scheduler keys it: the loop hashes a prompt read
+    from the ring at intake (blink_keys_read, its loads issued 16 at a time) and each generated token
+    as it publishes it (blink_key_feed), and most cached blocks hold generated tokens, so a token
+    hashed out of turn changes keys here."""
     from gpu_backend.scheduler.kv_cache import hash_chain
     tokens: dict = {}
     _, table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), tokens=tokens)
@@ -240,6 +241,22 @@ def test_the_cached_keys_are_the_python_schedulers_hash_chains(twin_lib, shm_rin
     prompt_keys = {k for prompt, _ in tokens.values() for k in hash_chain(prompt, bs)}
     assert table and set(table) <= chains
     assert len(set(table) - prompt_keys) > len(table) // 2
+
+
+def test_keys_made_as_tokens_are_published_are_the_ones_read_back_from_the_ring(twin_lib, shm_ring):
+    """The key chain kept up with the tokens (the prompt at intake, each generated token at publish)
+    against a twin built to read every generated token back from the ring for the keys
+    (BLINK_KEYS_FROM_RING: the loop before; over the host-mapped ring a block's key cost ~20 us on
+    the H200), on the workload that outgrows its pool (evictions, the cache reused): the same prefix
+    cache, hits, misses and steps; and publish read no ring token for a key (pub_keys_ns counts only
+    the time of ring reads for keys, and the clock is read only around them)."""
+    fed, fed_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), **EVICT)
+    ring, ring_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), defines=("BLINK_KEYS_FROM_RING",), **EVICT)
+    assert fed_table == ring_table and len(fed_table) > 100
+    for name in PREFIX_STATS:
+        assert getattr(fed.stats, name) == getattr(ring.stats, name), name
+    assert fed.stats.prefix_hit_blocks > 0 and fed.stats.fill_evictions > 100
+    assert fed.stats.pub_keys_ns == 0 < ring.stats.pub_keys_ns
 
 
 def test_blocks_evicted_in_parallel_are_the_walks(twin_lib, shm_ring):
