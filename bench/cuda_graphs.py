@@ -21,7 +21,10 @@ the persistent scheduler's token path has no host thread), in one run.
           cache would otherwise serve a later condition's prefill from an earlier
           one's blocks), the same sequence for both executors
           makespan = last backend t_last_ns - publish time (backend clocks: no
-          client-side polling noise); tokens; GPU energy from NVML where readable
+          client-side polling noise); tokens; GPU energy from NVML where readable;
+          the host loop's run in parts, from the `engine period` line its engine
+          logs once the ring is quiet (BLINK_ENGINE_PERIODS=1): its own Python,
+          the runner's staging, the launch call, the wait for the step
     -> ratios measured in this run: host-loop / persistent makespan per workload,
        and each executor's interfered / isolated throughput under each condition
 
@@ -110,7 +113,8 @@ class Daemon:
         self.executor, self.ring_name = executor, ring_name
         self.log_path = log_dir / f"daemon-{executor}.log"
         from gpu_backend.cuda.child_env import child_env
-        env = child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")    # one core: no CPU thread pool to oversubscribe it
+        env = child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",     # one core: no CPU thread pool to oversubscribe it
+                        BLINK_ENGINE_PERIODS="1")    # the host loop's engine logs each run's parts (engine.py)
         if args.buckets:
             env["BLINK_GRAPH_BUCKETS"] = args.buckets
         cmd = [sys.executable, "-m", "dpu_frontend.cli", "gpu-daemon", "--executor", executor, "--model", model,
@@ -151,6 +155,27 @@ class Daemon:
     def report(self) -> dict:
         m = re.search(r"graph cache report (\{.*\})", self.log_path.read_text())
         return json.loads(m.group(1)) if m else {}
+
+    def periods(self) -> list[dict]:
+        """The `engine period` lines the daemon logged so far (an Engine's busy periods: EngineConfig.period_log;
+        the persistent executor has no host engine and logs none)."""
+        try:
+            text = self.log_path.read_text()
+        except OSError:
+            return []
+        return [json.loads(m) for m in re.findall(r"engine period (\{.*\})", text)]
+
+    def period_after(self, seen: int, timeout_s: float = 2.0) -> dict | None:
+        """The busy periods logged after the first `seen`, summed (one run_workload: the engine logs its period
+        once the ring is quiet, a moment after the last token); None where none comes."""
+        if self.executor == "cuda":
+            return None
+        deadline = time.monotonic() + timeout_s
+        while len(new := self.periods()[seen:]) == 0:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        return {k: round(sum(p.get(k, 0) for p in new), 3) for k in new[0]}
 
     def stop(self) -> None:
         import signal
@@ -295,12 +320,17 @@ def run(args) -> dict:
                             name = f"{n}x{i}->{o}"
                             seed = {r: seeds[condition, (n, i, o), r] for r in range(1 + args.repeats)}
                             run_workload(daemon.ring, n, i, o, energy, seed=seed[0])          # warm-up
-                            reps = [run_workload(daemon.ring, n, i, o, energy, seed=seed[r])
-                                    for r in range(1, 1 + args.repeats)]
+                            reps, periods = [], []
+                            for r in range(1, 1 + args.repeats):
+                                seen = len(daemon.periods())
+                                reps.append(run_workload(daemon.ring, n, i, o, energy, seed=seed[r]))
+                                periods.append(daemon.period_after(seen))
                             ms = [r["makespan_ms"] for r in reps]
                             runs[name] = {"makespan_ms": round(statistics.median(ms), 3),
                                           "makespan_ms_all": [round(x, 3) for x in ms],
                                           "tokens_per_s": round(n * o / (statistics.median(ms) / 1e3), 1)}
+                            if all(periods):
+                                runs[name]["host_periods"] = periods
                             if all("j_per_token" in r for r in reps):
                                 runs[name]["j_per_token"] = round(statistics.median(r["j_per_token"] for r in reps), 6)
                             print(f"   {condition:12s} {name:14s} {runs[name]['makespan_ms']:9.2f} ms "
@@ -406,9 +436,30 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
         lines.append(f"| {name} | {e['setup_s']} | {g.get('buckets', {}).get('graphs', '-')} | {g.get('kernels', '-')} | "
                      f"{npg.get('min', '-')}-{npg.get('max', '-')} | {round(tim.get('total_s', 0), 1)} | {round(mem.get('graph_cache_bytes', 0) / 2**20)} | "
                      f"{round(est.get('total_bytes', 0) / 2**20)} | {round(mem.get('kv_pool_bytes', 0) / 2**20)} |")
+    lines += host_loop_parts(ex)
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_graphs`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem
+
+
+def host_loop_parts(ex: dict) -> list[str]:
+    """Markdown: each host-loop run's busy period in parts (the engine's `engine period` lines), us a step."""
+    rows = []
+    for cond, by_name in ex.get("cuda-hostloop", {}).get("runs", {}).items():
+        for name, r in by_name.items():
+            for ms, p in zip(r.get("makespan_ms_all", []), r.get("host_periods", [])):
+                steps = max(1, p.get("steps", 0))
+                us = {k: round(1e3 * p.get(f"{k}_ms", 0) / steps, 1) for k in ("wall", "engine", "launch", "wait")}
+                stage = round(1e3 * (p.get("runner_ms", 0) - p.get("launch_ms", 0) - p.get("wait_ms", 0)) / steps, 1)
+                rows.append(f"| {name} | {cond} | {ms} | {p.get('steps')} | {us['wall']} | {us['engine']} | {stage} | "
+                            f"{us['launch']} | {us['wait']} |")
+    if not rows:
+        return []
+    return ["", "The host loop's runs in parts, us a step (the engine's busy period: its Python intake, reap, "
+            "scheduler and publish / the runner's staging of rows and request copies / the copies and launch call / "
+            "the wait for the step's tokens):", "",
+            "| workload | condition | makespan ms | steps | busy us/step | engine | staging | launch | wait |",
+            "|---|---|---|---|---|---|---|---|---|"] + rows
 
 
 def main(argv=None) -> int:

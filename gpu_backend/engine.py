@@ -24,7 +24,9 @@ the daemon's heartbeat runs beside it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import threading
 import time
 from typing import Protocol
@@ -53,6 +55,8 @@ class Runner(Protocol):
 
     # Optional: copy_blocks(pairs: list[tuple[int, int]]) -> None copies each src block's K/V
     # into dst (a runner without a KV cache has nothing to copy and may leave it out).
+    # Optional: timing() -> dict[str, int], cumulative nanoseconds of the runner's own parts
+    # (the host loop's launch call and wait), for EngineConfig.period_log.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,10 @@ class EngineConfig:
     prefix_caching: bool = True      # the scheduler shares cached KV blocks of a common prefix
     doorbell: str | None = None      # ring name: after a step that published or ended requests, ring
                                      # this ring's bell for a frontend on this host (shared_layout.doorbell)
+    # log one `engine period {json}` line per busy period (steps until the ring is quiet): wall time,
+    # steps, the runner's share and its own parts (Runner.timing); bench.cuda_graphs sets it (env
+    # BLINK_ENGINE_PERIODS=1) to split the host loop's makespan
+    period_log: bool = dataclasses.field(default_factory=lambda: os.environ.get("BLINK_ENGINE_PERIODS") == "1")
 
 
 def _records_or_blank(records: np.ndarray | None, n: int, k: int) -> np.ndarray:
@@ -91,6 +99,7 @@ class Engine:
         self.owned: dict[int, Sequence] = {}     # slot -> its sequence, waiting or running
         self._epoch_checked = ring.get("frontend_epoch")
         self.steps = 0
+        self.run_ns = 0                          # time inside Runner.run, every step
         self.bell = Doorbell.create(config.doorbell) if config.doorbell else None
         self._rung_writes = 0
         ring.set("kv_blocks_total", config.num_blocks)
@@ -130,7 +139,9 @@ class Engine:
             self._publish_kv()
             return bool(out.preempted)
         self.steps += 1
+        t = time.perf_counter_ns()
         batch, tokens = self._run(out.batch)
+        self.run_ns += time.perf_counter_ns() - t
         self._postprocess(batch, tokens)
         self._publish_kv()
         return True
@@ -271,10 +282,18 @@ class Engine:
         (no new claims) and abort whatever is left with ABORT/BACKEND_SHUTDOWN."""
         fine_timer_slack()   # the idle back-off's 50 us sleeps, not 100+
         idle = 0
+        period = None        # (clock, steps, run_ns, runner timing) where the busy period began
         while not stop.is_set():
+            start = (time.perf_counter_ns(), self.steps, self.run_ns, self._runner_timing()) \
+                if self.config.period_log and period is None else None
             if self._safe_step():
                 idle = 0
+                if start is not None:
+                    period = start
             else:
+                if period is not None:
+                    self._log_period(*period)
+                    period = None
                 # 50 us sleeps for the first idle_fine_polls (a closed-loop client's next request
                 # comes within a millisecond), then back off to idle_sleep_max_s so a quiet ring
                 # costs little CPU.
@@ -289,6 +308,20 @@ class Engine:
         self._ring_bell()
         if self.bell is not None:
             self.bell.close()
+
+    def _runner_timing(self) -> dict[str, int]:
+        timing = getattr(self.runner, "timing", None)
+        return timing() if timing is not None else {}
+
+    def _log_period(self, t0: int, steps0: int, run0: int, parts0: dict[str, int]) -> None:
+        """One busy period (EngineConfig.period_log), in ms: wall, the engine's own Python (intake,
+        reap, scheduler, publish), the runner's, and the runner's parts."""
+        wall, run = time.perf_counter_ns() - t0, self.run_ns - run0
+        rec = {"steps": self.steps - steps0, "wall_ms": round(wall / 1e6, 3), "engine_ms": round((wall - run) / 1e6, 3),
+               "runner_ms": round(run / 1e6, 3)}
+        rec.update({k.removesuffix("_ns") + "_ms": round((v - parts0.get(k, 0)) / 1e6, 3)
+                    for k, v in self._runner_timing().items()})
+        log.info("engine period %s", json.dumps(rec))
 
     def _ring_bell(self) -> None:
         """Ring the doorbell when the ring got tokens or ended slots since the last bell."""

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -78,6 +79,7 @@ class CudaLauncher:
         else:
             cache.capture(self.params_addr)
         self._tokens_off = block.layout["step_tokens"]
+        self.launch_ns = self.wait_ns = 0   # cumulative: copies and launch calls; the wait for the step
 
     def bind(self, ring, ring_device_addr: int) -> None:
         """The ring the graphs' staging reads token ids from (as the device addresses it)."""
@@ -87,6 +89,7 @@ class CudaLauncher:
 
     def launch(self, graph: int, n_chunks: int) -> None:
         d, b = bindings(), self.block
+        t0 = time.perf_counter_ns()
         for off, n in b.extents(n_chunks):
             if n:
                 check(d.cuMemcpyHtoDAsync(self.dev + off, b.addr + off, n, self.stream), "cuMemcpyHtoDAsync(step)")
@@ -94,7 +97,10 @@ class CudaLauncher:
         check(d.cuGraphLaunch(exe, self.stream), "cuGraphLaunch(step)")
         check(d.cuMemcpyDtoHAsync(b.addr + self._tokens_off, self.dev + self._tokens_off, 4 * max(1, n_chunks),
                                   self.stream), "cuMemcpyDtoHAsync(tokens)")
+        t1 = time.perf_counter_ns()
         check(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize(step)")   # the host waits for every step
+        self.launch_ns += t1 - t0
+        self.wait_ns += time.perf_counter_ns() - t1
 
     def close(self) -> None:
         d = bindings()

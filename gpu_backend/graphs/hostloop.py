@@ -229,6 +229,11 @@ class HostLoopRunner:
         self._logprobs(chunks, rows)
         return [int(b.step_tokens[i]) for i, c in enumerate(chunks) if c.sample]
 
+    def timing(self) -> dict[str, int]:
+        """The launcher's cumulative parts, ns (engine.Runner.timing): the copies and launch call,
+        and the wait for the step; the rest of run() is this runner's staging."""
+        return {k: getattr(self.launcher, k) for k in ("launch_ns", "wait_ns") if hasattr(self.launcher, k)}
+
     def _logprobs(self, chunks, rows) -> None:
         """Each sampling chunk that asks for logprobs: its row's record (the graph computed
         every row's) into seq.step_logprobs, [1, 2 + 2k] int32 words."""

@@ -21,8 +21,14 @@ def test_workloads_through_a_real_daemon(tmp_path, ring_name):
     try:
         assert daemon.setup_s > 0
         for n, i, o in ((16, 32, 8), (8, 100, 20), (16, 32, 8)):      # slots are handed back between runs
+            seen = len(daemon.periods())
             r = bench.run_workload(daemon.ring, n, i, o, bench.Energy(), seed=n + i)
             assert r["tokens"] == n * o and 0 < r["makespan_ms"] <= r["seen_ms"] + 1
+            # the engine's busy period of this run (BLINK_ENGINE_PERIODS, set by Daemon): at least the
+            # decode steps, its time split between the engine's own Python and the runner
+            p = daemon.period_after(seen)
+            assert p is not None and p["steps"] >= o and p["wall_ms"] > 0
+            assert p["engine_ms"] > 0 and abs(p["engine_ms"] + p["runner_ms"] - p["wall_ms"]) < 0.01
         with pytest.raises(bench.BenchError, match="does not fit"):
             bench.run_workload(daemon.ring, 65, 4, 4, bench.Energy(), seed=1)
     finally:
@@ -72,6 +78,20 @@ def test_ratios_and_report(tmp_path):
     assert res["ratios"]["targets"]["met"] and res["ratios"]["targets"]["hostloop_over_persistent"] == 1.75
     res["dtype"] = "bfloat16"                  # the bf16 A/B beside the float32 one, in the same $OUT
     assert bench.write_results(res, tmp_path, "t").name == f"{bench.DATE}-t-cuda_graphs-bf16"
+
+
+def test_the_host_loops_runs_in_parts(tmp_path):
+    """Each host-loop run's `engine period` (summed where a run had several) becomes a row, us a step:
+    the staging is what the runner took beyond the launch call and the wait."""
+    res = _fake(100.0, 150.0, 110.0, 210.0)
+    run = res["executors"]["cuda-hostloop"]["runs"]["isolated"]["64x128->32"]
+    run["makespan_ms_all"] = [150.0]
+    run["host_periods"] = [{"steps": 40, "wall_ms": 150.0, "engine_ms": 50.0, "runner_ms": 100.0,
+                            "launch_ms": 4.0, "wait_ms": 80.0}]
+    res["ratios"] = bench.ratios(res, [(64, 128, 32)])
+    md = bench.write_results(res, tmp_path, "t").with_suffix(".md").read_text()
+    assert "| 64x128->32 | isolated | 150.0 | 40 | 3750.0 | 1250.0 | 400.0 | 100.0 | 2000.0 |" in md
+    assert bench.host_loop_parts({"cuda": res["executors"]["cuda"]}) == []
 
 
 def test_every_core_busy_is_its_own_condition(tmp_path):
