@@ -231,13 +231,14 @@ BLINK_DEV void blink_keys_read(P &plat, const blink_sched_params_t *p, uint32_t 
     r->key_run = h;
 }
 
-/* The keys of the slot's first n full blocks. Made already where intake and publish kept the
- * chain up with the tokens; read from the ring otherwise. */
+/* The keys of the slot's first n full blocks (n <= the request's tokens / block_size). Made
+ * already where intake and publish kept the chain up with the tokens; otherwise read from the ring,
+ * up to every token the request has, so the chain is up again and publish feeds the next one. */
 template <class P>
 BLINK_DEV const uint64_t *blink_keys(P &plat, const blink_sched_params_t *p, uint32_t slot, blink_req_t *r,
                                      uint32_t n) {
     const uint32_t last = n < p->kv_max_blocks ? n : p->kv_max_blocks;
-    if (last > r->n_keys) blink_keys_read(plat, p, slot, r, last * p->policy.block_size);
+    if (last > r->n_keys) blink_keys_read(plat, p, slot, r, blink_req_tokens(r));
     return p->kv_keys + (uint64_t)slot * p->kv_max_blocks;
 }
 
@@ -791,6 +792,9 @@ BLINK_DEV void blink_phase_publish(P &plat, const blink_sched_params_t *p, blink
         blink_slot_t *s = blink_slot_ptr(p, slot);
         plat.st32(&out[r->output_offset + r->generated], (uint32_t)token);
 #ifndef BLINK_KEYS_FROM_RING   /* (a twin built with it reads each generated token back from the ring: the tests' A/B) */
+#ifdef BLINK_KEYS_SKIP_FEED     /* (the tests' twin that lets the chain fall behind now and then) */
+        if (r->generated % 7 != 3)
+#endif
         if (p->prefix_caching && r->key_pos == r->prompt_len + r->generated)   /* the chain is up with the tokens */
             blink_key_feed(p, slot, r, (uint32_t)token);
 #endif

@@ -243,20 +243,35 @@ def test_the_cached_keys_are_the_python_schedulers_hash_chains(twin_lib, shm_rin
     assert len(set(table) - prompt_keys) > len(table) // 2
 
 
-def test_keys_made_as_tokens_are_published_are_the_ones_read_back_from_the_ring(twin_lib, shm_ring):
+KEY_RUNS = {"evictions": EVICT,
+            "preemptions, block 3, chunked prefill": dict(unique=120, block_size=3, num_blocks=240, max_prefill_tokens=5),
+            "preemptions, block 16": dict(unique=120, block_size=16, num_blocks=45)}
+
+
+@pytest.mark.parametrize("run", KEY_RUNS)
+def test_keys_made_as_tokens_are_published_are_the_ones_read_back_from_the_ring(twin_lib, shm_ring, run):
     """The key chain kept up with the tokens (the prompt at intake, each generated token at publish)
     against a twin built to read every generated token back from the ring for the keys
     (BLINK_KEYS_FROM_RING: the loop before; over the host-mapped ring a block's key cost ~20 us on
-    the H200), on the workload that outgrows its pool (evictions, the cache reused): the same prefix
-    cache, hits, misses and steps; and publish read no ring token for a key (pub_keys_ns counts only
-    the time of ring reads for keys, and the clock is read only around them)."""
-    fed, fed_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), **EVICT)
-    ring, ring_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), defines=("BLINK_KEYS_FROM_RING",), **EVICT)
-    assert fed_table == ring_table and len(fed_table) > 100
-    for name in PREFIX_STATS:
-        assert getattr(fed.stats, name) == getattr(ring.stats, name), name
-    assert fed.stats.prefix_hit_blocks > 0 and fed.stats.fill_evictions > 100
-    assert fed.stats.pub_keys_ns == 0 < ring.stats.pub_keys_ns
+    the H200) and one whose chain falls behind now and then (BLINK_KEYS_SKIP_FEED: keys read from
+    the ring and fed keys mixed in one chain), on workloads that outgrow their pool (evictions;
+    preemptions and recompute; other block sizes, chunked prefill): the same prefix cache, hits,
+    misses and steps,
+    every key a hash_chain key; and where the chain kept up, publish read no ring token for a key
+    (pub_keys_ns counts only the time of ring reads for keys, and the clock is read only around them)."""
+    from gpu_backend.scheduler.kv_cache import hash_chain
+    cfg, tokens = KEY_RUNS[run], {}
+    fed, fed_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), tokens=tokens, **cfg)
+    bs = cfg.get("block_size", COMMIT_CFG["block_size"])
+    assert set(fed_table) <= {k for prompt, out in tokens.values() for k in hash_chain(prompt + out, bs)}
+    assert fed.stats.prefix_hit_blocks > 0 and fed.stats.pub_keys_ns == 0
+    assert fed.stats.fill_evictions > 100 if run == "evictions" else fed.stats.preempted > 0
+    for defines in (("BLINK_KEYS_FROM_RING",), ("BLINK_KEYS_SKIP_FEED",)):
+        other, other_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), defines=defines, **cfg)
+        assert other_table == fed_table and len(fed_table) > 20, defines
+        for name in PREFIX_STATS:
+            assert getattr(other.stats, name) == getattr(fed.stats, name), (defines, name)
+        assert other.stats.pub_keys_ns > 0, defines
 
 
 def test_blocks_evicted_in_parallel_are_the_walks(twin_lib, shm_ring):
