@@ -59,6 +59,13 @@ struct blink_host_platform {
     uint64_t ld64(const void *p) const { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
     void st32(void *p, uint32_t v) const { __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE); }
     void st64(void *p, uint64_t v) const { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
+#ifndef BLINK_PLANT_PLAIN_BLK
+    uint32_t ld_blk32(const uint32_t *p) const { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+    void st_blk32(uint32_t *p, uint32_t v) const { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+#else   /* a test variant only: plain accesses, the data race tests/.../test_twin_sanitizers.py must find */
+    uint32_t ld_blk32(const uint32_t *p) const { return *p; }   /* (GCC's TSan skips volatile accesses) */
+    void st_blk32(uint32_t *p, uint32_t v) const { *p = v; }
+#endif
     void fence_sys() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     void fence_dev() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     /* The one atomic of the loop: the block's shared counters. One that lands in the ring or the

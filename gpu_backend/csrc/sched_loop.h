@@ -978,11 +978,13 @@ BLINK_DEV void blink_evict_keys(P &plat, const blink_sched_params_t *p, blink_sc
     for (uint32_t i = tid; i < e; i += nt) {   /* mark: each victim's entry (found by key and block) */
         const uint32_t b = victims[i];
         const uint64_t k = kv->key[b];
-        uint32_t t = (uint32_t)k & mask;
-        while (kv->table_block[t] != BLINK_KV_NIL && !(kv->table_block[t] == b && kv->table_key[t] == k))
+        uint32_t t = (uint32_t)k & mask, at;
+        /* Other threads mark their victims' entries meanwhile (block -> TOMB): relaxed accesses, and
+         * either value is neither NIL nor b, so the probe ends where it would alone. */
+        while ((at = plat.ld_blk32(&kv->table_block[t])) != BLINK_KV_NIL && !(at == b && kv->table_key[t] == k))
             t = (t + 1) & mask;
-        tombs[i] = kv->table_block[t] == b ? t : BLINK_KV_NIL;   /* a keyed block's key is in the table */
-        if (tombs[i] != BLINK_KV_NIL) kv->table_block[t] = BLINK_KV_TOMB;
+        tombs[i] = at == b ? t : BLINK_KV_NIL;   /* a keyed block's key is in the table */
+        if (at == b) plat.st_blk32(&kv->table_block[t], BLINK_KV_TOMB);
     }
     plat.sync();
     for (uint32_t i = tid; i < e; i += nt) {   /* lead: the first mark of its run (read only) */

@@ -27,6 +27,15 @@ struct blink_device_platform {
     __device__ uint64_t ld64(const void *p) const { return *(const volatile uint64_t *)p; }
     __device__ void st32(void *p, uint32_t v) const { *(volatile uint32_t *)p = v; }
     __device__ void st64(void *p, uint64_t v) const { *(volatile uint64_t *)p = v; }
+    /* A word of the scheduler's own device memory that other threads of the block may store at the
+     * same time (the prefix cache's table while evictions mark it): relaxed, block scope, so the
+     * access is no data race and may still hit the SM's L1 (a volatile one goes to L2). */
+    __device__ uint32_t ld_blk32(const uint32_t *p) const {
+        uint32_t v;
+        asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(v) : "l"(p));
+        return v;
+    }
+    __device__ void st_blk32(uint32_t *p, uint32_t v) const { asm volatile("st.relaxed.cta.u32 [%0], %1;" ::"l"(p), "r"(v)); }
     /* Orders this thread's ring accesses as seen by the frontend (host or NIC). */
     __device__ void fence_sys() const { __threadfence_system(); }
     /* Orders device-memory accesses between this kernel and the step graph. */

@@ -128,13 +128,28 @@ def build_device_module(arch: str = DEFAULT_ARCH, nvcc: str | None = None) -> pa
     return _publish(build, cache_root() / key, f"blink_sched_{arch}.cubin")
 
 
+SANITIZERS = ("thread", "address,undefined")
+
+
+def sanitizer_flags() -> list[str]:
+    """BLINK_TWIN_SANITIZE=thread|address,undefined: the twin built under that sanitizer (the
+    process that loads it must preload the runtime, e.g. LD_PRELOAD=libtsan.so.2; tests/gpu_backend/
+    cuda/test_twin_sanitizers.py runs the loop's workloads so)."""
+    which = os.environ.get("BLINK_TWIN_SANITIZE", "")
+    if not which:
+        return []
+    if which not in SANITIZERS:
+        raise BuildError(f"BLINK_TWIN_SANITIZE={which!r}: expected one of {', '.join(SANITIZERS)}")
+    return [f"-fsanitize={which}", "-g", "-fno-omit-frame-pointer"]
+
+
 def build_host_twin(gxx: str | None = None, defines: tuple[str, ...] = ()) -> pathlib.Path:
     """The CPU twin and policy shim as a shared library for ctypes. `defines`: preprocessor
     symbols of a test variant (BLINK_PLANT_SURVEY_FAULT: sched_loop.h's planted survey fault)."""
     gxx = gxx or find_gxx()
     if gxx is None:
         raise BuildError("no C++ compiler found (g++); set BLINK_CXX")
-    flags = [*GXX_FLAGS, *(f"-D{d}" for d in defines)]
+    flags = [*GXX_FLAGS, *(f"-D{d}" for d in defines), *sanitizer_flags()]
     key = _sources_digest(gxx, _version(gxx), *flags)
 
     def build(tmp: pathlib.Path) -> pathlib.Path:
