@@ -8,6 +8,10 @@ counterpart measured in the same run.
               one-kernel graph (API call, launch -> child start, launch -> child done
               seen) vs cuGraphLaunch of the same graph from the host (paper: ~2 us
               vs 11-17 us); blink_bench_tail: a tail self-relaunch
+    ops       blink_bench_ops: what thread 0 strings together between two steps, one kind at a
+              time, ns each (a clock read, a load of device memory plain / volatile / block-scope,
+              a ring word over PCIe, a ring store + system fence, the fences alone, the block's
+              barrier, a shared atomic): the terms the loop's per-step overhead is a sum of
     workload  the stand-in echo workload (R requests x T tokens, or mixed lengths, batch B) served by
               the persistent scheduler vs by a host-driven loop (the same C++ loop on
               a host thread that launches the same echo graph from the host each
@@ -42,6 +46,18 @@ from .machine_label import machine_label
 
 DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
+# blink_bench_ops' kinds, in bench.cu's BLINK_OPS_* order: (key, what the report calls it)
+OPS = (("clock", "%globaltimer read"),
+       ("ld_dev", "load, device memory, plain (a chain: each address from the load before)"),
+       ("ld_dev_volatile", "load, device memory, volatile"),
+       ("ld_dev_cta", "load, device memory, relaxed block scope (ld_blk32)"),
+       ("ld_host", "load, host-mapped (a ring word over PCIe), volatile"),
+       ("st_host_fence_sys", "store to host-mapped + __threadfence_system (publish, each token)"),
+       ("st_dev_fence_sys", "store to device memory + __threadfence_system (the DPU's ring)"),
+       ("fence_sys", "__threadfence_system, no store pending"),
+       ("fence_dev", "store to device memory + __threadfence"),
+       ("sync", "__syncthreads, 256 threads"),
+       ("atomic_shared", "atomicAdd_block on shared memory"))
 
 
 def _pct(xs, q):
@@ -170,6 +186,27 @@ class Bench:
                                                       max(1e-9, device["launch_to_child_start"]["median_us"]), 2),
                 "ratio_host_over_device_done": round(host["launch_to_done_seen"]["median_us"] /
                                                      max(1e-9, device["launch_to_done_seen"]["median_us"]), 2)}
+
+    # -- what a step's overhead is made of ----------------------------------------
+    def ops(self, reps: int = 1000, runs: int = 5) -> dict:
+        """ns per operation of each kind (median of `runs` kernel runs of `reps` each)."""
+        dev = self.dev_alloc(4 * 64)
+        host = PinnedMapped(4 * 64)
+        out = self.dev_alloc(8 * (len(OPS) + 1))
+        try:
+            self.module.launch("blink_bench_ops", self.stream, KernelArgs(dev, host.device_addr, out, 10), block=256)
+            self.sync()
+            per = {k: [] for k, _ in OPS}
+            for _ in range(runs):
+                self.module.launch("blink_bench_ops", self.stream, KernelArgs(dev, host.device_addr, out, reps),
+                                   block=256)
+                self.sync()
+                ns = self.dtoh(out, len(OPS))
+                for (k, _), v in zip(OPS, ns):
+                    per[k].append(int(v) / reps)
+        finally:
+            host.close()
+        return {"reps": reps, "runs": runs, "ns": {k: round(statistics.median(v), 1) for k, v in per.items()}}
 
     # -- the echo workload -------------------------------------------------------
     @staticmethod
@@ -402,6 +439,12 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
               f"| device launch -> done seen / host launch -> done seen | {dev['launch_to_done_seen']['median_us']} / "
               f"{host['launch_to_done_seen']['median_us']} us ({la['ratio_host_over_device_done']}x) |",
               f"| device tail self-relaunch | {la['device_tail_relaunch']['median_us']} us |"]
+    if "ops" in results:
+        ns = results["ops"]["ns"]
+        lines += ["", "What thread 0 strings together between two steps, one kind at a time, "
+                  f"{results['ops']['reps']} in a row (median of {results['ops']['runs']} runs), ns each:", "",
+                  "| operation | ns |", "|---|---|"]
+        lines += [f"| {what} | {ns.get(key, '-')} |" for key, what in OPS]
     lines += ["", "| batch | requests x tokens | persistent ms | us/step | overhead us/step | host loop ms | "
               "us/step | host/persistent |", "|---|---|---|---|---|---|---|---|"]
     for w in results["workloads"]:
@@ -492,6 +535,8 @@ def main(argv=None) -> int:
     print("scan", json.dumps(results["scan"]), flush=True)
     results["launch"] = b.launch(windows=4 if args.quick else 20)
     print("launch", json.dumps(results["launch"]), flush=True)
+    results["ops"] = b.ops(reps=200 if args.quick else 1000)
+    print("ops", json.dumps(results["ops"]), flush=True)
     # the last: requests of mixed lengths finish at different steps, so most steps reap (the
     # survey's reap against thread 0's walk); in the others they finish together
     shapes = [(1, 8, 256, False), (16, 64, 256, False), (64, 256, 256, False), (256, 1024, 128, False),

@@ -7,6 +7,8 @@
  *                      its flag } -> call ns, round-trip ns, child start stamps
  *   blink_bench_child  (the launched graph's kernel) stamps %globaltimer, raises the flag
  *   blink_bench_tail   (inside a device graph) relaunches itself n times, stamping each start
+ *   blink_bench_ops    (1 x 256, a plain kernel) what one step of the loop is made of, one kind at a
+ *                      time, `reps` in a row by thread 0 (the barrier by all): ns each
  */
 #include <cuda_runtime.h>
 
@@ -82,4 +84,59 @@ extern "C" __global__ void blink_bench_tail(unsigned long long *counter, unsigne
     stamps[k] = t;
     counter[0] = k + 1;
     if (k + 1 < n) cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+}
+
+/* The operations thread 0 strings together between two steps, each `reps` times in a row (a chain:
+ * every load's address depends on the load before it, as a walk of the loop's structures does),
+ * timed with %globaltimer around the whole run. out[k] = ns for the reps of kind k (BLINK_OPS_*,
+ * bench/cuda_scheduler.py OPS names them); dev and host: 64 zeroed words each, in device memory and
+ * host-mapped. */
+enum {
+    BLINK_OPS_CLOCK,            /* a %globaltimer read (the loop reads it around each phase) */
+    BLINK_OPS_LD_DEV,           /* a plain load of device memory (L1 once warm) */
+    BLINK_OPS_LD_DEV_VOLATILE,  /* a volatile load of device memory (to L2) */
+    BLINK_OPS_LD_DEV_CTA,       /* a relaxed block-scope load (ld_blk32) */
+    BLINK_OPS_LD_HOST,          /* a volatile load of host-mapped memory (a ring word over PCIe) */
+    BLINK_OPS_ST_HOST_FENCE_SYS,    /* a volatile host-mapped store + __threadfence_system (publish, per token) */
+    BLINK_OPS_ST_DEV_FENCE_SYS, /* the same with the word in device memory (the DPU's ring) */
+    BLINK_OPS_FENCE_SYS,        /* __threadfence_system with no store pending */
+    BLINK_OPS_FENCE_DEV,        /* __threadfence after a device-memory store */
+    BLINK_OPS_SYNC,             /* __syncthreads of the 256 threads (the loop has ~8 an iteration) */
+    BLINK_OPS_ATOMIC_SHARED,    /* atomicAdd_block on shared memory, thread 0 alone */
+    BLINK_OPS_N
+};
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned reps) {
+    __shared__ unsigned counter;
+    const bool t0 = threadIdx.x == 0;
+    if (t0) counter = 0;
+    __syncthreads();
+    unsigned idx = 0, acc = 0;
+    unsigned long long a, b;
+#define BLINK_OPS_TIME(kind, body)                      \
+    if (t0) {                                           \
+        a = blink_gt();                                 \
+        for (unsigned r = 0; r < reps; ++r) { body; }   \
+        b = blink_gt();                                 \
+        out[kind] = b - a;                              \
+    }                                                   \
+    __syncthreads();
+    BLINK_OPS_TIME(BLINK_OPS_CLOCK, acc += (unsigned)blink_gt())
+    BLINK_OPS_TIME(BLINK_OPS_LD_DEV, idx = dev[idx & 63u])
+    BLINK_OPS_TIME(BLINK_OPS_LD_DEV_VOLATILE, idx = *(volatile unsigned *)&dev[idx & 63u])
+    BLINK_OPS_TIME(BLINK_OPS_LD_DEV_CTA, asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(idx) : "l"(&dev[idx & 63u])))
+    BLINK_OPS_TIME(BLINK_OPS_LD_HOST, idx = *(volatile unsigned *)&host[idx & 63u])
+    BLINK_OPS_TIME(BLINK_OPS_ST_HOST_FENCE_SYS, *(volatile unsigned *)&host[32 + (r & 31u)] = r; __threadfence_system())
+    BLINK_OPS_TIME(BLINK_OPS_ST_DEV_FENCE_SYS, *(volatile unsigned *)&dev[32 + (r & 31u)] = r; __threadfence_system())
+    BLINK_OPS_TIME(BLINK_OPS_FENCE_SYS, __threadfence_system())
+    BLINK_OPS_TIME(BLINK_OPS_FENCE_DEV, dev[32 + (r & 31u)] = r; __threadfence())
+    a = blink_gt();
+    for (unsigned r = 0; r < reps; ++r) __syncthreads();
+    b = blink_gt();
+    if (t0) out[BLINK_OPS_SYNC] = b - a;
+    __syncthreads();
+    BLINK_OPS_TIME(BLINK_OPS_ATOMIC_SHARED, acc += atomicAdd_block(&counter, 1u))
+#undef BLINK_OPS_TIME
+    if (t0) out[BLINK_OPS_N] = idx + acc;   /* keeps the chains; the host ignores it */
 }

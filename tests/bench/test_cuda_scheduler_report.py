@@ -60,6 +60,7 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
                           "host_launch": {"launch_to_child_start": med, "launch_to_done_seen": med},
                           "device_tail_relaunch": med, "ratio_host_over_device_start": 1.0,
                           "ratio_host_over_device_done": 1.0},
+               "ops": {"reps": 1000, "runs": 5, "ns": {k: 10.0 + i for i, (k, _) in enumerate(cs.OPS)}},
                "workloads": [{"batch": 8, "requests": 16, "tokens_per_request": 32, "prompt_len": 16,
                               "persistent": bell, "persistent_scan_every_iteration": every,
                               "persistent_full_plan": full,
@@ -67,6 +68,8 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
                               "ratio_makespan_host_over_persistent": 1.0}]}
     stem = cs.write_results(results, tmp_path, "twin")
     md = stem.with_suffix(".md").read_text()
+    ops = md.split("What thread 0 strings together between two steps")[1]
+    assert all(f"| {what} | {10.0 + i} |" in ops for i, (_, what) in enumerate(cs.OPS))
     for heading in ("The persistent schedule phase in parts", "The frontend doorbell, A/B in this run",
                     "Overhead per step by phase", "The survey, A/B in this run"):
         assert heading in md
@@ -113,3 +116,14 @@ def test_mixed_lengths_are_served_and_checked_by_their_own_length(twin_lib):
     ring.output_arena[short * stride] += 1                              # within it: a wrong token
     with pytest.raises(AssertionError, match=rf"requests \[{short}\]"):
         cs.Bench._check(None, ring, 24, 16, lengths)
+
+
+def test_the_ops_kinds_are_bench_cu_s_in_its_order():
+    """bench.cu's blink_bench_ops writes out[k] for its BLINK_OPS_* kinds in enum order; OPS names
+    them in the same order (a kind added on one side only would shift every name after it)."""
+    import re
+    src = (build.CSRC / "bench.cu").read_text()
+    enum = re.search(r"enum \{(.*?)BLINK_OPS_N", src, re.S).group(1)
+    kinds = [k.lower() for k in re.findall(r"BLINK_OPS_(\w+)", enum)]
+    assert kinds == [k for k, _ in cs.OPS]
+    assert all(f"BLINK_OPS_TIME(BLINK_OPS_{k.upper()}," in src or f"out[BLINK_OPS_{k.upper()}]" in src for k in kinds)
