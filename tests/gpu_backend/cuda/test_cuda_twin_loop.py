@@ -526,7 +526,8 @@ def test_no_read_modify_write_on_the_ring_in_device_code():
                                                 ("sched_platform.cuh", "atomicMax_block"),
                                                 ("sched_platform.cuh", "atomicOr_block"),
                                                 ("sched_platform.cuh", "atomicCAS_block"), ("sched_platform.cuh", "cas32"),
-                                                ("sched_loop.h", "cas32"), ("bench.cu", "atomicAdd")}, calls
+                                                ("sched_loop.h", "cas32"), ("bench.cu", "atomicAdd"),
+                                                ("bench.cu", "atomicAdd_block")}, calls   # (bench.cu's: shared memory)
     uses = [line for f, _, m, line in calls if (f, m) == ("sched_loop.h", "cas32")]
     assert uses and all("plat.cas32(&pkv->table_block[" in line for line in uses), uses
 
