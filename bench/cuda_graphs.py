@@ -40,8 +40,10 @@ Speed does not depend on the weights; outputs are not checked for quality here.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import operator
 import os
 import pathlib
 import re
@@ -102,6 +104,65 @@ class Energy:
             return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
         except Exception:
             return None
+
+
+class Clocks:
+    """The clocks a run went at, sampled every `period_s` on a thread while it runs (`with`): NVML's SM
+    and memory clocks and its clock-event (throttle) reasons, where `energy` has NVML, and the daemon's
+    CPU's frequency where the kernel shows it. For the host loop's two levels (~136 / ~177 ms a run on
+    the H200, steady within a daemon): a GPU or a CPU held at another clock would show here."""
+
+    def __init__(self, energy: Energy, cpu: int = DAEMON_CPU, period_s: float = 0.005):
+        import threading
+        self.nvml, self.handle = getattr(energy, "nvml", None), energy.handle
+        self.cpu_freq = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq")
+        self.period_s, self.samples = period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-clocks", daemon=True)
+
+    def sample(self) -> dict:
+        out = {}
+        if self.handle is not None:
+            nv = self.nvml
+            try:
+                out["sm_mhz"] = int(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM))
+                out["mem_mhz"] = int(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_MEM))
+                reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                    nv.nvmlDeviceGetCurrentClocksThrottleReasons
+                out["reasons"] = int(reasons(self.handle))
+            except Exception:   # a field this driver or card does not give
+                pass
+        try:
+            out["cpu_mhz"] = int(self.cpu_freq.read_text()) // 1000
+        except (OSError, ValueError):
+            pass
+        return out
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        """Median (and least) of each clock over the samples; the clock-event reasons seen, OR-ed."""
+        out = {"samples": len(self.samples)}
+        for k in ("sm_mhz", "mem_mhz", "cpu_mhz"):
+            vals = [s[k] for s in self.samples if k in s]
+            if vals:
+                out[k] = int(statistics.median(vals))
+                out[f"{k}_min"] = min(vals)
+        reasons = [s["reasons"] for s in self.samples if "reasons" in s]
+        if reasons:
+            out["reasons"] = hex(functools.reduce(operator.or_, reasons, 0))
+        return out
 
 
 # -- the daemon ----------------------------------------------------------------------------
@@ -222,18 +283,20 @@ def run_workload(ring, n: int, prompt_len: int, out_len: int, energy: Energy, se
             mv[off:off + len(data)] = data
         states.append(writes[-1])
     fence()   # every prompt and request before any state word
+    clocks = Clocks(energy)
     e0 = energy.read_mj()
-    t0 = time.monotonic_ns()
-    for off, data in states:
-        mv[off:off + len(data)] = data
-    fence()   # the state words before the frontend doorbell that announces them
-    ring.set("frontend_doorbell", ring.get("frontend_doorbell") + 1)
-    deadline = time.monotonic() + timeout_s
-    while not (ring.state[:n] == SlotState.DECODE_COMPLETED).all():
-        if time.monotonic() > deadline:
-            raise BenchError(f"workload {n}x{prompt_len}->{out_len} did not complete in {timeout_s} s")
-        time.sleep(0.0005)
-    t_seen = time.monotonic_ns()
+    with clocks:
+        t0 = time.monotonic_ns()
+        for off, data in states:
+            mv[off:off + len(data)] = data
+        fence()   # the state words before the frontend doorbell that announces them
+        ring.set("frontend_doorbell", ring.get("frontend_doorbell") + 1)
+        deadline = time.monotonic() + timeout_s
+        while not (ring.state[:n] == SlotState.DECODE_COMPLETED).all():
+            if time.monotonic() > deadline:
+                raise BenchError(f"workload {n}x{prompt_len}->{out_len} did not complete in {timeout_s} s")
+            time.sleep(0.0005)
+        t_seen = time.monotonic_ns()
     e1 = energy.read_mj()
     fence()
     slots = ring.slots[:n]
@@ -246,7 +309,7 @@ def run_workload(ring, n: int, prompt_len: int, out_len: int, energy: Energy, se
         ring.state[i] = SlotState.EMPTY      # DECODE_COMPLETED -> EMPTY: hand the slots back
     makespan_ns = (t_last - t0) if t0 < t_last <= t_seen + 10**9 else (t_seen - t0)
     out = {"makespan_ms": makespan_ns / 1e6, "seen_ms": (t_seen - t0) / 1e6, "tokens": tokens,
-           "tokens_per_s": tokens / (makespan_ns / 1e9)}
+           "tokens_per_s": tokens / (makespan_ns / 1e9), "clocks": clocks.summary()}
     if e0 is not None and e1 is not None:
         out["energy_j"] = (e1 - e0) / 1e3
         out["j_per_token"] = out["energy_j"] / tokens
@@ -331,6 +394,7 @@ def run(args) -> dict:
                                           "tokens_per_s": round(n * o / (statistics.median(ms) / 1e3), 1)}
                             if all(periods):
                                 runs[name]["host_periods"] = periods
+                            runs[name]["clocks"] = [r["clocks"] for r in reps]
                             if all("j_per_token" in r for r in reps):
                                 runs[name]["j_per_token"] = round(statistics.median(r["j_per_token"] for r in reps), 6)
                             print(f"   {condition:12s} {name:14s} {runs[name]['makespan_ms']:9.2f} ms "
@@ -437,6 +501,7 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
                      f"{npg.get('min', '-')}-{npg.get('max', '-')} | {round(tim.get('total_s', 0), 1)} | {round(mem.get('graph_cache_bytes', 0) / 2**20)} | "
                      f"{round(est.get('total_bytes', 0) / 2**20)} | {round(mem.get('kv_pool_bytes', 0) / 2**20)} |")
     lines += host_loop_parts(ex)
+    lines += run_clocks(ex)
     lines += ["", "Reproduce: `scripts/gpu_check.sh` (or `python -m bench.cuda_graphs`).", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     return stem
@@ -459,6 +524,27 @@ def host_loop_parts(ex: dict) -> list[str]:
             "scheduler and publish / the runner's staging of rows and request copies / the copies and launch call / "
             "the wait for the step's tokens):", "",
             "| workload | condition | makespan ms | steps | busy us/step | engine | staging | launch | wait |",
+            "|---|---|---|---|---|---|---|---|---|"] + rows
+
+
+def run_clocks(ex: dict) -> list[str]:
+    """Markdown: each run's makespan beside the clocks it went at (Clocks.summary)."""
+    rows = []
+    for executor, e in ex.items():
+        for cond, by_name in e.get("runs", {}).items():
+            for name, r in by_name.items():
+                for ms, c in zip(r.get("makespan_ms_all", []), r.get("clocks", [])):
+                    def mhz(k):
+                        return f"{c[k]} ({c[f'{k}_min']})" if k in c else "-"
+                    rows.append(f"| {executor} | {name} | {cond} | {ms} | {mhz('sm_mhz')} | {mhz('mem_mhz')} | "
+                                f"{c.get('reasons', '-')} | {mhz('cpu_mhz')} | {c.get('samples', 0)} |")
+    if not rows:
+        return []
+    return ["", "The clocks each run went at, sampled every 5 ms (median, least in brackets): the GPU's SM and "
+            "memory clocks and NVML's clock-event reasons OR-ed over the run (0x1: idle; 0x2: applications "
+            "clocks setting; 0x4: software power cap; 0x8: hardware slowdown; 0x20 / 0x40: software / hardware "
+            "thermal; 0x80: power brake), and the daemon's CPU:", "",
+            "| executor | workload | condition | makespan ms | SM MHz | memory MHz | reasons | daemon CPU MHz | samples |",
             "|---|---|---|---|---|---|---|---|---|"] + rows
 
 

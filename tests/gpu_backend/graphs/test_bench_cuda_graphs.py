@@ -24,6 +24,7 @@ def test_workloads_through_a_real_daemon(tmp_path, ring_name):
             seen = len(daemon.periods())
             r = bench.run_workload(daemon.ring, n, i, o, bench.Energy(), seed=n + i)
             assert r["tokens"] == n * o and 0 < r["makespan_ms"] <= r["seen_ms"] + 1
+            assert r["clocks"]["samples"] >= 1        # (no NVML here: the CPU's clock where the kernel shows it)
             # the engine's busy period of this run (BLINK_ENGINE_PERIODS, set by Daemon): at least the
             # decode steps, its time split between the engine's own Python and the runner
             p = daemon.period_after(seen)
@@ -92,6 +93,45 @@ def test_the_host_loops_runs_in_parts(tmp_path):
     md = bench.write_results(res, tmp_path, "t").with_suffix(".md").read_text()
     assert "| 64x128->32 | isolated | 150.0 | 40 | 3750.0 | 1250.0 | 400.0 | 100.0 | 2000.0 |" in md
     assert bench.host_loop_parts({"cuda": res["executors"]["cuda"]}) == []
+
+
+class FakeNvml:
+    """pynvml's calls Clocks makes, over a list of (SM MHz, reasons) readings."""
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
+
+    def __init__(self, readings):
+        self.readings, self.i = readings, 0
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        return self.readings[min(self.i, len(self.readings) - 1)][0] if which == 1 else 4800
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        r = self.readings[min(self.i, len(self.readings) - 1)][1]
+        self.i += 1
+        return r
+
+
+def test_the_clocks_each_run_went_at(tmp_path):
+    """Clocks: NVML's SM and memory clocks over the samples (median, least) and the reasons OR-ed; the
+    report puts them beside each run's makespan, both executors."""
+    energy = bench.Energy()
+    energy.nvml, energy.handle = FakeNvml([(1980, 0), (1980, 0), (1500, 0x4), (1980, 0x1)]), object()
+    clocks = bench.Clocks(energy)
+    clocks.samples = [clocks.sample() for _ in range(4)]
+    c = clocks.summary()
+    assert (c["sm_mhz"], c["sm_mhz_min"], c["mem_mhz"], c["reasons"], c["samples"]) == (1980, 1500, 4800, "0x5", 4)
+    with bench.Clocks(energy, period_s=0.001) as live:   # the thread samples until the run ends
+        import time
+        time.sleep(0.02)
+    assert live.summary()["samples"] >= 2
+    res = _fake(100.0, 150.0, 110.0, 210.0)
+    for e, ms in (("cuda", 100.0), ("cuda-hostloop", 150.0)):
+        run = res["executors"][e]["runs"]["isolated"]["64x128->32"]
+        run["makespan_ms_all"], run["clocks"] = [ms], [c]
+    res["ratios"] = bench.ratios(res, [(64, 128, 32)])
+    md = bench.write_results(res, tmp_path, "t").with_suffix(".md").read_text()
+    assert "| cuda-hostloop | 64x128->32 | isolated | 150.0 | 1980 (1500) | 4800 (4800) | 0x5 |" in md
+    assert "| cuda | 64x128->32 | isolated | 100.0 | 1980 (1500) |" in md
 
 
 def test_every_core_busy_is_its_own_condition(tmp_path):
