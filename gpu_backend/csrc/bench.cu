@@ -96,6 +96,8 @@ enum {
     BLINK_OPS_LD_DEV,           /* a plain load of device memory (L1 once warm) */
     BLINK_OPS_LD_DEV_VOLATILE,  /* a volatile load of device memory (to L2) */
     BLINK_OPS_LD_DEV_CTA,       /* a relaxed block-scope load (ld_blk32) */
+    BLINK_OPS_ST_LD_DEV,        /* a plain store, then a plain load of the word (a counter's `+= 1`: L1 or L2?) */
+    BLINK_OPS_LD_SHARED,        /* a load of shared memory (a chain, as above) */
     BLINK_OPS_LD_HOST,          /* a volatile load of host-mapped memory (a ring word over PCIe) */
     BLINK_OPS_ST_HOST_FENCE_SYS,    /* a volatile host-mapped store + __threadfence_system (publish, per token) */
     BLINK_OPS_ST_DEV_FENCE_SYS, /* the same with the word in device memory (the DPU's ring) */
@@ -108,9 +110,10 @@ enum {
 
 extern "C" __global__ void __launch_bounds__(256, 1)
 blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned reps) {
-    __shared__ unsigned counter;
+    __shared__ unsigned counter, words[64];
     const bool t0 = threadIdx.x == 0;
     if (t0) counter = 0;
+    if (threadIdx.x < 64) words[threadIdx.x] = 0;
     __syncthreads();
     unsigned idx = 0, acc = 0;
     unsigned long long a, b;
@@ -126,6 +129,10 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV, idx = dev[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV_VOLATILE, idx = *(volatile unsigned *)&dev[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV_CTA, asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(idx) : "l"(&dev[idx & 63u])))
+    BLINK_OPS_TIME(BLINK_OPS_ST_LD_DEV, unsigned *w = &dev[16 + (idx & 15u)]; *w = r;
+                   asm volatile("" : "+l"(w));   /* the same word, but the compiler cannot forward the store */
+                   idx = *w)
+    BLINK_OPS_TIME(BLINK_OPS_LD_SHARED, idx = *(volatile unsigned *)&words[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_LD_HOST, idx = *(volatile unsigned *)&host[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_ST_HOST_FENCE_SYS, *(volatile unsigned *)&host[32 + (r & 31u)] = r; __threadfence_system())
     BLINK_OPS_TIME(BLINK_OPS_ST_DEV_FENCE_SYS, *(volatile unsigned *)&dev[32 + (r & 31u)] = r; __threadfence_system())
