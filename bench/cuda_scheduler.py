@@ -79,6 +79,7 @@ class Bench:
         self.device = driver.open_device(0)
         self.module = Module()
         self.stream = check(self.d.cuStreamCreate(int(self.d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+        self.shared_state_error = None   # the shared_state A/B failed once: the later workloads skip it
 
     def sync(self):
         check(self.d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -252,7 +253,7 @@ class Bench:
         geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
         # timed without the first fast plans' checks (the full walks beside them); _check reads every token
         cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
-                              fast_plan_checks=0)
+                              fast_plan_checks=0, shared_state=False)
         out = {"batch": batch, "requests": n_req, "prompt_len": prompt_len,
                "tokens_per_request": f"{lengths.min()}-{tokens}" if mixed else tokens}
         tokens = lengths if mixed else tokens
@@ -266,6 +267,19 @@ class Bench:
         out["persistent_full_plan"] = self._persistent(
             geom, dataclasses.replace(cfg, fast_plan=False), n_req, prompt_len, tokens)
 
+        # and with an instance's params, state, counters and allocator scalars in the block's shared memory
+        # (shared_state), the A/B of that: new and not yet run on a GPU, so a failure, or a run that does
+        # not finish in 30 s, costs these columns, and the later workloads skip it
+        if self.shared_state_error is None:
+            try:
+                out["persistent_shared_state"] = self._persistent(
+                    geom, dataclasses.replace(cfg, shared_state=True), n_req, prompt_len, tokens, timeout_s=30)
+            except Exception as e:       # noqa: BLE001 - recorded in the result
+                self.shared_state_error = f"{type(e).__name__}: {e}"[:300]
+                out["persistent_shared_state"] = {"error": self.shared_state_error}
+        else:
+            out["persistent_shared_state"] = {"error": f"skipped after: {self.shared_state_error}"}
+
         # the same over a ring in device memory (the DPU deployment); a failure costs these columns only
         try:
             out["persistent_device_ring"] = self._device_ring(geom, cfg, n_req, prompt_len, tokens)
@@ -278,14 +292,20 @@ class Bench:
             out["host_loop"]["makespan_ms"] / out["persistent"]["makespan_ms"], 2)
         return out
 
-    def _persistent(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
+    def _persistent(self, geom, cfg, n_req, prompt_len, tokens, timeout_s: float = 120) -> dict:
         mem = PinnedMapped(geom.total_size)
         ring = Ring.create((ctypes.c_char * geom.total_size).from_address(mem.host_addr), geom)
         self._fill(ring, n_req, prompt_len, tokens)
         rt = SchedulerRuntime(self.device, cfg, geom, mem.device_addr, self.module)
         t0 = time.monotonic_ns()
         rt.start()
-        self._wait_done(ring, n_req)
+        try:
+            self._wait_done(ring, n_req, timeout_s)
+        except Exception:
+            rt.request_stop(True)   # abort it: a scheduler left running would share the GPU with the next run
+            if rt.wait(10):
+                rt.close()
+            raise
         t1 = time.monotonic_ns()
         rt.request_stop()
         rt.wait(30)
@@ -502,6 +522,26 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                                    f"{round(100 * p.get('fast_admit_share', 0))}% | {p.get('par_commits', '-')} | "
                                    f"{p.get('fill_blocks', '-')} ({p.get('fill_evictions', '-')}) | "
                                    f"{parts(p)} | {parts(f)} | {ratio(p, f)}")
+    lines += ["", "The loop's state in shared memory, A/B in this run: each instance's params, state, counters and "
+              "prefix-cache allocator scalars in device memory (the default) vs copied into the block's shared memory "
+              "and written back before each launch and at each beat (shared_state=True):", "",
+              "| batch | overhead us/step, device memory | publish | plan | reap | policy | apply | rows | "
+              "overhead us/step, shared | publish | plan | reap | policy | apply | rows | device / shared (overhead) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def thread0(x):
+        return " | ".join(str(x.get(k, "-")) for k in ("scheduler_overhead_us_per_step", "publish_us_per_step",
+                                                        "plan_us_per_step", "reap_us_per_step", "policy_us_per_step",
+                                                        "apply_us_per_step", "rows_us_per_step"))
+    for w in results["workloads"]:
+        p, sh = w["persistent"], w.get("persistent_shared_state")
+        if not sh:
+            continue
+        if "error" in sh:
+            lines.append(f"| {w['batch']} | {thread0(p)} | failed: {sh['error']} | | | | | | | |")
+        else:
+            r = round(p["scheduler_overhead_us_per_step"] / max(1e-9, sh["scheduler_overhead_us_per_step"]), 2)
+            lines.append(f"| {w['batch']} | {thread0(p)} | {thread0(sh)} | {r}x |")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
               "| batch | us/step | overhead us/step | scan | publish | keys | plan | host-mapped overhead us/step |",

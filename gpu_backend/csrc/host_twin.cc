@@ -128,9 +128,12 @@ struct blink_host_platform {
     }
     int launch_step(const blink_sched_params_t *p, uint32_t which) {
         if (blk->cb) return blk->cb(blk->cb_ctx, which);
-        blink_echo_chunks(*this, p, 0, 1);   /* the stand-in graph, inline on this thread */
+        /* the stand-in graph, inline on this thread, reading the params in device memory as the graph
+         * does (shared_state: the loop's own copy is not what a step sees; blink_home_state) */
+        const blink_sched_params_t *g = p->home ? p->home : p;
+        blink_echo_chunks(*this, g, 0, 1);
         fence_dev();
-        st32(p->done, p->state->step_no);
+        st32(g->done, g->state->step_no);
         return 0;
     }
     int tail_relaunch() const { return 0; }   /* the driver loop starts the next instance */
@@ -389,6 +392,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_sched_params_t, pkv_table_cap) X(blink_sched_params_t, prefix_caching)                          \
     X(blink_sched_params_t, ttft_slo_us) X(blink_sched_params_t, tbt_slo_us)                                \
     X(blink_sched_params_t, fast_plan) X(blink_sched_params_t, fast_plan_checks)                            \
+    X(blink_sched_params_t, shared_state) X(blink_sched_params_t, reserved_params0) X(blink_sched_params_t, home) \
     X(blink_sched_rules_t, policy) X(blink_sched_rules_t, lvf_alpha_milli) X(blink_sched_rules_t, lvf_beta_b_milli) \
     X(blink_sched_rules_t, lvf_beta_f_milli) X(blink_sched_rules_t, lvf_xfer_blocks) X(blink_sched_rules_t, reserved) \
     X(blink_sched_rules_t, now_us) X(blink_req_time_t, id) X(blink_req_time_t, priority)                    \

@@ -319,6 +319,11 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     int64_t tbt_slo_us;
     uint32_t fast_plan;           /* 1: steady decode steps are planned from the survey (sched_loop.h); 0: the A/B */
     uint32_t fast_plan_checks;    /* fast plans checked against the full walks before one is trusted (0xffffffff: all) */
+    uint32_t shared_state;        /* 1: an instance keeps these params, state, stats and pkv in the block's shared
+                                     memory (sched_loop.h blink_local_params); 0: here, in device memory (the A/B) */
+    uint32_t reserved_params0;
+    const struct blink_sched_params *home;   /* set in the shared copy only: the device-memory params it came
+                                                from, whose state / stats / pkv it writes back (0 here) */
 } blink_sched_params_t;
 
 static inline BLINK_HD blink_slot_t *blink_slot_ptr(const blink_sched_params_t *p, uint64_t i) {

@@ -22,10 +22,15 @@ MAX_WINDOW = DEVICE_LAUNCH_LIMIT - LAUNCH_HEADROOM   # sched_types.h BLINK_MAX_W
 # own limit; a roll-over costs one tail launch (a few us) per 100 steps.
 DEFAULT_WINDOW = MAX_WINDOW
 FAST_PLAN_ENV = "BLINK_SCHED_FAST_PLAN"   # 0: every step planned by the full walks (the survey off)
+SHARED_STATE_ENV = "BLINK_SCHED_SHARED_STATE"   # 1: an instance's params, state, stats, pkv in shared memory
 
 
 def _fast_plan_default() -> bool:
     return os.environ.get(FAST_PLAN_ENV, "1").strip() != "0"
+
+
+def _shared_state_default() -> bool:
+    return os.environ.get(SHARED_STATE_ENV, "0").strip() == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +60,12 @@ class SchedulerConfig:
     # (fast_plan_mismatches) and turns the survey off for good: the scheduler heals itself.
     fast_plan: bool = dataclasses.field(default_factory=_fast_plan_default)
     fast_plan_checks: int = 32
+    # Each instance copies its parameter block, its state, counters and the prefix-cache allocator's
+    # scalars into the block's shared memory and works there, writing state back before each launch
+    # (the step graph reads it) and all of them at each beat and at its exit: thread 0's walk between
+    # two steps is a chain of dependent loads, and a counter's `+= 1` is a load after a store. Off by
+    # default until a GPU has measured it (bench.cuda_scheduler's A/B); BLINK_SCHED_SHARED_STATE=1.
+    shared_state: bool = dataclasses.field(default_factory=_shared_state_default)
     lvf_alpha_milli: int = 3000         # policy.PolicyConfig's LVF weights
     lvf_beta_b_milli: int = 0
     lvf_beta_f_milli: int = 500
@@ -133,7 +144,7 @@ class SchedulerConfig:
             clock_offset_ns=clock_offset_ns, kv_max_blocks=self.kv_max_blocks, rules=self.rules(),
             pkv_table_cap=structs.pkv_table_cap(self.kv_blocks), prefix_caching=int(self.prefix_caching),
             ttft_slo_us=self.ttft_slo_ms * 1000, tbt_slo_us=self.tbt_slo_ms * 1000, fast_plan=int(self.fast_plan),
-            fast_plan_checks=self.fast_plan_checks)
+            fast_plan_checks=self.fast_plan_checks, shared_state=int(self.shared_state))
         for name, addr in buffers.items():
             setattr(p, name, addr)
         p.graphs = graphs if graphs is not None else structs.GraphTable(n_graphs=1)

@@ -156,7 +156,8 @@ class SchedParams(_Struct):
                 ("pkv_refs", ptr), ("pkv_key", ptr), ("pkv_has_key", ptr), ("pkv_lru_prev", ptr),
                 ("pkv_lru_next", ptr), ("pkv_table_key", ptr), ("pkv_table_block", ptr), ("pkv_claimed", ptr),
                 ("kv_keys", ptr), ("pkv_table_cap", u32), ("prefix_caching", u32), ("ttft_slo_us", i64),
-                ("tbt_slo_us", i64), ("fast_plan", u32), ("fast_plan_checks", u32)]
+                ("tbt_slo_us", i64), ("fast_plan", u32), ("fast_plan_checks", u32), ("shared_state", u32),
+                ("reserved_params0", u32), ("home", ptr)]
 
 
 C_NAMES = {PolicyConfig: "blink_policy_config_t", Req: "blink_req_t", SchedState: "blink_sched_state_t",

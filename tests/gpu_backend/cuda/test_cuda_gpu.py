@@ -73,10 +73,13 @@ def shut(rt, mapped, abort=False):
     return s
 
 
-def test_echo_through_tail_relaunch_windows(ring_name, device, module):
+@pytest.mark.parametrize("shared_state", [False, True])
+def test_echo_through_tail_relaunch_windows(ring_name, device, module, shared_state):
+    """shared_state: every instance copies its params, state, counters and allocator scalars into shared
+    memory and writes them back (the state before each launch: the step graph reads it there)."""
     region = ShmRegion.create(ring_name, GEOM.total_size)
     ring = Ring.create(region.buf, GEOM)
-    rt, mapped = runtime_on(ring, device, module, window_limit=4)
+    rt, mapped = runtime_on(ring, device, module, window_limit=4, shared_state=shared_state)
     fp, rng, want = FrontendPlayer(ring), np.random.default_rng(11), {}
     for _ in range(150):
         if len(fp.inflight) >= 48:
@@ -166,6 +169,14 @@ def test_the_survey_evicts_blocks_in_parallel_on_the_device_as_the_walk(ring_nam
     and removed run by run by the block's threads, the first ones checked) against the walk."""
     c = _device_against_the_walk(ring_name, device, module, **EVICT)
     print("parallel evictions on the device:", c)
+    assert c["fill_evictions"] > 100, c
+
+
+def test_the_survey_evicts_on_the_device_as_the_walk_with_shared_state(ring_name, device, module):
+    """The evicting commit workload with the loop's params, state, counters and allocator scalars in the
+    block's shared memory (shared_state, bench.cuda_scheduler's A/B): the walk's cache and counters."""
+    c = _device_against_the_walk(ring_name, device, module, shared_state=True, **EVICT)
+    print("parallel evictions on the device, shared state:", c)
     assert c["fill_evictions"] > 100, c
 
 

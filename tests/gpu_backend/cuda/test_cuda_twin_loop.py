@@ -321,7 +321,8 @@ def submit_admission_workload(fp) -> dict:
     return submit_mixed(fp, rng, rng.integers(0, 49152, 12).tolist(), 400, lambda: int(rng.integers(5, 90)))
 
 
-def serve_admission_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=(), num_blocks=0):
+def serve_admission_workload(ring, fast_plan: bool = True, checks: int | None = None, defines=(), num_blocks=0,
+                             shared_state: bool | None = None):
     """400 requests of 5-89 output tokens (prompts of 1-29 tokens, every other one behind a shared
     12-token prefix) on 256 seats, submitted before the start (one scan sees them all: the same run
     each time). Requests end at different steps, so most PREFILL steps admit into seats the step
@@ -335,6 +336,8 @@ def serve_admission_workload(ring, fast_plan: bool = True, checks: int | None = 
                                              num_blocks=num_blocks), threads=4, defines=defines)
     if checks is not None:
         tw.params.fast_plan_checks = checks
+    if shared_state is not None:
+        tw.params.shared_state = int(shared_state)
     tw.start()
     res = drain(fp, 120)
     assert len(res) == 400

@@ -108,12 +108,15 @@ def runtime(sanitizer: str) -> list[str]:
     return libs
 
 
-def run_child(tmp_path: pathlib.Path, sanitizer: str, args: list[str]) -> subprocess.CompletedProcess:
-    """`python args` with the twin built under `sanitizer` and its runtime preloaded; the reports go
-    to tmp_path/logs (one file per process)."""
+def run_child(tmp_path: pathlib.Path, sanitizer: str, args: list[str], shared_state: bool = False
+              ) -> subprocess.CompletedProcess:
+    """`python args` with the twin built under `sanitizer` and its runtime preloaded (and the loop's
+    state in shared memory where `shared_state`: BLINK_SCHED_SHARED_STATE); the reports go to
+    tmp_path/logs (one file per process)."""
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "BLINK_TWIN_SANITIZE": sanitizer, "LD_PRELOAD": " ".join(runtime(sanitizer)),
+           "BLINK_SCHED_SHARED_STATE": str(int(shared_state)),
            "TSAN_OPTIONS": f"report_signal_unsafe=0 exitcode=0 log_path={logs}/tsan",   # judged by twin_races
            "ASAN_OPTIONS": f"detect_leaks=0 log_path={logs}/asan",
            "UBSAN_OPTIONS": f"print_stacktrace=1 log_path={logs}/ubsan", "BLINK_TSAN_LOGS": str(logs)}
@@ -139,8 +142,9 @@ def twin_races(tmp_path: pathlib.Path) -> list[str]:
     return out
 
 
-def test_the_loop_has_no_data_race_between_its_threads(tmp_path):
-    child = run_child(tmp_path, "thread", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS])
+@pytest.mark.parametrize("shared_state", [False, True], ids=["device_memory", "shared_state"])
+def test_the_loop_has_no_data_race_between_its_threads(tmp_path, shared_state):
+    child = run_child(tmp_path, "thread", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS], shared_state)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert f"{len(WORKLOADS)} passed" in child.stdout, child.stdout[-2000:]
     races = twin_races(tmp_path)
@@ -163,8 +167,10 @@ def test_the_eviction_waves_evict_many_blocks_at_once():
     assert got["fill_evictions"] > 40 * got["evict_checked"], got
 
 
-def test_the_loop_has_no_memory_or_undefined_behaviour_error(tmp_path):
-    child = run_child(tmp_path, "address,undefined", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS])
+@pytest.mark.parametrize("shared_state", [False, True], ids=["device_memory", "shared_state"])
+def test_the_loop_has_no_memory_or_undefined_behaviour_error(tmp_path, shared_state):
+    child = run_child(tmp_path, "address,undefined", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS],
+                      shared_state)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert f"{len(WORKLOADS)} passed" in child.stdout, child.stdout[-2000:]
     found = reports(tmp_path)
