@@ -107,16 +107,18 @@ class Energy:
 
 
 class Clocks:
-    """The clocks a run went at, sampled every `period_s` on a thread while it runs (`with`): NVML's SM
-    and memory clocks and its clock-event (throttle) reasons, where `energy` has NVML, and the daemon's
-    CPU's frequency where the kernel shows it. For the host loop's two levels (~136 / ~177 ms a run on
-    the H200, steady within a daemon): a GPU or a CPU held at another clock would show here."""
+    """The clocks a run went at (`with`): NVML's SM and memory clocks and its clock-event (throttle)
+    reasons, sampled every `period_s` on a thread while it runs (its own NVML handle: the energy
+    counter may be unreadable where the clocks are not), and the daemon's CPU's frequency where the
+    kernel shows it, read at the start and the end only (reading it can interrupt that CPU, the one
+    being timed). For the host loop's two levels (~136 / ~177 ms a run on the H200, steady within a
+    daemon): a GPU or a CPU held at another clock would show here."""
 
-    def __init__(self, energy: Energy, cpu: int = DAEMON_CPU, period_s: float = 0.005):
+    def __init__(self, cpu: int = DAEMON_CPU, period_s: float = 0.02):
         import threading
-        self.nvml, self.handle = getattr(energy, "nvml", None), energy.handle
+        self.nvml, self.handle = _nvml_handle()
         self.cpu_freq = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq")
-        self.period_s, self.samples = period_s, []
+        self.period_s, self.samples, self.cpu_mhz = period_s, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-clocks", daemon=True)
 
@@ -132,11 +134,13 @@ class Clocks:
                 out["reasons"] = int(reasons(self.handle))
             except Exception:   # a field this driver or card does not give
                 pass
+        return out
+
+    def _read_cpu(self):
         try:
-            out["cpu_mhz"] = int(self.cpu_freq.read_text()) // 1000
+            self.cpu_mhz.append(int(self.cpu_freq.read_text()) // 1000)
         except (OSError, ValueError):
             pass
-        return out
 
     def _run(self):
         while not self._stop.is_set():
@@ -144,18 +148,22 @@ class Clocks:
             self._stop.wait(self.period_s)
 
     def __enter__(self):
+        self._read_cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        self._read_cpu()
 
     def summary(self) -> dict:
-        """Median (and least) of each clock over the samples; the clock-event reasons seen, OR-ed."""
+        """Median (and least) of each GPU clock over the samples; the clock-event reasons seen, OR-ed;
+        the daemon CPU's frequency at the start and the end (median, least)."""
         out = {"samples": len(self.samples)}
-        for k in ("sm_mhz", "mem_mhz", "cpu_mhz"):
-            vals = [s[k] for s in self.samples if k in s]
+        for k, vals in (("sm_mhz", [s["sm_mhz"] for s in self.samples if "sm_mhz" in s]),
+                        ("mem_mhz", [s["mem_mhz"] for s in self.samples if "mem_mhz" in s]),
+                        ("cpu_mhz", self.cpu_mhz)):
             if vals:
                 out[k] = int(statistics.median(vals))
                 out[f"{k}_min"] = min(vals)
@@ -163,6 +171,17 @@ class Clocks:
         if reasons:
             out["reasons"] = hex(functools.reduce(operator.or_, reasons, 0))
         return out
+
+
+@functools.cache
+def _nvml_handle():
+    """(pynvml, the handle of GPU 0), or (None, None) where NVML cannot be opened."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:   # no nvidia-ml-py, no driver, no permission
+        return None, None
 
 
 # -- the daemon ----------------------------------------------------------------------------
@@ -283,7 +302,7 @@ def run_workload(ring, n: int, prompt_len: int, out_len: int, energy: Energy, se
             mv[off:off + len(data)] = data
         states.append(writes[-1])
     fence()   # every prompt and request before any state word
-    clocks = Clocks(energy)
+    clocks = Clocks()
     e0 = energy.read_mj()
     with clocks:
         t0 = time.monotonic_ns()
@@ -540,10 +559,10 @@ def run_clocks(ex: dict) -> list[str]:
                                 f"{c.get('reasons', '-')} | {mhz('cpu_mhz')} | {c.get('samples', 0)} |")
     if not rows:
         return []
-    return ["", "The clocks each run went at, sampled every 5 ms (median, least in brackets): the GPU's SM and "
+    return ["", "The clocks each run went at (median, least in brackets), the GPU's sampled every 20 ms: its SM and "
             "memory clocks and NVML's clock-event reasons OR-ed over the run (0x1: idle; 0x2: applications "
             "clocks setting; 0x4: software power cap; 0x8: hardware slowdown; 0x20 / 0x40: software / hardware "
-            "thermal; 0x80: power brake), and the daemon's CPU:", "",
+            "thermal; 0x80: power brake), and the daemon's CPU at the run's start and end:", "",
             "| executor | workload | condition | makespan ms | SM MHz | memory MHz | reasons | daemon CPU MHz | samples |",
             "|---|---|---|---|---|---|---|---|---|"] + rows
 

@@ -47,19 +47,20 @@ from .machine_label import machine_label
 DATE = time.strftime("%Y-%m-%d", time.gmtime())    # the run's day: results are committed under it
 LAUNCHES_PER_WINDOW = 100     # below the 120 fire-and-forget launches a graph execution may make
 # blink_bench_ops' kinds, in bench.cu's BLINK_OPS_* order: (key, what the report calls it)
-OPS = (("clock", "%globaltimer read"),
+OPS = (("clock", "%globaltimer read, 64 bits"),
        ("ld_dev", "load, device memory, plain (a chain: each address from the load before)"),
        ("ld_dev_volatile", "load, device memory, volatile"),
        ("ld_dev_cta", "load, device memory, relaxed block scope (ld_blk32)"),
        ("st_ld_dev", "store to device memory, then a load of that word (a counter's += 1)"),
        ("ld_shared", "load, shared memory"),
+       ("ld_shared_generic", "load, shared memory through a generic pointer (shared_state's state, stats, pkv)"),
        ("ld_host", "load, host-mapped (a ring word over PCIe), volatile"),
        ("st_host_fence_sys", "store to host-mapped + __threadfence_system (publish, each token)"),
        ("st_dev_fence_sys", "store to device memory + __threadfence_system (the DPU's ring)"),
        ("fence_sys", "__threadfence_system, no store pending"),
        ("fence_dev", "store to device memory + __threadfence"),
        ("sync", "__syncthreads, 256 threads"),
-       ("atomic_shared", "atomicAdd_block on shared memory"))
+       ("atomic_shared", "atomicAdd_block on shared memory (a chain)"))
 
 
 def _pct(xs, q):
@@ -246,17 +247,23 @@ class Bench:
         bad = np.flatnonzero(((got != want) & done).any(axis=1))
         assert bad.size == 0, f"requests {bad[:8].tolist()} (of {bad.size}): wrong tokens"
 
-    def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16, mixed: bool = False) -> dict:
-        """`mixed`: output lengths drawn from tokens/4..tokens (requests finish at different steps:
-        a reap in most steps) instead of all `tokens` (they finish together, batch by batch)."""
+    @staticmethod
+    def _setup(batch: int, n_req: int, tokens: int, prompt_len: int, mixed: bool):
+        """A workload's ring geometry, scheduler config and tokens (a count, or each request's)."""
         lengths = _lengths(n_req, tokens, mixed)
         geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
         # timed without the first fast plans' checks (the full walks beside them); _check reads every token
         cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
                               fast_plan_checks=0, shared_state=False)
+        return geom, cfg, lengths if mixed else tokens, lengths
+
+    def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16, mixed: bool = False) -> dict:
+        """`mixed`: output lengths drawn from tokens/4..tokens (requests finish at different steps:
+        a reap in most steps) instead of all `tokens` (they finish together, batch by batch)."""
+        geom, cfg, tokens_arg, lengths = self._setup(batch, n_req, tokens, prompt_len, mixed)
         out = {"batch": batch, "requests": n_req, "prompt_len": prompt_len,
                "tokens_per_request": f"{lengths.min()}-{tokens}" if mixed else tokens}
-        tokens = lengths if mixed else tokens
+        tokens = tokens_arg
 
         # persistent scheduler over a host-mapped ring (the one-box deployment); then the same with a
         # slot scan in every iteration (full_scan_us=0: the frontend doorbell unread), the A/B of the bell
@@ -266,19 +273,6 @@ class Bench:
         # and with every step planned by thread 0's walks (fast_plan=False), the A/B of the survey
         out["persistent_full_plan"] = self._persistent(
             geom, dataclasses.replace(cfg, fast_plan=False), n_req, prompt_len, tokens)
-
-        # and with an instance's params, state, counters and allocator scalars in the block's shared memory
-        # (shared_state), the A/B of that: new and not yet run on a GPU, so a failure, or a run that does
-        # not finish in 30 s, costs these columns, and the later workloads skip it
-        if self.shared_state_error is None:
-            try:
-                out["persistent_shared_state"] = self._persistent(
-                    geom, dataclasses.replace(cfg, shared_state=True), n_req, prompt_len, tokens, timeout_s=30)
-            except Exception as e:       # noqa: BLE001 - recorded in the result
-                self.shared_state_error = f"{type(e).__name__}: {e}"[:300]
-                out["persistent_shared_state"] = {"error": self.shared_state_error}
-        else:
-            out["persistent_shared_state"] = {"error": f"skipped after: {self.shared_state_error}"}
 
         # the same over a ring in device memory (the DPU deployment); a failure costs these columns only
         try:
@@ -292,6 +286,21 @@ class Bench:
             out["host_loop"]["makespan_ms"] / out["persistent"]["makespan_ms"], 2)
         return out
 
+    def shared_state(self, batch: int, n_req: int, tokens: int, mixed: bool, prompt_len: int = 16) -> dict:
+        """The workload again with an instance's params, state, counters and allocator scalars in the
+        block's shared memory (shared_state: its own kernel, blink_scheduler_shared), the A/B of that.
+        New and not yet run on a GPU: main runs it after every other measurement is written, a failure
+        or a run that does not finish in 30 s is recorded here, and after one the rest are skipped."""
+        if self.shared_state_error is not None:
+            return {"error": f"skipped after: {self.shared_state_error}"}
+        geom, cfg, tokens_arg, _ = self._setup(batch, n_req, tokens, prompt_len, mixed)
+        try:
+            return self._persistent(geom, dataclasses.replace(cfg, shared_state=True), n_req, prompt_len,
+                                    tokens_arg, timeout_s=30)
+        except Exception as e:       # noqa: BLE001 - recorded in the result
+            self.shared_state_error = f"{type(e).__name__}: {e}"[:300]
+            return {"error": self.shared_state_error}
+
     def _persistent(self, geom, cfg, n_req, prompt_len, tokens, timeout_s: float = 120) -> dict:
         mem = PinnedMapped(geom.total_size)
         ring = Ring.create((ctypes.c_char * geom.total_size).from_address(mem.host_addr), geom)
@@ -301,10 +310,16 @@ class Bench:
         rt.start()
         try:
             self._wait_done(ring, n_req, timeout_s)
-        except Exception:
-            rt.request_stop(True)   # abort it: a scheduler left running would share the GPU with the next run
-            if rt.wait(10):
-                rt.close()
+        except Exception as e:
+            try:   # abort it: a scheduler left running would share the GPU with the next run
+                rt.request_stop(True)
+                gone = rt.wait(10)
+            except Exception as e2:   # noqa: BLE001 - a faulted context: nothing here runs on it again
+                raise RuntimeError(f"{e}; then the abort failed ({type(e2).__name__}: {e2})") from e
+            if not gone:
+                raise RuntimeError(f"{e}; the scheduler did not exit after an abort") from e
+            rt.close()
+            mem.close()
             raise
         t1 = time.monotonic_ns()
         rt.request_stop()
@@ -464,7 +479,10 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
     if "ops" in results:
         ns = results["ops"]["ns"]
         lines += ["", "What thread 0 strings together between two steps, one kind at a time, "
-                  f"{results['ops']['reps']} in a row (median of {results['ops']['runs']} runs), ns each:", "",
+                  f"{results['ops']['reps']} in a row (median of {results['ops']['runs']} runs), ns each. Loads "
+                  "form a chain (each address from the load before) over 64 words, so the plain ones hit a warm L1; "
+                  "in the loop every __threadfence / __threadfence_system also invalidates L1 (CCTL.IVALL in SASS), "
+                  "so after publish's fences a plain load costs what the volatile row (L2) says:", "",
                   "| operation | ns |", "|---|---|"]
         lines += [f"| {what} | {ns.get(key, '-')} |" for key, what in OPS]
     lines += ["", "| batch | requests x tokens | persistent ms | us/step | overhead us/step | host loop ms | "
@@ -590,7 +608,11 @@ def main(argv=None) -> int:
         w = b.workload(batch, n_req, tokens, mixed=mixed)
         print("workload", json.dumps(w), flush=True)
         results["workloads"].append(w)
-    stem = write_results(results, pathlib.Path(args.out), args.machine)
+    stem = write_results(results, pathlib.Path(args.out), args.machine)   # before the A/B that may fault
+    for w, (batch, n_req, tokens, mixed) in zip(results["workloads"], shapes):
+        w["persistent_shared_state"] = b.shared_state(batch, n_req, tokens, mixed)
+        print("shared_state", batch, json.dumps(w["persistent_shared_state"]), flush=True)
+        stem = write_results(results, pathlib.Path(args.out), args.machine)
     print(stem.with_suffix(".md").read_text())
     return 0
 

@@ -92,19 +92,21 @@ extern "C" __global__ void blink_bench_tail(unsigned long long *counter, unsigne
  * bench/cuda_scheduler.py OPS names them); dev and host: 64 zeroed words each, in device memory and
  * host-mapped. */
 enum {
-    BLINK_OPS_CLOCK,            /* a %globaltimer read (the loop reads it around each phase) */
+    BLINK_OPS_CLOCK,            /* a 64-bit %globaltimer read (the loop reads it around each phase) */
     BLINK_OPS_LD_DEV,           /* a plain load of device memory (L1 once warm) */
     BLINK_OPS_LD_DEV_VOLATILE,  /* a volatile load of device memory (to L2) */
     BLINK_OPS_LD_DEV_CTA,       /* a relaxed block-scope load (ld_blk32) */
     BLINK_OPS_ST_LD_DEV,        /* a plain store, then a plain load of the word (a counter's `+= 1`: L1 or L2?) */
     BLINK_OPS_LD_SHARED,        /* a load of shared memory (a chain, as above) */
+    BLINK_OPS_LD_SHARED_GENERIC, /* the same through a generic pointer (shared_state's state, stats, pkv) */
     BLINK_OPS_LD_HOST,          /* a volatile load of host-mapped memory (a ring word over PCIe) */
     BLINK_OPS_ST_HOST_FENCE_SYS,    /* a volatile host-mapped store + __threadfence_system (publish, per token) */
     BLINK_OPS_ST_DEV_FENCE_SYS, /* the same with the word in device memory (the DPU's ring) */
     BLINK_OPS_FENCE_SYS,        /* __threadfence_system with no store pending */
     BLINK_OPS_FENCE_DEV,        /* __threadfence after a device-memory store */
     BLINK_OPS_SYNC,             /* __syncthreads of the 256 threads (the loop has ~8 an iteration) */
-    BLINK_OPS_ATOMIC_SHARED,    /* atomicAdd_block on shared memory, thread 0 alone */
+    BLINK_OPS_ATOMIC_SHARED,    /* atomicAdd_block on shared memory, thread 0 alone (a chain: each address from
+                                   the value the one before returned) */
     BLINK_OPS_N
 };
 
@@ -116,7 +118,7 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
     if (threadIdx.x < 64) words[threadIdx.x] = 0;
     __syncthreads();
     unsigned idx = 0, acc = 0;
-    unsigned long long a, b;
+    unsigned long long a, b, clk = 0;
 #define BLINK_OPS_TIME(kind, body)                      \
     if (t0) {                                           \
         a = blink_gt();                                 \
@@ -125,7 +127,7 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
         out[kind] = b - a;                              \
     }                                                   \
     __syncthreads();
-    BLINK_OPS_TIME(BLINK_OPS_CLOCK, acc += (unsigned)blink_gt())
+    BLINK_OPS_TIME(BLINK_OPS_CLOCK, clk += blink_gt())
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV, idx = dev[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV_VOLATILE, idx = *(volatile unsigned *)&dev[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_LD_DEV_CTA, asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(idx) : "l"(&dev[idx & 63u])))
@@ -133,6 +135,9 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
                    asm volatile("" : "+l"(w));   /* the same word, but the compiler cannot forward the store */
                    idx = *w)
     BLINK_OPS_TIME(BLINK_OPS_LD_SHARED, idx = *(volatile unsigned *)&words[idx & 63u])
+    BLINK_OPS_TIME(BLINK_OPS_LD_SHARED_GENERIC, const unsigned *g = &words[idx & 63u];
+                   asm volatile("" : "+l"(g));   /* the compiler no longer knows it points into shared memory */
+                   idx = *g)
     BLINK_OPS_TIME(BLINK_OPS_LD_HOST, idx = *(volatile unsigned *)&host[idx & 63u])
     BLINK_OPS_TIME(BLINK_OPS_ST_HOST_FENCE_SYS, *(volatile unsigned *)&host[32 + (r & 31u)] = r; __threadfence_system())
     BLINK_OPS_TIME(BLINK_OPS_ST_DEV_FENCE_SYS, *(volatile unsigned *)&dev[32 + (r & 31u)] = r; __threadfence_system())
@@ -143,7 +148,7 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
     b = blink_gt();
     if (t0) out[BLINK_OPS_SYNC] = b - a;
     __syncthreads();
-    BLINK_OPS_TIME(BLINK_OPS_ATOMIC_SHARED, acc += atomicAdd_block(&counter, 1u))
+    BLINK_OPS_TIME(BLINK_OPS_ATOMIC_SHARED, acc = atomicAdd_block(&words[acc & 63u], 1u))
 #undef BLINK_OPS_TIME
-    if (t0) out[BLINK_OPS_N] = idx + acc;   /* keeps the chains; the host ignores it */
+    if (t0) out[BLINK_OPS_N] = idx + acc + clk + counter;   /* keeps the chains; the host ignores it */
 }

@@ -46,6 +46,7 @@ struct blink_twin_block {              /* what the host threads of one instance 
     uintptr_t ctl_lo, ctl_hi;          /* the host-mapped control block: likewise */
     int or_flags[3];
     blink_sched_shared_t sh;
+    blink_sched_local_t loc;           /* shared_state: the instance's copies (blink_local_params) */
     blink_launch_cb cb;
     void *cb_ctx;
 };
@@ -157,10 +158,10 @@ uint32_t blink_twin_run(const blink_sched_params_t *p, unsigned nt, blink_launch
         for (unsigned t = 1; t < nt; ++t)
             threads.emplace_back([&blk, p, t, nt] {
                 blink_host_platform plat{&blk, t, 0};
-                blink_sched_run(plat, p, &blk.sh, t, nt);
+                blink_sched_run(plat, blink_local_params(plat, p, &blk.loc, t, nt), &blk.sh, t, nt);
             });
         blink_host_platform plat{&blk, 0, 0};
-        const uint32_t code = blink_sched_run(plat, p, &blk.sh, 0, nt);
+        const uint32_t code = blink_sched_run(plat, blink_local_params(plat, p, &blk.loc, 0, nt), &blk.sh, 0, nt);
         for (auto &th : threads) th.join();
         pthread_barrier_destroy(&blk.barrier);
         if (code != BLINK_EXIT_RELAUNCH) return code;

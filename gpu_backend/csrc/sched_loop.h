@@ -103,40 +103,51 @@ typedef struct blink_sched_shared {
     uint32_t commit_serial;  /* commit phase: two candidates share a block, or the check disagreed (the walk commits) */
     uint32_t commit_won;     /* commit phase: blocks it put in the prefix cache */
     uint32_t keys_ns;        /* publish: the longest any thread spent on block keys (stats pub_keys_ns) */
-    /* shared_state (blink_local_params): the instance's copies, which it works on */
+} blink_sched_shared_t;
+
+/* shared_state (blink_local_params): an instance's copies, which it works on; in the block's shared
+ * memory in the kernel that has them (scheduler.cu blink_scheduler_shared). */
+typedef struct blink_sched_local {
     blink_sched_params_t lp;
     blink_sched_state_t l_state;
     blink_sched_control_t l_stats;
     blink_pkv_t l_pkv;
-} blink_sched_shared_t;
+} blink_sched_local_t;
 
 /* All threads, at an instance's start: the parameter block it works from. With shared_state, a copy
- * in the block's shared memory whose state, stats and pkv point at copies there too (`home`: the block
- * in device memory they came from): thread 0's walks between two steps are chains of dependent loads,
- * and each counter's `+= 1` a load after a store, here from shared memory rather than L1 or L2. The
- * copies go back to device memory before each launch (the state: the step graph reads its n_rows,
- * n_chunks and step_no there; blink_home_state) and at each beat and the exit (all three:
- * blink_home_all), where the host and the next instance read them. */
+ * in `loc` (the block's shared memory) whose state, stats and pkv point at copies there too (`home`:
+ * the block in device memory they came from): thread 0's walks between two steps are chains of
+ * dependent loads, and each counter's `+= 1` a load after a store, here from shared memory rather than
+ * L1 or L2. The copies go back to device memory before each launch (the state: the step graph reads its
+ * n_rows, n_chunks and step_no there; blink_home_state) and at each beat and the exit (all of them:
+ * blink_home_all), where the host and the next instance read them. The device has a kernel of its own
+ * for it (scheduler.cu blink_scheduler_shared): one loop over a pointer that may be either memory would
+ * compile every params load of the default kernel to a generic one. */
 static inline BLINK_HD void blink_copy_words(void *dst, const void *src, uint32_t bytes, unsigned tid, unsigned nt) {
     for (uint32_t i = tid; i < bytes / 8; i += nt) ((uint64_t *)dst)[i] = ((const uint64_t *)src)[i];
 }
 template <class P>
-BLINK_DEV const blink_sched_params_t *blink_local_params(P &plat, const blink_sched_params_t *gp,
-                                                         blink_sched_shared_t *sh, unsigned tid, unsigned nt) {
-    if (!gp->shared_state) return gp;
-    blink_copy_words(&sh->lp, gp, sizeof(blink_sched_params_t), tid, nt);
-    blink_copy_words(&sh->l_state, gp->state, sizeof(blink_sched_state_t), tid, nt);
-    blink_copy_words(&sh->l_stats, gp->stats, sizeof(blink_sched_control_t), tid, nt);
-    blink_copy_words(&sh->l_pkv, gp->pkv, sizeof(blink_pkv_t), tid, nt);
+BLINK_DEV const blink_sched_params_t *blink_copy_local(P &plat, const blink_sched_params_t *gp,
+                                                       blink_sched_local_t *loc, unsigned tid, unsigned nt) {
+    blink_copy_words(&loc->lp, gp, sizeof(blink_sched_params_t), tid, nt);
+    blink_copy_words(&loc->l_state, gp->state, sizeof(blink_sched_state_t), tid, nt);
+    blink_copy_words(&loc->l_stats, gp->stats, sizeof(blink_sched_control_t), tid, nt);
+    blink_copy_words(&loc->l_pkv, gp->pkv, sizeof(blink_pkv_t), tid, nt);
     plat.sync();
     if (tid == 0) {
-        sh->lp.state = &sh->l_state;
-        sh->lp.stats = &sh->l_stats;
-        sh->lp.pkv = &sh->l_pkv;
-        sh->lp.home = gp;
+        loc->lp.state = &loc->l_state;
+        loc->lp.stats = &loc->l_stats;
+        loc->lp.pkv = &loc->l_pkv;
+        loc->lp.home = gp;
     }
     plat.sync();
-    return &sh->lp;
+    return &loc->lp;
+}
+/* The twin's choice (the device's is the kernel it runs): the copies with shared_state, else gp. */
+template <class P>
+BLINK_DEV const blink_sched_params_t *blink_local_params(P &plat, const blink_sched_params_t *gp,
+                                                         blink_sched_local_t *loc, unsigned tid, unsigned nt) {
+    return gp->shared_state ? blink_copy_local(plat, gp, loc, tid, nt) : gp;   /* uniform: one word, read by all */
 }
 static inline BLINK_HD void blink_home_state(const blink_sched_params_t *p) {
     if (p->home) *p->home->state = *p->state;
@@ -1759,9 +1770,8 @@ BLINK_DEV void blink_phase_launch(P &plat, const blink_sched_params_t *p, blink_
  * full (it then tail-launches its successor). Every thread of the block calls
  * it; returns the BLINK_EXIT_* code. */
 template <class P>
-BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *gp, blink_sched_shared_t *sh, unsigned tid,
+BLINK_DEV uint32_t blink_sched_run(P &plat, const blink_sched_params_t *p, blink_sched_shared_t *sh, unsigned tid,
                                    unsigned nt) {
-    const blink_sched_params_t *p = blink_local_params(plat, gp, sh, tid, nt);
     if (tid == 0) {
         blink_sched_state_t *st = p->state;
         if (!st->started) {

@@ -32,10 +32,12 @@ struct blink_device_platform {
      * access is no data race and may still hit the SM's L1 (a volatile one goes to L2). */
     __device__ uint32_t ld_blk32(const uint32_t *p) const {
         uint32_t v;
-        asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(v) : "l"(p));
+        asm volatile("ld.relaxed.cta.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
         return v;
     }
-    __device__ void st_blk32(uint32_t *p, uint32_t v) const { asm volatile("st.relaxed.cta.u32 [%0], %1;" ::"l"(p), "r"(v)); }
+    __device__ void st_blk32(uint32_t *p, uint32_t v) const {
+        asm volatile("st.relaxed.cta.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+    }
     /* Orders this thread's ring accesses as seen by the frontend (host or NIC). */
     __device__ void fence_sys() const { __threadfence_system(); }
     /* Orders device-memory accesses between this kernel and the step graph. */

@@ -6,7 +6,8 @@
  *
  *   host (cuda-python, once): graphs instantiated for device launch, uploaded,
  *     scheduler graph launched on a non-default stream
- *   blink_scheduler (1 block x 256 threads, a node of a device graph)
+ *   blink_scheduler (1 block x 256 threads, a node of a device graph; blink_scheduler_shared with
+ *     shared_state: the same loop over copies in shared memory)
  *     -> cudaGraphLaunch(step graph, fire-and-forget) -> blink_echo_step
  *        -> step_tokens, *done = step_no -> blink_scheduler publishes them
  *     -> window full: cudaGraphLaunch(itself, tail launch) and return
@@ -22,6 +23,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler(const blink
     if (blockDim.x & 31u) __trap();
     blink_device_platform plat;
     blink_sched_run(plat, p, &sh, threadIdx.x, blockDim.x);
+}
+
+/* shared_state (SchedulerConfig; the runtime instantiates this kernel instead): the same loop over
+ * copies of its params, state, counters and allocator scalars in the block's shared memory
+ * (sched_loop.h blink_copy_local). A kernel of its own, so the default one above keeps its params
+ * loads global (one loop over a pointer into either memory compiles them all to generic loads). */
+extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler_shared(const blink_sched_params_t *p) {
+    __shared__ blink_sched_shared_t sh;
+    __shared__ blink_sched_local_t loc;
+    if (blockDim.x & 31u) __trap();
+    blink_device_platform plat;
+    blink_sched_run(plat, blink_copy_local(plat, p, &loc, threadIdx.x, blockDim.x), &sh, threadIdx.x, blockDim.x);
 }
 
 /* The stand-in step graph: one kernel; its last write is the completion flag. */

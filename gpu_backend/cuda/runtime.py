@@ -205,8 +205,9 @@ class SchedulerRuntime:
                                     table, self.clock_offset_ns)
         check(d.cuMemcpyHtoD(self.params_addr, ctypes.addressof(self.params), ctypes.sizeof(self.params)),
               "cuMemcpyHtoD(params)")
-        self.sched_graph = self.module.device_graph("blink_scheduler", self.stream, self.kernel_args,
-                                                    block=SCHEDULER_THREADS)
+        # shared_state: the loop's own kernel over copies in shared memory (scheduler.cu)
+        kernel = "blink_scheduler_shared" if self.config.shared_state else "blink_scheduler"
+        self.sched_graph = self.module.device_graph(kernel, self.stream, self.kernel_args, block=SCHEDULER_THREADS)
         check(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize(setup)")
         self.started = False
 

@@ -9,7 +9,7 @@ import pytest
 
 from gpu_backend.cuda import build
 
-KERNELS = ("blink_scheduler", "blink_echo_step", "blink_clock_probe", "blink_bench_scan", "blink_bench_launch",
+KERNELS = ("blink_scheduler", "blink_scheduler_shared", "blink_echo_step", "blink_clock_probe", "blink_bench_scan", "blink_bench_launch",
            "blink_bench_child", "blink_bench_tail", "blink_stage_inputs", "blink_finish_step")
 
 

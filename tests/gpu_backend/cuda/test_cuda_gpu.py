@@ -73,7 +73,7 @@ def shut(rt, mapped, abort=False):
     return s
 
 
-@pytest.mark.parametrize("shared_state", [False, True])
+@pytest.mark.parametrize("shared_state", [False, True], ids=["default", "shared_state"])
 def test_echo_through_tail_relaunch_windows(ring_name, device, module, shared_state):
     """shared_state: every instance copies its params, state, counters and allocator scalars into shared
     memory and writes them back (the state before each launch: the step graph reads it there)."""

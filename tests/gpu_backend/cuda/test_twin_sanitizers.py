@@ -88,6 +88,7 @@ def eviction_waves(defines=()) -> dict:
                     mismatches=tw.stats.fast_plan_mismatches)
     finally:
         region.close()
+        region.unlink()
 
 
 RUNTIMES = {"thread": ("libtsan.so",), "address,undefined": ("libasan.so", "libubsan.so")}
@@ -142,8 +143,16 @@ def twin_races(tmp_path: pathlib.Path) -> list[str]:
     return out
 
 
+def switch_reaches_the_child(tmp_path, sanitizer: str, shared_state: bool) -> None:
+    """The child's SchedulerConfig takes the switch run_child passes (else both variants run one path)."""
+    probe = run_child(tmp_path, sanitizer, ["-c", "from gpu_backend.cuda.config import SchedulerConfig; "
+                                                  "print(SchedulerConfig().shared_state)"], shared_state)
+    assert probe.stdout.strip().splitlines()[-1:] == [str(shared_state)], probe.stdout + probe.stderr[-2000:]
+
+
 @pytest.mark.parametrize("shared_state", [False, True], ids=["device_memory", "shared_state"])
 def test_the_loop_has_no_data_race_between_its_threads(tmp_path, shared_state):
+    switch_reaches_the_child(tmp_path, "thread", shared_state)
     child = run_child(tmp_path, "thread", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS], shared_state)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert f"{len(WORKLOADS)} passed" in child.stdout, child.stdout[-2000:]
@@ -169,6 +178,7 @@ def test_the_eviction_waves_evict_many_blocks_at_once():
 
 @pytest.mark.parametrize("shared_state", [False, True], ids=["device_memory", "shared_state"])
 def test_the_loop_has_no_memory_or_undefined_behaviour_error(tmp_path, shared_state):
+    switch_reaches_the_child(tmp_path, "address,undefined", shared_state)
     child = run_child(tmp_path, "address,undefined", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *WORKLOADS],
                       shared_state)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]

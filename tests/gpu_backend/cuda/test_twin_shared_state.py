@@ -1,7 +1,8 @@
 """shared_state (SchedulerConfig, BLINK_SCHED_SHARED_STATE=1): each scheduler instance copies its
 parameter block, state, counters and the prefix-cache allocator's scalars into the block's shared
 memory, works there, and writes them back to device memory before each launch (the state: the step
-graph reads it) and at each beat and its exit (sched_loop.h blink_local_params). On the CPU twin,
+graph reads it) and at each beat and its exit (sched_loop.h blink_copy_local; on the device a kernel of its
+own, blink_scheduler_shared). On the CPU twin,
 whose inline step reads the params in device memory as the graph does (host_twin.cc launch_step):
 the workloads that exercise every phase give the same tokens, prefix cache and counters either way,
 across many instances (launch windows) and across preemption, evictions and admissions. A twin

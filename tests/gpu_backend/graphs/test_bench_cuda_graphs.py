@@ -114,13 +114,14 @@ class FakeNvml:
 def test_the_clocks_each_run_went_at(tmp_path):
     """Clocks: NVML's SM and memory clocks over the samples (median, least) and the reasons OR-ed; the
     report puts them beside each run's makespan, both executors."""
-    energy = bench.Energy()
-    energy.nvml, energy.handle = FakeNvml([(1980, 0), (1980, 0), (1500, 0x4), (1980, 0x1)]), object()
-    clocks = bench.Clocks(energy)
+    clocks = bench.Clocks()
+    clocks.nvml, clocks.handle = FakeNvml([(1980, 0), (1980, 0), (1500, 0x4), (1980, 0x1)]), object()
     clocks.samples = [clocks.sample() for _ in range(4)]
+    clocks.cpu_mhz = [3000, 2400]
     c = clocks.summary()
     assert (c["sm_mhz"], c["sm_mhz_min"], c["mem_mhz"], c["reasons"], c["samples"]) == (1980, 1500, 4800, "0x5", 4)
-    with bench.Clocks(energy, period_s=0.001) as live:   # the thread samples until the run ends
+    assert (c["cpu_mhz"], c["cpu_mhz_min"]) == (2700, 2400)
+    with bench.Clocks(period_s=0.001) as live:   # the thread samples until the run ends
         import time
         time.sleep(0.02)
     assert live.summary()["samples"] >= 2
