@@ -61,9 +61,12 @@ def stop(tw, abort=False):
     return tw.exit_code
 
 
-def test_echo_through_many_launch_windows(twin_lib, shm_ring):
+@pytest.mark.parametrize("shared_state", [False, True], ids=["default", "shared_state"])
+def test_echo_through_many_launch_windows(twin_lib, shm_ring, shared_state):
+    """shared_state: every instance (windows of 3 launches) copies the state into shared memory and writes
+    it back at its exit, and the next one starts from there (queue, running list, step number, counters)."""
     ring = shm_ring(GEOM)
-    tw = twin(ring, window_limit=3).start()
+    tw = twin(ring, window_limit=3, shared_state=shared_state).start()
     fp, rng, want = FrontendPlayer(ring), np.random.default_rng(1), {}
     for _ in range(120):
         if len(fp.inflight) >= 48:
@@ -79,7 +82,8 @@ def test_echo_through_many_launch_windows(twin_lib, shm_ring):
     s = tw.stats
     assert s.windows > 20 and s.launches == s.steps_prefill + s.steps_decode
     assert s.claimed == s.completed == 120 and s.tokens == sum(len(v) for v in want.values())
-    assert tw.control.running == 0
+    assert tw.control.running == 0 and tw.params.shared_state == shared_state
+    assert tw.state.n_running == 0 and tw.state.w_count == 0
     assert twin_lib.blink_twin_ring_rmw() == 0        # no atomic ever touched the ring or the control block
 
 

@@ -5,7 +5,8 @@ graph reads it) and at each beat and its exit (sched_loop.h blink_copy_local; on
 own, blink_scheduler_shared). On the CPU twin,
 whose inline step reads the params in device memory as the graph does (host_twin.cc launch_step):
 the workloads that exercise every phase give the same tokens, prefix cache and counters either way,
-across many instances (launch windows) and across preemption, evictions and admissions. A twin
+across preemption, evictions and admissions (and across many instances: test_cuda_twin_loop.py's
+echo through launch windows, parametrized over it). A twin
 without the write-back before a launch, or without the one at a beat, fails these (checked by hand
 on 2026-11-27: wrong tokens; a crash at the next instance)."""
 from __future__ import annotations
@@ -16,10 +17,8 @@ import pytest
 
 from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
-from test_cuda_twin_loop import (ADMIT_STATS, EVICT, GEOM, KEY_RUNS, PREFIX_STATS, SURVEY_GEOM, drain, echo,  # noqa: E402
-                                 prefix_table, serve_admission_workload, serve_twin_commit_workload, stop, twin)
-from frontend_player import FrontendPlayer  # noqa: E402
-from shared_layout import FinishReason
+from test_cuda_twin_loop import (ADMIT_STATS, EVICT, GEOM, KEY_RUNS, PREFIX_STATS, SURVEY_GEOM,  # noqa: E402
+                                 prefix_table, serve_admission_workload, serve_twin_commit_workload)
 
 RUNS = {"evictions": EVICT, **{k: v for k, v in KEY_RUNS.items() if k != "evictions"}}
 
@@ -58,28 +57,3 @@ def test_admissions_under_a_small_pool_are_the_same_in_shared_memory(twin_lib, s
         assert getattr(on.stats, name) == getattr(off.stats, name), name
     assert prefix_table(on.buffer, on.config.kv_blocks) == prefix_table(off.buffer, off.config.kv_blocks)
     assert (on.state.admit_checked, on.state.fast_checked) == (off.state.admit_checked, off.state.fast_checked)
-
-
-def test_echo_through_many_instances_in_shared_memory(twin_lib, shm_ring):
-    """Windows of 3 launches: every instance copies the state in and writes it back at its exit, and the
-    next one starts from there (its queue, running list, step number, counters)."""
-    import numpy as np
-    ring = shm_ring(GEOM)
-    tw = twin(ring, window_limit=3, shared_state=True).start()
-    fp, rng, want = FrontendPlayer(ring), np.random.default_rng(3), {}
-    for _ in range(100):
-        if len(fp.inflight) >= 40:
-            for r in drain(fp).values():
-                assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
-        prompt = rng.integers(0, 49152, int(rng.integers(1, 40))).tolist()
-        n = int(rng.integers(1, 80))
-        fp.submit(prompt, n)
-        want[fp.next_seq - 1] = echo(prompt, n)
-    for r in drain(fp).values():
-        assert r.tokens == want[r.seq] and r.finish == FinishReason.LENGTH
-    assert stop(tw) == structs.EXIT_SHUTDOWN
-    s = tw.stats
-    assert tw.params.shared_state == 1 and s.windows > 20
-    assert s.launches == s.steps_prefill + s.steps_decode and s.claimed == s.completed == 100
-    assert s.tokens == sum(len(v) for v in want.values())
-    assert tw.state.n_running == 0 and tw.state.w_count == 0 and tw.control.running == 0
