@@ -47,7 +47,7 @@ for run in range(1, 31):   # until TSan reports it (below)
 """
 # TSan keeps only a few recent accesses per 8 bytes of memory, so a racing pair whose first access was
 # forgotten before the second goes unreported: the planted race showed in about 2 of 5 runs here, so
-# the child repeats the run until it does (and the clean check above is a net, not a proof).
+# the child repeats the run until it does (and the clean checks below are a net, not a proof).
 
 
 def eviction_waves(defines=()) -> dict:
@@ -64,10 +64,8 @@ def eviction_waves(defines=()) -> dict:
     from shared_layout import FinishReason, Ring
     from shared_layout.shm import ShmRegion
 
-    sys.path.insert(0, str(ROOT / "tests/gpu_backend"))
-    sys.path.insert(0, str(ROOT / "tests/gpu_backend/cuda"))
-    from frontend_player import FrontendPlayer
-    from test_cuda_twin_loop import SURVEY_GEOM, drain, echo
+    from test_cuda_twin_loop import SURVEY_GEOM, drain, echo   # (on the path: pytest's, or PLANTED's)
+    from frontend_player import FrontendPlayer                # (test_cuda_twin_loop put its folder on the path)
 
     region = ShmRegion.create(f"blink-evict-waves-{os.getpid()}", SURVEY_GEOM.total_size)
     try:

@@ -17,10 +17,9 @@ import pytest
 
 from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
-from test_cuda_twin_loop import (ADMIT_STATS, EVICT, GEOM, KEY_RUNS, PREFIX_STATS, SURVEY_GEOM,  # noqa: E402
+from test_cuda_twin_loop import (ADMIT_STATS, GEOM, KEY_RUNS, PREFIX_STATS, SURVEY_GEOM,  # noqa: E402
                                  prefix_table, serve_admission_workload, serve_twin_commit_workload)
 
-RUNS = {"evictions": EVICT, **{k: v for k, v in KEY_RUNS.items() if k != "evictions"}}
 
 
 def test_the_switch_reaches_the_params(monkeypatch):
@@ -32,9 +31,9 @@ def test_the_switch_reaches_the_params(monkeypatch):
     assert cfg.params(GEOM, 0, {}, 0).shared_state == 1 and cfg.params(GEOM, 0, {}, 0).home == 0
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", KEY_RUNS)
 def test_commits_evictions_and_preemptions_are_the_same_in_shared_memory(twin_lib, shm_ring, run):
-    cfg = RUNS[run]
+    cfg = KEY_RUNS[run]
     off, off_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), shared_state=False, **cfg)
     on, on_table = serve_twin_commit_workload(shm_ring(SURVEY_GEOM), shared_state=True, **cfg)
     assert on.params.shared_state == 1 and off.params.shared_state == 0
