@@ -60,7 +60,12 @@ OPS = (("clock", "%globaltimer read, 64 bits"),
        ("fence_sys", "__threadfence_system, no store pending"),
        ("fence_dev", "store to device memory + __threadfence"),
        ("sync", "__syncthreads, 256 threads"),
-       ("atomic_shared", "atomicAdd_block on shared memory (a chain)"))
+       ("atomic_shared", "atomicAdd_block on shared memory (a chain)"),
+       ("st_host_fence_acqrel_sys", "store to host-mapped + fence.acq_rel.sys (__threadfence_system is fence.sc.sys)"),
+       ("fence_acqrel_sys", "fence.acq_rel.sys, no store pending"),
+       ("fence_acqrel_dev", "store to device memory + fence.acq_rel.gpu (__threadfence is fence.sc.gpu)"),
+       ("st_release_host", "st.release.sys to host-mapped (a release store, no fence of its own)"),
+       ("ld_acquire_dev", "ld.acquire.gpu of device memory, a chain (an acquire load, no fence of its own)"))
 
 
 def _pct(xs, q):

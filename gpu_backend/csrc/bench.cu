@@ -107,6 +107,11 @@ enum {
     BLINK_OPS_SYNC,             /* __syncthreads of the 256 threads (the loop has ~8 an iteration) */
     BLINK_OPS_ATOMIC_SHARED,    /* atomicAdd_block on shared memory, thread 0 alone (a chain: each address from
                                    the value the one before returned) */
+    BLINK_OPS_ST_HOST_FENCE_ACQREL_SYS, /* a volatile host-mapped store + fence.acq_rel.sys (MEMBAR.ALL.SYS, not .SC) */
+    BLINK_OPS_FENCE_ACQREL_SYS, /* fence.acq_rel.sys with no store pending */
+    BLINK_OPS_FENCE_ACQREL_DEV, /* a device-memory store + fence.acq_rel.gpu (MEMBAR.ALL.GPU) */
+    BLINK_OPS_ST_RELEASE_HOST,  /* st.release.sys to host-mapped memory (a release store, no separate fence) */
+    BLINK_OPS_LD_ACQUIRE_DEV,   /* ld.acquire.gpu of device memory, a chain (an acquire load, no separate fence) */
     BLINK_OPS_N
 };
 
@@ -149,6 +154,14 @@ blink_bench_ops(unsigned *dev, unsigned *host, unsigned long long *out, unsigned
     if (t0) out[BLINK_OPS_SYNC] = b - a;
     __syncthreads();
     BLINK_OPS_TIME(BLINK_OPS_ATOMIC_SHARED, acc = atomicAdd_block(&words[acc & 63u], 1u))
+    BLINK_OPS_TIME(BLINK_OPS_ST_HOST_FENCE_ACQREL_SYS, *(volatile unsigned *)&host[32 + (r & 31u)] = r;
+                   asm volatile("fence.acq_rel.sys;" ::: "memory"))
+    BLINK_OPS_TIME(BLINK_OPS_FENCE_ACQREL_SYS, asm volatile("fence.acq_rel.sys;" ::: "memory"))
+    BLINK_OPS_TIME(BLINK_OPS_FENCE_ACQREL_DEV, dev[32 + (r & 31u)] = r; asm volatile("fence.acq_rel.gpu;" ::: "memory"))
+    BLINK_OPS_TIME(BLINK_OPS_ST_RELEASE_HOST,
+                   asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(&host[32 + (r & 31u)]), "r"(r) : "memory"))
+    BLINK_OPS_TIME(BLINK_OPS_LD_ACQUIRE_DEV,
+                   asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(idx) : "l"(&dev[idx & 63u]) : "memory"))
 #undef BLINK_OPS_TIME
     if (t0) out[BLINK_OPS_N] = idx + acc + clk + counter;   /* keeps the chains; the host ignores it */
 }
