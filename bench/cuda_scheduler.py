@@ -85,7 +85,7 @@ class Bench:
         self.device = driver.open_device(0)
         self.module = Module()
         self.stream = check(self.d.cuStreamCreate(int(self.d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
-        self.shared_state_error = None   # the shared_state A/B failed once: the later workloads skip it
+        self.state_ab_error = None   # the shared_state A/B failed once: the later workloads skip it
 
     def sync(self):
         check(self.d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
@@ -259,7 +259,7 @@ class Bench:
         geom = RingGeometry(4096, max(1 << 16, n_req * prompt_len), max(1 << 16, n_req * tokens))
         # timed without the first fast plans' checks (the full walks beside them); _check reads every token
         cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
-                              fast_plan_checks=0, shared_state=False)
+                              fast_plan_checks=0)
         return geom, cfg, lengths if mixed else tokens, lengths
 
     def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16, mixed: bool = False) -> dict:
@@ -291,20 +291,21 @@ class Bench:
             out["host_loop"]["makespan_ms"] / out["persistent"]["makespan_ms"], 2)
         return out
 
-    def shared_state(self, batch: int, n_req: int, tokens: int, mixed: bool, prompt_len: int = 16) -> dict:
-        """The workload again with an instance's params, state, counters and allocator scalars in the
-        block's shared memory (shared_state: its own kernel, blink_scheduler_shared), the A/B of that.
-        New and not yet run on a GPU: main runs it after every other measurement is written, a failure
-        or a run that does not finish in 30 s is recorded here, and after one the rest are skipped."""
-        if self.shared_state_error is not None:
-            return {"error": f"skipped after: {self.shared_state_error}"}
+    def state_ab(self, batch: int, n_req: int, tokens: int, mixed: bool, prompt_len: int = 16) -> dict:
+        """The workload again with the other home of an instance's params, state, counters and
+        allocator scalars than the config's (shared_state, BLINK_SCHED_SHARED_STATE): the block's
+        shared memory (blink_scheduler_shared, the default) or device memory (blink_scheduler). main
+        runs it after every other measurement is written; a failure or a run that does not finish in
+        30 s is recorded here, and after one the rest are skipped."""
+        if self.state_ab_error is not None:
+            return {"error": f"skipped after: {self.state_ab_error}"}
         geom, cfg, tokens_arg, _ = self._setup(batch, n_req, tokens, prompt_len, mixed)
         try:
-            return self._persistent(geom, dataclasses.replace(cfg, shared_state=True), n_req, prompt_len,
-                                    tokens_arg, timeout_s=30)
+            return self._persistent(geom, dataclasses.replace(cfg, shared_state=not cfg.shared_state), n_req,
+                                    prompt_len, tokens_arg, timeout_s=30)
         except Exception as e:       # noqa: BLE001 - recorded in the result
-            self.shared_state_error = f"{type(e).__name__}: {e}"[:300]
-            return {"error": self.shared_state_error}
+            self.state_ab_error = f"{type(e).__name__}: {e}"[:300]
+            return {"error": self.state_ab_error}
 
     def _persistent(self, geom, cfg, n_req, prompt_len, tokens, timeout_s: float = 120) -> dict:
         mem = PinnedMapped(geom.total_size)
@@ -334,7 +335,8 @@ class Bench:
         self._check(ring, n_req, prompt_len, tokens)
         del ring
         mem.close()
-        return {**_persistent_stats(c, t1 - t0), "launch_retries": c["launch_retries"]}
+        return {**_persistent_stats(c, t1 - t0), "launch_retries": c["launch_retries"],
+                "shared_state": bool(cfg.shared_state)}
 
     def _device_ring(self, geom, cfg, n_req, prompt_len, tokens) -> dict:
         """The persistent scheduler over the ring in device memory, as the DPU deployment has it (the
@@ -546,25 +548,29 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                                    f"{p.get('fill_blocks', '-')} ({p.get('fill_evictions', '-')}) | "
                                    f"{parts(p)} | {parts(f)} | {ratio(p, f)}")
     lines += ["", "The loop's state in shared memory, A/B in this run: each instance's params, state, counters and "
-              "prefix-cache allocator scalars in device memory (the default) vs copied into the block's shared memory "
-              "and written back before each launch and at each beat (shared_state=True):", "",
-              "| batch | overhead us/step, device memory | publish | plan | reap | policy | apply | rows | "
-              "overhead us/step, shared | publish | plan | reap | policy | apply | rows | device / shared (overhead) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "prefix-cache allocator scalars copied into the block's shared memory and written back before each "
+              "launch and at each beat (shared_state, the default) vs in device memory (shared_state=False, "
+              "BLINK_SCHED_SHARED_STATE=0):", "",
+              "| batch | overhead us/step, shared | publish | plan | reap | policy | apply | rows | "
+              "overhead us/step, device memory | publish | plan | reap | policy | apply | rows | "
+              "device / shared (overhead) | (makespan) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def thread0(x):
         return " | ".join(str(x.get(k, "-")) for k in ("scheduler_overhead_us_per_step", "publish_us_per_step",
                                                         "plan_us_per_step", "reap_us_per_step", "policy_us_per_step",
                                                         "apply_us_per_step", "rows_us_per_step"))
     for w in results["workloads"]:
-        p, sh = w["persistent"], w.get("persistent_shared_state")
-        if not sh:
+        p, ab = w["persistent"], w.get("persistent_state_ab")
+        if not ab:
             continue
-        if "error" in sh:
-            lines.append(f"| {w['batch']} | {thread0(p)} | failed: {sh['error']} | | | | | | | |")
-        else:
-            r = round(p["scheduler_overhead_us_per_step"] / max(1e-9, sh["scheduler_overhead_us_per_step"]), 2)
-            lines.append(f"| {w['batch']} | {thread0(p)} | {thread0(sh)} | {r}x |")
+        if "error" in ab:
+            lines.append(f"| {w['batch']} | {thread0(p)} | failed: {ab['error']} | | | | | | | | |")
+            continue
+        sh, dv = (p, ab) if p.get("shared_state", True) else (ab, p)
+        r = round(dv["scheduler_overhead_us_per_step"] / max(1e-9, sh["scheduler_overhead_us_per_step"]), 2)
+        m = round(dv["makespan_ms"] / max(1e-9, sh["makespan_ms"]), 2)
+        lines.append(f"| {w['batch']} | {thread0(sh)} | {thread0(dv)} | {r}x | {m}x |")
     lines += ["", "The persistent scheduler over a ring in device memory (the DPU deployment: the NIC writes the "
               "ring, no slot word crosses PCIe for the kernel; requests copied in before the start):", "",
               "| batch | us/step | overhead us/step | scan | publish | keys | plan | host-mapped overhead us/step |",
@@ -615,8 +621,8 @@ def main(argv=None) -> int:
         results["workloads"].append(w)
     stem = write_results(results, pathlib.Path(args.out), args.machine)   # before the A/B that may fault
     for w, (batch, n_req, tokens, mixed) in zip(results["workloads"], shapes):
-        w["persistent_shared_state"] = b.shared_state(batch, n_req, tokens, mixed)
-        print("shared_state", batch, json.dumps(w["persistent_shared_state"]), flush=True)
+        w["persistent_state_ab"] = b.state_ab(batch, n_req, tokens, mixed)
+        print("state_ab", batch, json.dumps(w["persistent_state_ab"]), flush=True)
         stem = write_results(results, pathlib.Path(args.out), args.machine)
     print(stem.with_suffix(".md").read_text())
     return 0

@@ -187,16 +187,13 @@ CALLS: tuple[Call, ...] = (
           GGUF_COLLECT,
           Stage("build", 25, 60, (PY, "-c", "from gpu_backend.cuda import build; "
                                    "print(build.build_device_module()); print(build.build_host_twin())")),
-          Stage("sched_smoke", 10, 45, _pytest(CUDA_T, k="(tail_relaunch_windows and not shared_state) or device_memory"),
+          Stage("sched_smoke", 10, 45, _pytest(CUDA_T, k="tail_relaunch_windows or ring_in_device_memory"),
                 pytest=True),
           Stage("triton", 65, 110, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
           Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
-          Stage("sched", 25, 80, _pytest(CUDA_T, k="(rolls_over or same_results or cancel_stale or doorbell or survey) "
-                                               "and not shared_state"), pytest=True),
-          # the loop over copies in shared memory (its own kernel, first run on a GPU): a process of its own,
-          # so a device fault there costs this stage only
-          Stage("sched_shared", 8, 45, _pytest(CUDA_T, k="shared_state"), pytest=True),
+          Stage("sched", 25, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"),
+                pytest=True),
           BENCH_SCHED),
          gguf_part=1),
     Call("graphs", "the model graphs: cuda and cuda-hostloop in-process agree with greedy_generate (near-tie "

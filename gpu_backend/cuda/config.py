@@ -22,7 +22,7 @@ MAX_WINDOW = DEVICE_LAUNCH_LIMIT - LAUNCH_HEADROOM   # sched_types.h BLINK_MAX_W
 # own limit; a roll-over costs one tail launch (a few us) per 100 steps.
 DEFAULT_WINDOW = MAX_WINDOW
 FAST_PLAN_ENV = "BLINK_SCHED_FAST_PLAN"   # 0: every step planned by the full walks (the survey off)
-SHARED_STATE_ENV = "BLINK_SCHED_SHARED_STATE"   # 1: an instance's params, state, stats, pkv in shared memory
+SHARED_STATE_ENV = "BLINK_SCHED_SHARED_STATE"   # 0: an instance's params, state, stats, pkv in device memory
 
 
 def _fast_plan_default() -> bool:
@@ -30,7 +30,7 @@ def _fast_plan_default() -> bool:
 
 
 def _shared_state_default() -> bool:
-    return os.environ.get(SHARED_STATE_ENV, "0").strip() == "1"
+    return os.environ.get(SHARED_STATE_ENV, "1").strip() != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,10 @@ class SchedulerConfig:
     # Each instance copies its parameter block, its state, counters and the prefix-cache allocator's
     # scalars into the block's shared memory and works there, writing state back before each launch
     # (the step graph reads it) and all of them at each beat and at its exit: thread 0's walk between
-    # two steps is a chain of dependent loads, and a counter's `+= 1` is a load after a store. Off by
-    # default until a GPU has measured it (bench.cuda_scheduler's A/B); BLINK_SCHED_SHARED_STATE=1.
+    # two steps is a chain of dependent loads, and a counter's `+= 1` is a load after a store, each an
+    # L2 round trip (~150 ns) once a fence has invalidated L1. On by default since the H200 measured
+    # it: 1.12-1.36x shorter makespans in three runs (bench/results/2026-11-27-h200-gpu-check-4);
+    # BLINK_SCHED_SHARED_STATE=0 keeps them in device memory (blink_scheduler).
     shared_state: bool = dataclasses.field(default_factory=_shared_state_default)
     lvf_alpha_milli: int = 3000         # policy.PolicyConfig's LVF weights
     lvf_beta_b_milli: int = 0

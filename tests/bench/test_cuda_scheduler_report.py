@@ -38,7 +38,8 @@ def _twin_run(ring_buf, geom, cfg) -> dict:
     assert tw.join(30)
     cs.Bench._check(None, ring, 16, 16, 32)   # an instance method that reads nothing of its instance
     counters = {k: int(getattr(tw.stats, k)) for k in (*structs.COUNTERS, "max_window_launches")}
-    return {**cs._persistent_stats(counters, t1 - t0), "launch_retries": counters["launch_retries"]}
+    return {**cs._persistent_stats(counters, t1 - t0), "launch_retries": counters["launch_retries"],
+            "shared_state": cfg.shared_state}
 
 
 def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
@@ -51,9 +52,10 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     full = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
                                                                        idle_sleep_ns=0, fast_plan=False))
     assert full["fast_plan_share"] == 0 < bell["fast_plan_share"] <= 1
-    shared = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
-                                                                         idle_sleep_ns=0, shared_state=True))
-    assert shared["steps"] == bell["steps"] and shared["plan_us_per_step"] > 0
+    assert bell["shared_state"]   # the default
+    in_device = _twin_run(bytearray(geom.total_size), geom, SchedulerConfig(max_batch_size=8, max_model_len=64,
+                                                                            idle_sleep_ns=0, shared_state=False))
+    assert in_device["steps"] == bell["steps"] and in_device["plan_us_per_step"] > 0
     assert bell["plan_us_per_step"] >= bell["policy_us_per_step"] > 0
     med = {"median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "n": 1}
     results = {"date": cs.DATE, "machine": "twin", "device": "CPU twin", "sms": 0,
@@ -66,7 +68,7 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
                "ops": {"reps": 1000, "runs": 5, "ns": {k: 10.0 + i for i, (k, _) in enumerate(cs.OPS)}},
                "workloads": [{"batch": 8, "requests": 16, "tokens_per_request": 32, "prompt_len": 16,
                               "persistent": bell, "persistent_scan_every_iteration": every,
-                              "persistent_full_plan": full, "persistent_shared_state": shared,
+                              "persistent_full_plan": full, "persistent_state_ab": in_device,
                               "persistent_device_ring": {"error": "not on a CPU"}, "host_loop": every,
                               "ratio_makespan_host_over_persistent": 1.0}]}
     stem = cs.write_results(results, tmp_path, "twin")
@@ -74,7 +76,7 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     in_shared = md.split("The loop's state in shared memory, A/B in this run")[1]
     assert (f"| 8 | {bell['scheduler_overhead_us_per_step']} | {bell['publish_us_per_step']} | "
             f"{bell['plan_us_per_step']} |") in in_shared
-    assert f"| {shared['scheduler_overhead_us_per_step']} | {shared['publish_us_per_step']} |" in in_shared
+    assert f"| {in_device['scheduler_overhead_us_per_step']} | {in_device['publish_us_per_step']} |" in in_shared
     ops = md.split("What thread 0 strings together between two steps")[1]
     assert all(f"| {what} | {10.0 + i} |" in ops for i, (_, what) in enumerate(cs.OPS))
     for heading in ("The persistent schedule phase in parts", "The frontend doorbell, A/B in this run",

@@ -73,7 +73,7 @@ def shut(rt, mapped, abort=False):
     return s
 
 
-@pytest.mark.parametrize("shared_state", [False, True], ids=["default", "shared_state"])
+@pytest.mark.parametrize("shared_state", [True, False], ids=["shared_state", "device_state"])
 def test_echo_through_tail_relaunch_windows(ring_name, device, module, shared_state):
     """shared_state: every instance copies its params, state, counters and allocator scalars into shared
     memory and writes them back (the state before each launch: the step graph reads it there)."""
@@ -172,11 +172,12 @@ def test_the_survey_evicts_blocks_in_parallel_on_the_device_as_the_walk(ring_nam
     assert c["fill_evictions"] > 100, c
 
 
-def test_the_survey_evicts_on_the_device_as_the_walk_with_shared_state(ring_name, device, module):
-    """The evicting commit workload with the loop's params, state, counters and allocator scalars in the
-    block's shared memory (shared_state, bench.cuda_scheduler's A/B): the walk's cache and counters."""
-    c = _device_against_the_walk(ring_name, device, module, shared_state=True, **EVICT)
-    print("parallel evictions on the device, shared state:", c)
+def test_the_survey_evicts_on_the_device_as_the_walk_with_the_state_in_device_memory(ring_name, device, module):
+    """The evicting commit workload with the loop's params, state, counters and allocator scalars in
+    device memory (shared_state=False, blink_scheduler; bench.cuda_scheduler's A/B): the walk's cache
+    and counters."""
+    c = _device_against_the_walk(ring_name, device, module, shared_state=False, **EVICT)
+    print("parallel evictions on the device, state in device memory:", c)
     assert c["fill_evictions"] > 100, c
 
 

@@ -61,7 +61,7 @@ def stop(tw, abort=False):
     return tw.exit_code
 
 
-@pytest.mark.parametrize("shared_state", [False, True], ids=["default", "shared_state"])
+@pytest.mark.parametrize("shared_state", [True, False], ids=["shared_state", "device_state"])
 def test_echo_through_many_launch_windows(twin_lib, shm_ring, shared_state):
     """shared_state: every instance (windows of 3 launches) copies the state into shared memory and writes
     it back at its exit, and the next one starts from there (queue, running list, step number, counters)."""
