@@ -67,6 +67,7 @@ struct blink_host_platform {
     uint32_t ld_blk32(const uint32_t *p) const { return *p; }   /* (GCC's TSan skips volatile accesses) */
     void st_blk32(uint32_t *p, uint32_t v) const { *p = v; }
 #endif
+    uint32_t ld_acq32(const uint32_t *p) const { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
     void fence_sys() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     void fence_dev() const { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     /* The one atomic of the loop: the block's shared counters. One that lands in the ring or the

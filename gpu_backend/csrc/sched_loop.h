@@ -798,7 +798,7 @@ BLINK_DEV void blink_phase_wait(P &plat, const blink_sched_params_t *p, blink_sc
     blink_sched_state_t *st = p->state;
     if (!st->in_flight) return;
     const uint64_t t0 = plat.now_ns(p);
-    while (plat.ld32(p->done) != st->step_no) {
+    while (plat.ld_acq32(p->done) != st->step_no) {   /* acquire: the step's tokens before its flag */
         const uint64_t now = plat.now_ns(p);
         if (now - st->last_beat_ns >= p->beat_interval_ns) {
             blink_beat(plat, p, now);
@@ -815,7 +815,6 @@ BLINK_DEV void blink_phase_wait(P &plat, const blink_sched_params_t *p, blink_sc
             return;
         }
     }
-    plat.fence_dev();   /* the step's tokens were written before its done flag */
     const uint64_t t1 = plat.now_ns(p);
     p->stats->wait_ns += t1 - t0;
     sh->pub_us = (int64_t)(t1 / 1000);   /* scheduler.update's clock: one time for the step's tokens */
