@@ -173,6 +173,9 @@ BENCH_SCHED = Stage("bench_sched", 15, 60, (PY, "-m", "bench.cuda_scheduler", "-
 # bench_graphs 126 s (float32, three repeats) and the bfloat16 A/B 65 s (one repeat), 70 s for one workload
 # with three. Since then the executors' default dtype is bfloat16, so bench_graphs runs in it, five repeats
 # (its host loop moved by 19% from run to run there), and the float32 A/B follows with one (bench_graphs_f32).
+# The fifth (H200, 2026-11-27, bench/results/2026-11-27-h200-gpu-check-4): 100 / 140 / 217 s, with build
+# 29, triton 44, graph_smoke 13, sched 4; graphs_inproc 45, agreement 43, frontend_1000 23, step_profile
+# 28; real_weights 38, echo_10k 5, bench_graphs 99, bench_graphs_f32 73.
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
          "through many tail-launch windows from a host-mapped ring and from device memory; the step graphs' "
@@ -189,10 +192,10 @@ CALLS: tuple[Call, ...] = (
                                    "print(build.build_device_module()); print(build.build_host_twin())")),
           Stage("sched_smoke", 10, 45, _pytest(CUDA_T, k="tail_relaunch_windows or ring_in_device_memory"),
                 pytest=True),
-          Stage("triton", 65, 110, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
-          Stage("graph_smoke", 30, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
+          Stage("triton", 55, 110, _pytest(TRITON_T, TRITON_SAMPLER_T, gpu_only=False), pytest=True),
+          Stage("graph_smoke", 20, 100, _pytest(GRAPH_T, k="capture_is_device or (greedy and 8-cuda and not host)"),
                 pytest=True),
-          Stage("sched", 25, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"),
+          Stage("sched", 15, 80, _pytest(CUDA_T, k="rolls_over or same_results or cancel_stale or doorbell or survey"),
                 pytest=True),
           BENCH_SCHED),
          gguf_part=1),
@@ -211,10 +214,18 @@ CALLS: tuple[Call, ...] = (
                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu "
                                                     "or structured_outputs_on_the_device"),
                 pytest=True),
-          Stage("agreement", 65, 150, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
-          Stage("frontend_1000", 45, 130, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
+          Stage("agreement", 65, 120, _pytest(GRAPH_T, k="daemons_agree"), pytest=True),
+          Stage("frontend_1000", 45, 100, _pytest(GRAPH_T, k="1000_requests"), pytest=True),
           Stage("step_profile", 45, 90, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}"),
-                outputs=("*-cuda_step_profile.json", "*-cuda_step_profile.md"), dry_cpu=True)),
+                outputs=("*-cuda_step_profile.json", "*-cuda_step_profile.md"), dry_cpu=True),
+          # the steps Fig. 3's 64x128->32 runs, in the executors' default dtype: 64 decoding rows take the
+          # 128-row graph at ctx 256 (SMOL_BUCKETS), ~2.4 ms a step on the H200 in bf16 (the host loop's
+          # wait), against ~1.1 ms of host-loop overhead, so the graph's time bounds the A/B's ratio
+          # (host loop / persistent <= 1.47 there); its profile says what that time is made of
+          Stage("step_profile_bf16", 20, 60, (PY, "-m", "bench.cuda_step_profile", "--out", "{out}/bf16",
+                                              "--dtype", "bfloat16", "--decode", "1x256,32x256,128x256",
+                                              "--prefill", "", "--profile", "128x256", "--no-baseline"),
+                outputs=("bf16/*-cuda_step_profile.json", "bf16/*-cuda_step_profile.md"), dry_cpu=True)),
          gguf_part=2),
     Call("bench", "the real SmolLM2 weights (reassembled GGUF, sha256-checked) give the CPU reference's greedy "
          "tokens on the cuda daemon (float32; in the default bfloat16 most first tokens are float32's); 10,000 echo requests through the daemon and the real RingClient over 4096 "
