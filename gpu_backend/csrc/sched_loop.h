@@ -122,7 +122,7 @@ typedef struct blink_sched_local {
  * n_rows, n_chunks and step_no there; blink_home_state) and at each beat and the exit (all of them:
  * blink_home_all), where the host and the next instance read them. The device has a kernel of its own
  * for it (scheduler.cu blink_scheduler_shared): one loop over a pointer that may be either memory would
- * compile every params load of the default kernel to a generic one. */
+ * compile every params load of the device-memory kernel (blink_scheduler) to a generic one. */
 static inline BLINK_HD void blink_copy_words(void *dst, const void *src, uint32_t bytes, unsigned tid, unsigned nt) {
     for (uint32_t i = tid; i < bytes / 8; i += nt) ((uint64_t *)dst)[i] = ((const uint64_t *)src)[i];
 }

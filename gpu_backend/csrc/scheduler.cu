@@ -25,10 +25,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler(const blink
     blink_sched_run(plat, p, &sh, threadIdx.x, blockDim.x);
 }
 
-/* shared_state (SchedulerConfig; the runtime instantiates this kernel instead): the same loop over
- * copies of its params, state, counters and allocator scalars in the block's shared memory
- * (sched_loop.h blink_copy_local). A kernel of its own, so the default one above keeps its params
- * loads global (one loop over a pointer into either memory compiles them all to generic loads). */
+/* shared_state (SchedulerConfig, the default; the runtime instantiates this kernel then): the same loop
+ * over copies of its params, state, counters and allocator scalars in the block's shared memory
+ * (sched_loop.h blink_copy_local). A kernel of its own, so the device-memory one above (shared_state
+ * off) keeps its params loads global (one loop over a pointer into either memory compiles them all to
+ * generic loads). */
 extern "C" __global__ void __launch_bounds__(256, 1) blink_scheduler_shared(const blink_sched_params_t *p) {
     __shared__ blink_sched_shared_t sh;
     __shared__ blink_sched_local_t loc;

@@ -42,7 +42,8 @@ def _twin_run(ring_buf, geom, cfg) -> dict:
             "shared_state": cfg.shared_state}
 
 
-def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
+def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path, monkeypatch):
+    monkeypatch.delenv("BLINK_SCHED_SHARED_STATE", raising=False)   # the default's tables
     geom = RingGeometry(4096, 1 << 16, 1 << 16)
     cfg = SchedulerConfig(max_batch_size=8, max_model_len=64, idle_sleep_ns=0)
     bell = _twin_run(bytearray(geom.total_size), geom, cfg)
@@ -77,6 +78,19 @@ def test_the_report_of_twin_counters_has_every_table(twin_lib, tmp_path):
     assert (f"| 8 | {bell['scheduler_overhead_us_per_step']} | {bell['publish_us_per_step']} | "
             f"{bell['plan_us_per_step']} |") in in_shared
     assert f"| {in_device['scheduler_overhead_us_per_step']} | {in_device['publish_us_per_step']} |" in in_shared
+    assert "by default: its params, state and counters in the block's shared memory" in md
+    # a failed A/B run: its row keeps the table's columns, the default's numbers under its own home
+    for p, failed_home in ((bell, "device"), (in_device, "shared")):
+        results["workloads"][0].update(persistent=p, persistent_state_ab={"error": "boom"})
+        table = cs.write_results(results, tmp_path, "twin").with_suffix(".md").read_text().split(
+            "The loop's state in shared memory, A/B in this run")[1].split("\n\n")[1].splitlines()
+        row = next(r for r in table if "boom" in r)
+        assert row.count("|") == table[0].count("|"), (row, table[0])
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1 if failed_home == "device" else 8] == str(p["scheduler_overhead_us_per_step"])
+        assert cells[8 if failed_home == "device" else 1] == "failed: boom"
+    results["workloads"][0].update(persistent=bell, persistent_state_ab=in_device)
+    md = cs.write_results(results, tmp_path, "twin").with_suffix(".md").read_text()
     ops = md.split("What thread 0 strings together between two steps")[1]
     assert all(f"| {what} | {10.0 + i} |" in ops for i, (_, what) in enumerate(cs.OPS))
     for heading in ("The persistent schedule phase in parts", "The frontend doorbell, A/B in this run",

@@ -73,7 +73,7 @@ def test_stage_lines_are_what_the_runner_reads():
 
 def test_benchmark_outputs_are_the_declared_files():
     """Each benchmark stage's files, named as the benchmark names them on either card, are declared
-    by the call that runs it, and the stage writes them into $OUT."""
+    by the call that runs it, and the stage writes them into $OUT (or a folder of its own there)."""
     import fnmatch
 
     from bench import cuda_graphs, cuda_scheduler, cuda_step_profile
@@ -87,11 +87,20 @@ def test_benchmark_outputs_are_the_declared_files():
         date, stem = names[s.argv[2]]
         if s.argv[2] == "bench.cuda_graphs":    # its default dtype (bf16) and the float32 A/B beside it
             stem += cuda_graphs.dtype_suffix(s.argv[s.argv.index("--dtype") + 1] if "--dtype" in s.argv else "auto")
-        written = [f"{date}-{machine_label('auto', card)}-{stem}.{ext}"
+        out = s.argv[s.argv.index("--out") + 1]
+        assert out == "{out}" or out.startswith("{out}/") and out[6:].isidentifier(), out
+        folder = out[6:] + "/" if out != "{out}" else ""
+        written = [f"{folder}{date}-{machine_label('auto', card)}-{stem}.{ext}"
                    for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for ext in ("json", "md")]
         assert all(any(fnmatch.fnmatch(w, d) for d in c.out_files()) for w in written), (c.name, written)
         assert all(plan.check_out_name(w) is None for w in written)
-        assert ("--out", "{out}") == s.argv[s.argv.index("--out"):s.argv.index("--out") + 2]
+    # two runs of one benchmark in a call must not write the same names (cuda_graphs names its dtype;
+    # the others take a folder of their own)
+    for c in plan.CALLS:
+        outs = [(s.argv[2], s.argv[s.argv.index("--out") + 1],
+                 s.argv[s.argv.index("--dtype") + 1] if "--dtype" in s.argv and s.argv[2] == "bench.cuda_graphs"
+                 else None) for s in c.stages if s.outputs]
+        assert len(set(outs)) == len(outs), (c.name, outs)
 
 
 def test_plan_prints_in_seconds():
