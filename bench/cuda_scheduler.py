@@ -260,15 +260,15 @@ class Bench:
         # timed without the first fast plans' checks (the full walks beside them); _check reads every token
         cfg = SchedulerConfig(max_batch_size=batch, max_model_len=prompt_len + tokens + 1, idle_sleep_ns=0,
                               fast_plan_checks=0)
-        return geom, cfg, lengths if mixed else tokens, lengths
+        return geom, cfg, lengths if mixed else tokens
 
     def workload(self, batch: int, n_req: int, tokens: int, prompt_len: int = 16, mixed: bool = False) -> dict:
         """`mixed`: output lengths drawn from tokens/4..tokens (requests finish at different steps:
         a reap in most steps) instead of all `tokens` (they finish together, batch by batch)."""
-        geom, cfg, tokens_arg, lengths = self._setup(batch, n_req, tokens, prompt_len, mixed)
+        geom, cfg, served = self._setup(batch, n_req, tokens, prompt_len, mixed)
         out = {"batch": batch, "requests": n_req, "prompt_len": prompt_len,
-               "tokens_per_request": f"{lengths.min()}-{tokens}" if mixed else tokens}
-        tokens = tokens_arg
+               "tokens_per_request": f"{served.min()}-{tokens}" if mixed else tokens}
+        tokens = served
 
         # persistent scheduler over a host-mapped ring (the one-box deployment); then the same with a
         # slot scan in every iteration (full_scan_us=0: the frontend doorbell unread), the A/B of the bell
@@ -302,10 +302,10 @@ class Bench:
         30 s is recorded here, and after one the rest are skipped."""
         if self.state_ab_error is not None:
             return {"error": f"skipped after: {self.state_ab_error}"}
-        geom, cfg, tokens_arg, _ = self._setup(batch, n_req, tokens, prompt_len, mixed)
+        geom, cfg, served = self._setup(batch, n_req, tokens, prompt_len, mixed)
         try:
             return self._persistent(geom, dataclasses.replace(cfg, shared_state=not cfg.shared_state), n_req,
-                                    prompt_len, tokens_arg, timeout_s=30)
+                                    prompt_len, served, timeout_s=30)
         except Exception as e:       # noqa: BLE001 - recorded in the result
             self.state_ab_error = f"{type(e).__name__}: {e}"[:300]
             return {"error": self.state_ab_error}
@@ -467,6 +467,11 @@ def _ab_rows(results: dict, key: str, cells) -> list[str]:
     return [f"| {w['batch']} | {cells(w['persistent'], w[key])} |" for w in results["workloads"] if w.get(key)]
 
 
+def _in_shared(run: dict) -> bool:
+    """Whether a persistent run had its state in shared memory (older results, without the key, did not)."""
+    return run.get("shared_state", False)
+
+
 def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{DATE}-{machine}-cuda_scheduler"
@@ -496,7 +501,7 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
                   "| operation | ns |", "|---|---|"]
         lines += [f"| {what} | {ns.get(key, '-')} |" for key, what in OPS]
     first = results["workloads"][0]["persistent"] if results["workloads"] else {}
-    home = ("in the block's shared memory (shared_state, blink_scheduler_shared)" if first.get("shared_state", False)
+    home = ("in the block's shared memory (shared_state, blink_scheduler_shared)" if _in_shared(first)
             else "in device memory (blink_scheduler)")
     lines += ["", f"The persistent scheduler as configured by default: its params, state and counters {home}; "
               "the host loop's (the same loop on a host thread) in its own memory, as in every run.", "",
@@ -574,9 +579,9 @@ def write_results(results: dict, out_dir: pathlib.Path, machine: str) -> pathlib
             continue
         if "error" in ab:   # the failed one's 7 columns and the 2 ratios
             cells = [thread0(p), f"failed: {ab['error']} | | | | | |"]
-            lines.append(f"| {w['batch']} | {' | '.join(cells if p.get('shared_state', True) else cells[::-1])} | - | - |")
+            lines.append(f"| {w['batch']} | {' | '.join(cells if _in_shared(p) else cells[::-1])} | - | - |")
             continue
-        sh, dv = (p, ab) if p.get("shared_state", True) else (ab, p)
+        sh, dv = (p, ab) if _in_shared(p) else (ab, p)
         r = round(dv["scheduler_overhead_us_per_step"] / max(1e-9, sh["scheduler_overhead_us_per_step"]), 2)
         m = round(dv["makespan_ms"] / max(1e-9, sh["makespan_ms"]), 2)
         lines.append(f"| {w['batch']} | {thread0(sh)} | {thread0(dv)} | {r}x | {m}x |")
