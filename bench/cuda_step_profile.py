@@ -18,6 +18,7 @@ per-step overhead against this time, so it is the number that decides it).
          3 eager steps, the 15 largest kernels by device time (on a CPU the operators by CPU
          time) and the kernels a step launches; a capture or a profiler that fails costs its
          column or table (the error is recorded), not the run
+      -> the draw alone at the decode shapes' row counts, each sampling mix (bench/cuda_draw.py)
       -> OUT/<date>-<machine>-cuda_step_profile.json + .md
 
     python -m bench.cuda_step_profile [--out DIR] [--decode 1x256,128x1024] [--prefill 16x128x512]
@@ -295,6 +296,14 @@ def run(args) -> dict:
         res["shapes"].append(row)
         print(f"  {row['shape']:<28} step {row['step_ms']:9.3f} ms  graph {row['graph_ms']} ms  "
               f"(forward {row['forward_ms']}, logits {row['logits_ms']}, sample {row['sample_ms']})", flush=True)
+    if args.draw:                              # the draw alone, at the decode shapes' row counts
+        from . import cuda_draw
+        try:
+            rows = [min(r, 4) if args.quick else r for r, _, _ in decode] or [1]     # quick: the CPU's dry run
+            res["draw"] = cuda_draw.draw_table(device, config.vocab_size, rows, args.runs,
+                                               triton=prof.step.kernels == "triton")
+        except Exception as e:                 # noqa: BLE001 - recorded in the result
+            res["draw_error"] = f"{type(e).__name__}: {e}"[:300]
     want = args.profile or str(max((g for g in prof.shapes if g.len == 1), key=lambda g: (g.rows, g.ctx),
                                    default=prof.shapes[-1]))
     target = next((g for g in prof.shapes if str(g) == want or f"{g.rows}x{g.ctx}" == want), None)
@@ -366,6 +375,9 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
                       + f", {bp.get(count)} baseline."
                       + (" (On a CPU the Triton kernels run in Triton's interpreter, whose own operators count here.)"
                          if kernels == "triton" and p.get("clock") == "cpu" else "")]
+    from .cuda_draw import markdown as draw_markdown
+    lines += draw_markdown(res.get("draw", []))
+    lines += ["", f"The draw's table failed: {res['draw_error']}"] if "draw_error" in res else []
     errors = [f"{r['shape']}: {r['graph_error']}" for r in res["shapes"] if r.get("graph_error")]
     lines += ["", f"Capture failed: {'; '.join(errors)}"] if errors else []
     if "error" in p:
@@ -400,6 +412,8 @@ def main(argv=None) -> int:
                          "same model on PyTorch's operators beside it")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
                     help="skip the A/B against the step before the kernel-count work")
+    ap.add_argument("--no-draw", dest="draw", action="store_false",
+                    help="skip the draw's table (bench/cuda_draw.py: the draw alone, each sampling mix)")
     ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}), 3 runs")
     args = ap.parse_args(argv)
     if args.quick:

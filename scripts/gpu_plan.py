@@ -214,7 +214,9 @@ CALLS: tuple[Call, ...] = (
          "and seeded sampling reproduces; 1,000 requests with mixed lengths, seeds and cancellations through "
          "the frontend's RingClient and the cuda daemon: nothing lost; where a step graph's time goes, shape "
          "by shape (forward, logits, sampling; one captured replay; the largest decode shape's top kernels): "
-         "the time the Fig. 3 ratio sets the host loop's per-step overhead against",
+         "the time the Fig. 3 ratio sets the host loop's per-step overhead against; the draw alone (no sort "
+         "since the fifth run) for each sampling mix against PyTorch's draw and the sort it replaced, its "
+         "tokens checked against PyTorch's on the device",
          (GGUF_COLLECT,
           Stage("graphs_inproc", 70, 130, _pytest(GRAPH_T, SAMPLER_T, AUTOMATON_T,
                                                   k="(greedy and not 8-cuda]) or sample_alike or sampler_gpu "

@@ -218,12 +218,15 @@ def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
     if not torch.equal(triton_sampler.uniform(seeds, p.index), sampler.uniform(seeds, p.index)):
         return "sampler uniform differs from PyTorch's"
-    # the draw: greedy and top-k 1 rows take the argmax, a top-k 5 row one of its 5 best
+    # the draw: greedy and top-k 1 rows take the argmax, a top-k 5, top-p 0.7 row one of the ids the
+    # reference keeps (both thresholds found by the draw's descent, no sort)
     temp = torch.tensor([0.0, 1.0, 0.8], device=device)
     top_k = torch.tensor([0, 1, 5], device=device)
-    drawn = triton_sampler.draw(logits, temp, torch.ones(rows, device=device), top_k, seeds, p.index)
-    best = logits.topk(5, dim=-1).indices
-    if not (bool((drawn[:2] == best[:2, 0]).all()) and bool((best[2] == drawn[2]).any())):
+    top_p = torch.tensor([1.0, 1.0, 0.7], device=device)
+    drawn = triton_sampler.draw(logits, temp, top_p, top_k, seeds, p.index)
+    probs, order = sampler.filtered_sorted(logits, temp, top_p, top_k)
+    kept = order[2][probs[2] > 0]
+    if not (bool((drawn[:2] == logits.argmax(dim=-1)[:2]).all()) and bool((kept == drawn[2]).any())):
         return "sampler draw breaks its rules"
     counts, recent = s.counts.clone(), s.recent.clone()
     tokens = torch.tensor([3, 5, 7], device=device)

@@ -17,10 +17,11 @@ with no host sync and no data-dependent shape, so it is captured inside each ste
          repetition (logit > 0: / p, else * p on prompt or output tokens), frequency
          (- f * count), presence (- p * [count > 0])
       -> greedy rows (temperature < MIN_TEMPERATURE): argmax of the processed logits
-      -> others: / temperature -> min_p -> sort (descending) -> top-k (ties with the k-th
-         kept) -> top-p (a token stays while the ones before it hold less than top_p;
-         the first always stays) -> softmax -> inverse CDF at u = hash(seed, token
-         index) -> token; a row whose filtered distribution is not finite keeps the argmax
+      -> others: / temperature -> min_p -> sort (descending, ties by id) -> top-k (ties with
+         the k-th kept) -> top-p (a token stays while the ones before it hold less than top_p;
+         the first always stays) -> softmax -> inverse CDF in token-id order (the CPU
+         daemon's) at u = hash(seed, token index) -> token; a row whose filtered
+         distribution is not finite keeps the argmax
       -> logprobs of the *raw* logits (vLLM's raw_logprobs, as logprobs.records): the
          token's logprob and rank, the MAX_LOGPROBS most likely ids and logprobs
       -> update: each seated row's token counted in its seat, appended to its recent tokens
@@ -252,7 +253,7 @@ def filtered_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
     if min_p is not None:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)                                    # [R, V] each
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)                       # [R, V]: ties by id
     k = torch.where((top_k > 0) & (top_k < v), top_k, torch.full_like(top_k, v))                # [R]
     kth = sorted_x.gather(1, (k - 1)[:, None])                                                  # [R, 1]
     sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
@@ -266,13 +267,19 @@ def filtered_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
          index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """processed logits [R, V] -> tokens [R] int64: argmax for greedy and degenerate rows, else
-    the filtered distribution's inverse CDF at the row's hash uniform."""
+    the filtered distribution's inverse CDF, in token-id order (as the CPU daemon draws,
+    sampling.draw), at the row's hash uniform: the first id whose cumulative probability exceeds
+    u x the total, never past the last id the filters keep."""
+    v = x.shape[-1]
     greedy = x.argmax(dim=-1)                                                                   # [R]
     probs, order = filtered_sorted(x, temperature, top_p, top_k, min_p)                         # [R, V]
-    cdf = torch.cumsum(probs, dim=-1)                                                           # [R, V]
+    by_id = torch.zeros_like(probs).scatter_(1, order, probs)                                   # [R, V]
+    cdf = torch.cumsum(by_id, dim=-1)                                                           # [R, V]
     u = uniform(seed, index) * cdf[:, -1]                                                       # [R]
-    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=x.shape[-1] - 1)         # [R, 1]
-    drawn = order.gather(1, pick)[:, 0]                                                         # [R]
+    pick = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]                               # [R]
+    ids = torch.arange(v, device=x.device)
+    last = torch.where(by_id > 0, ids, torch.full_like(ids, -1)).amax(dim=-1)                   # [R]
+    drawn = torch.minimum(pick, last.clamp(min=0))
     ok = torch.isfinite(probs).all(dim=-1) & (temperature >= MIN_TEMPERATURE)
     return torch.where(ok, drawn, greedy)
 

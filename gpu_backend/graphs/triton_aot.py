@@ -105,9 +105,9 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                 {"seed_ptr": "*i64", "index_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                 {"BLOCK": ts.UNIFORM_BLOCK}, 1))
     for name, fn in (("sampler.draw_prep", ts._draw_prep_kernel), ("sampler.draw_pick", ts._draw_pick_kernel)):
-        ptrs = (("x_ptr", "*fp32"), ("y_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
-                ("min_p_ptr", "*fp32")) if name.endswith("prep") else (
-                ("sorted_ptr", "*fp32"), ("order_ptr", "*i64"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
+        ptrs = (("x_ptr", "*fp32"), ("y_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("top_ptr", "*fp32"),
+                ("temp_ptr", "*fp32"), ("min_p_ptr", "*fp32")) if name.endswith("prep") else (
+                ("y_ptr", "*fp32"), ("top_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
                 ("top_p_ptr", "*fp32"), ("top_k_ptr", "*i64"), ("seed_ptr", "*i64"), ("index_ptr", "*i64"),
                 ("tokens_ptr", "*i64"))
         out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"},

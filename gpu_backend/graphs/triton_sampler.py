@@ -190,24 +190,31 @@ def update(s, p, tokens: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the draw: temperature, min_p, then (after PyTorch's sort) top-k, top-p and the inverse CDF
+# the draw, without a sort: temperature, min_p and the greedy token; then, for each sampling row
+# alone, top-k's and top-p's thresholds by a radix descent over the values' order keys, and the
+# inverse CDF in token-id order
 
 DRAW_BLOCK = 1024            # columns of one tile of the draw kernels
 MIN_TEMPERATURE = 1e-5       # sampler.MIN_TEMPERATURE
+_NO_PICK = tl.constexpr(2147483647)   # no id yet (a constexpr: the kernels read it)
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
-def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, temp_ptr, min_p_ptr, vocab, stride, BLOCK: tl.constexpr):
-    """Per row: the greedy token (first argmax of x); y = x / temperature, -inf where min_p cuts
-    (softmax(y) < min_p * its largest); greedy rows: y = x (their draw is not used)."""
+def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vocab, stride, BLOCK: tl.constexpr):
+    """Per row: the greedy token (first argmax of x). Sampling rows also: y = x / temperature, -inf
+    where min_p cuts (softmax(y) < min_p * its largest), and top = the largest y (NaN where y holds
+    a NaN: the pick keeps the greedy token, as the reference does for a distribution not finite)."""
     r = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     temp = tl.load(temp_ptr + r)
-    t = tl.where(temp < 1e-5, 1.0, temp)
+    sampling = temp >= 1e-5
+    t = tl.where(sampling, temp, 1.0)
     min_p = tl.load(min_p_ptr + r)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = cols                                        # a row of -inf: token 0, as argmax gives
     y_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    nans = tl.zeros([BLOCK], tl.int32)
+    stored = tl.where(sampling, vocab, 0)
     for n0 in range(0, vocab, BLOCK):
         v = n0 + cols
         m = v < vocab
@@ -217,11 +224,13 @@ def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, temp_ptr, min_p_ptr, vocab, stri
         best = tl.where(take, x, best)
         y = x / t
         y_max = tl.maximum(y_max, y)
-        tl.store(y_ptr + r * stride + v, y, mask=m)
+        nans += (y != y).to(tl.int32)
+        tl.store(y_ptr + r * stride + v, y, mask=v < stored)     # greedy rows store nothing
     top = tl.max(best, axis=0)
     tl.store(greedy_ptr + r, tl.min(tl.where(best == top, best_i, 2147483647), axis=0).to(tl.int64))
-    if min_p > 0:
-        ym = tl.max(y_max, axis=0)
+    ym = tl.max(y_max, axis=0)
+    tl.store(top_ptr + r, tl.where(tl.sum(nans, axis=0) > 0, float("nan"), ym))
+    if sampling & (min_p > 0):
         z = tl.zeros([BLOCK], tl.float32)
         for n0 in range(0, vocab, BLOCK):
             v = n0 + cols
@@ -237,71 +246,148 @@ def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, temp_ptr, min_p_ptr, vocab, stri
             tl.store(y_ptr + r * stride + v, y, mask=m)
 
 
-@triton.jit(do_not_specialize=["vocab", "stride"])
-def _draw_pick_kernel(sorted_ptr, order_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr, index_ptr,
-                      tokens_ptr, vocab, stride, BLOCK: tl.constexpr):
-    """Per row, over its values sorted in descending order: top-k (ties with the k-th kept), top-p
-    (a value stays while those before it hold less than top_p), the inverse CDF at the row's
-    hash uniform; the greedy token for greedy rows and rows whose distribution is not finite."""
-    r = tl.program_id(0)
+@triton.jit
+def _order_key(y):
+    """float32 values -> int64 keys in [0, 2^32) ordered as the values are (-0 and +0 one key)."""
+    b = tl.where(y == 0.0, 0.0, y).to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(b >= 0, b + 2147483648, -1 - b)
+
+
+@triton.jit
+def _key_value(t):
+    """An order key -> its float32 value (_order_key's inverse)."""
+    b = tl.where(t >= 2147483648, t - 2147483648, -1 - t)
+    return b.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weights(y, m, s0, kth, MASS: tl.constexpr):
+    """MASS: exp(y - s0) on the values top-k keeps (>= kth), else 0; otherwise 1 a value (a count)."""
+    if MASS:
+        w = tl.where(m & (y >= kth), tl.exp(y - s0), 0.0)
+    else:
+        w = tl.where(m, 1.0, 0.0)
+    return w
+
+
+@triton.jit
+def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest order key t whose F(t) >= target, F(t) being the weight (_weights) of the row's
+    values with key >= t; 0 where none is. Two key bits a pass from the top: 16 passes over the
+    row, each summing F at the three candidates above the bits decided so far. F sums its lanes in
+    one order whatever t, so it never grows with t (rounding included)."""
     cols = tl.arange(0, BLOCK)
-    token = tl.load(greedy_ptr + r)
-    temp = tl.load(temp_ptr + r)
-    s0 = tl.load(sorted_ptr + r * stride)
-    if (temp >= 1e-5) & (s0 > float("-inf")) & (s0 < float("inf")):
-        k = tl.load(top_k_ptr + r)
-        k = tl.where((k > 0) & (k < vocab), k, vocab)
-        kth = tl.load(sorted_ptr + r * stride + k - 1)
-        top_p = tl.load(top_p_ptr + r)
-        limit = tl.where(top_p < 1.0, top_p, float("inf"))
-        # the kept prefix (sorted values: top-k keeps a prefix, so does top-p); its end bounds every pass
-        z1 = tl.zeros([BLOCK], tl.float32)
-        n_keep = tl.zeros([BLOCK], tl.int32)
+    t = tl.program_id(0).to(tl.int64) * 0
+    for level in range(16):
+        step = (t * 0 + 1) << (30 - 2 * level)
+        f1 = tl.zeros([BLOCK], tl.float32)
+        f2 = tl.zeros([BLOCK], tl.float32)
+        f3 = tl.zeros([BLOCK], tl.float32)
         for n0 in range(0, vocab, BLOCK):
             v = n0 + cols
-            sv = tl.load(sorted_ptr + r * stride + v, mask=v < vocab, other=float("-inf"))
-            keep = (sv >= kth) & (v < vocab)
-            z1 += tl.where(keep, tl.exp(sv - s0), 0.0)
-            n_keep += keep.to(tl.int32)
-        total1 = tl.sum(z1, axis=0)
-        kept = tl.sum(n_keep, axis=0)
-        # top-p: a value stays while the probabilities before it sum to less than top_p; the sums
-        # grow along the sorted values, so the kept values are a prefix of n2
-        run = 0.0
-        z2 = tl.zeros([BLOCK], tl.float32)
-        n2 = tl.zeros([BLOCK], tl.int32)
-        for n0 in range(0, kept, BLOCK):
-            v = n0 + cols
-            m = v < kept
-            e = tl.where(m, tl.exp(tl.load(sorted_ptr + r * stride + v, mask=m, other=float("-inf")) - s0), 0.0)
-            p = e / total1
-            stay = m & ((run + tl.cumsum(p, axis=0) - p) < limit)
-            z2 += tl.where(stay, e, 0.0)
-            n2 += stay.to(tl.int32)
-            run += tl.sum(p, axis=0)
-        total2 = tl.sum(z2, axis=0)
-        kept2 = tl.sum(n2, axis=0)
-        # the inverse CDF at the row's hash uniform u: the values whose cumulative weight is at most
-        # u x the total come before the drawn one
-        target = _hash_uniform(tl.load(seed_ptr + r), tl.load(index_ptr + r)) * total2
-        acc = 0.0
-        below = tl.zeros([BLOCK], tl.int32)
-        for n0 in range(0, kept2, BLOCK):
-            v = n0 + cols
-            m = v < kept2
-            e = tl.where(m, tl.exp(tl.load(sorted_ptr + r * stride + v, mask=m, other=float("-inf")) - s0), 0.0)
-            below += (m & ((acc + tl.cumsum(e, axis=0)) <= target)).to(tl.int32)
-            acc += tl.sum(e, axis=0)
-        pick = tl.minimum(tl.sum(below, axis=0), kept2 - 1)       # never past the kept values (rounding)
-        token = tl.load(order_ptr + r * stride + pick)
+            m = v < vocab
+            y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
+            key = _order_key(y)
+            w = _weights(y, m, s0, kth, MASS)
+            f1 += tl.where(key >= t + step, w, 0.0)
+            f2 += tl.where(key >= t + 2 * step, w, 0.0)
+            f3 += tl.where(key >= t + 3 * step, w, 0.0)
+        s1 = tl.sum(f1, axis=0)
+        s2 = tl.sum(f2, axis=0)
+        s3 = tl.sum(f3, axis=0)
+        t = tl.where(s3 >= target, t + 3 * step, tl.where(s2 >= target, t + 2 * step,
+                                                             tl.where(s1 >= target, t + step, t)))
+    return t
+
+
+@triton.jit
+def _above_and_ties(row_ptr, vocab, s0, kth, t, BLOCK: tl.constexpr):
+    """The weight of the values top-k keeps with key > t (F(t + 1), summed as _descend sums), and
+    how many of them have key t."""
+    cols = tl.arange(0, BLOCK)
+    a = tl.zeros([BLOCK], tl.float32)
+    n = tl.zeros([BLOCK], tl.int32)
+    for n0 in range(0, vocab, BLOCK):
+        v = n0 + cols
+        m = v < vocab
+        y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
+        key = _order_key(y)
+        a += tl.where(key > t, _weights(y, m, s0, kth, True), 0.0)
+        n += (m & (y >= kth) & (key == t)).to(tl.int32)
+    return tl.sum(a, axis=0), tl.sum(n, axis=0)
+
+
+@triton.jit
+def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr):
+    """The first id, in id order over the kept values (>= kth, and key > tp or among the first n_tp
+    ids of key tp), whose cumulative weight exceeds target; past the total (rounding): the last kept
+    id of positive weight; -1 where none has."""
+    cols = tl.arange(0, BLOCK)
+    run = 0.0
+    ties = 0
+    pick = _NO_PICK
+    last = -1
+    for n0 in range(0, vocab, BLOCK):
+        v = n0 + cols
+        m = v < vocab
+        y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
+        key = _order_key(y)
+        tie = (m & (y >= kth) & (key == tp)).to(tl.int32)
+        rank = ties + tl.cumsum(tie, axis=0) - tie                                # among key tp, in id order
+        kept = (key > tp) | ((tie > 0) & (rank < n_tp))
+        w = tl.where(kept, _weights(y, m, s0, kth, True), 0.0)
+        cum = run + tl.cumsum(w, axis=0)
+        pick = tl.minimum(pick, tl.min(tl.where((w > 0) & (cum > target), v, _NO_PICK), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(w > 0, v, -1), axis=0))
+        run += tl.sum(w, axis=0)
+        ties += tl.sum(tie, axis=0)
+    return tl.where(pick < _NO_PICK, pick, last)
+
+
+@triton.jit(do_not_specialize=["vocab", "stride"])
+def _draw_pick_kernel(y_ptr, top_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr, index_ptr, tokens_ptr,
+                      vocab, stride, BLOCK: tl.constexpr):
+    """Per sampling row, over its values y in id order (no sort): top-k keeps the values >= the
+    k-th largest (ties kept), top-p the values, in descending order and among equal ones by id,
+    while those before them hold less than top_p; then the inverse CDF in id order at the row's
+    hash uniform. The greedy token for greedy rows and rows whose distribution is not finite."""
+    r = tl.program_id(0)
+    token = tl.load(greedy_ptr + r)
+    temp = tl.load(temp_ptr + r)
+    s0 = tl.load(top_ptr + r)                            # the largest value: weights exp(y - s0) <= 1
+    if (temp >= 1e-5) & (s0 > float("-inf")) & (s0 < float("inf")):
+        row = y_ptr + r * stride
+        k = tl.load(top_k_ptr + r)
+        kth = s0 * 0.0 + float("-inf")
+        tp_none = k.to(tl.int64) * 0 - 1
+        if (k > 0) & (k < vocab):                        # the k-th largest value: F counts values
+            kth = _key_value(_descend(row, vocab, s0, kth, k.to(tl.float32), False, BLOCK))
+        z, _ = _above_and_ties(row, vocab, s0, kth, tp_none, BLOCK)             # the mass top-k keeps
+        top_p = tl.load(top_p_ptr + r)
+        tp = tp_none                                     # top-p's cut key; -1: none
+        n_tp = k.to(tl.int32) * 0
+        if top_p < 1.0:
+            limit = top_p * z
+            tp = _descend(row, vocab, s0, kth, limit, True, BLOCK)    # where the running mass reaches limit
+            above, n_tie = _above_and_ties(row, vocab, s0, kth, tp, BLOCK)
+            w_tie = tl.exp(_key_value(tp) - s0)                        # NaN where tp is 0 (no cut)
+            some = (n_tie > 0) & (w_tie > 0)
+            # the values of key tp stay, by id, while the mass before them is below limit
+            stay = tl.ceil((limit - above) / tl.where(some, w_tie, 1.0))
+            stay = tl.minimum(tl.maximum(stay, 1.0), n_tie.to(tl.float32))
+            n_tp = tl.where(some, stay.to(tl.int32), n_tie)
+            z = above + tl.where(n_tp > 0, n_tp.to(tl.float32) * w_tie, 0.0)
+        target = _hash_uniform(tl.load(seed_ptr + r), tl.load(index_ptr + r)) * z
+        pick = _inverse_cdf(row, vocab, s0, kth, tp, n_tp, target, BLOCK)
+        token = tl.where(pick >= 0, pick.to(tl.int64), token)
     tl.store(tokens_ptr + r, token)
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
          index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """sampler.draw in 2 kernels around PyTorch's sort: processed logits [R, V] float32 -> tokens [R].
-    The same rules and the same hash uniform; sums in another order than PyTorch's softmax and
-    cumsum, so a draw can differ from sampler.draw's where u falls within rounding of a boundary."""
+    """sampler.draw in 2 kernels and no sort: processed logits [R, V] float32 -> tokens [R]. The same
+    rules and the same hash uniform; sums in another order than PyTorch's softmax and cumsum, so a
+    draw can differ from sampler.draw's where u (or top_p) falls within rounding of a boundary."""
     _check_device(x)
     r, v = x.shape
     tokens = torch.empty(r, dtype=torch.int64, device=x.device)
@@ -310,9 +396,9 @@ def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k:
     x = x.contiguous()
     y = torch.empty_like(x)
     greedy = torch.empty(r, dtype=torch.int64, device=x.device)
+    top = torch.empty(r, dtype=torch.float32, device=x.device)
     mp = min_p if min_p is not None else torch.zeros_like(temperature)
-    _draw_prep_kernel[(r,)](x, y, greedy, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
-    sorted_y, order = torch.sort(y, dim=-1, descending=True)
-    _draw_pick_kernel[(r,)](sorted_y, order, greedy, temperature, top_p, top_k, seed, index, tokens, v,
-                            sorted_y.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
+    _draw_prep_kernel[(r,)](x, y, greedy, top, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
+    _draw_pick_kernel[(r,)](y, top, greedy, temperature, top_p, top_k, seed, index, tokens, v, y.stride(0),
+                            BLOCK=DRAW_BLOCK, num_warps=4)
     return tokens

@@ -108,14 +108,14 @@ def _draw_params(rows: int, gen: torch.Generator):
 
 
 def test_the_fused_draw_draws_the_pytorch_samplers_tokens():
-    """Same rules, same hash: the same token at (nearly) every draw; sums run in another order, so a
-    draw whose u falls within rounding of a CDF step may part (none did here). Greedy rows and rows
-    below the minimum temperature take the argmax exactly."""
+    """Same rules, same hash, the same id order: the same token at (nearly) every draw; sums run in
+    another order, so a draw whose u falls within rounding of a CDF step may part (none did here).
+    Greedy rows and rows below the minimum temperature take the argmax exactly."""
     gen = torch.Generator().manual_seed(21)
     rows = 24
     temp, top_p, top_k, min_p, seed = _draw_params(rows, gen)
     same = total = 0
-    for step in range(10):
+    for step in range(6):
         x = torch.randn(rows, V, generator=gen) * 3
         x[5, :10] = float("-inf")                                         # banned tokens in a sampled row
         x[12] = float("-inf")                                             # a greedy row with every token banned
@@ -129,9 +129,57 @@ def test_the_fused_draw_draws_the_pytorch_samplers_tokens():
     assert same >= 0.99 * total, (same, total)
 
 
+def _kept(x, temp, top_p, top_k, min_p=None) -> torch.Tensor:
+    """[R, V] bool: the ids the reference's filters keep (positive probability)."""
+    probs, order = sampler.filtered_sorted(x, temp, top_p, top_k, min_p)
+    return torch.zeros_like(probs).scatter_(1, order, probs) > 0
+
+
+def test_the_fused_draw_resolves_ties_and_edges_as_the_pytorch_sampler():
+    """No sort: top-k and top-p find their thresholds by a descent over the values' order keys, so
+    ties at either cut, k past the finite values, negative and zero values, +inf and a row with
+    nothing finite are where it could part from the sorted reference. Every token is one the
+    reference keeps, and the draws are the reference's."""
+    rows = 10
+    x = torch.randn(rows, V, generator=torch.Generator().manual_seed(23)) * 3
+    x[0, [3, 40, 41, 200]] = 20.0                        # top-k 2: the best value four times, all kept
+    x[1, [3, 40, 41, 200]] = 20.0
+    x[1, [7, 8]] = 19.5                                  # top-k 5: ties with the 5th value (19.5) kept
+    x[2] = -20.0                                         # top-p 0.6 over four equal best: the first three ids
+    x[2, [250, 9, 120, 60]] = 2.0
+    x[3, 100:] = float("-inf")                           # top-k past the 100 finite values
+    x[4] = -torch.rand(V, generator=torch.Generator().manual_seed(24)) - 1.0      # negative values only
+    x[5, :150] = 0.0                                     # zeros, -0.0 among them, and top-p cutting them
+    x[5, :150:2] = -0.0
+    x[5, 150:] = -30.0
+    x[6, 17] = float("inf")                              # not finite: the argmax
+    x[7] = float("-inf")                                 # nothing finite in a sampled row: the argmax (0)
+    temp = torch.tensor([1.0, 0.8, 1.0, 1.0, 0.3, 1.0, 1.0, 1.0, 1.0, 0.7])
+    top_k = torch.tensor([2, 5, 0, 250, 7, 0, 0, 0, V - 1, 3])
+    top_p = torch.tensor([1.0, 1.0, 0.6, 0.9, 0.6, 0.1, 1.0, 1.0, 0.999, 0.0])      # top-p 0: the argmax
+    kept = _kept(x, temp, top_p, top_k)
+    assert kept[0].nonzero().flatten().tolist() == [3, 40, 41, 200]
+    assert kept[2].nonzero().flatten().tolist() == [9, 60, 120]   # 2.4 of 4 ties' mass
+    assert kept[5].sum() == 15                            # 150 equal values, top-p 0.1: exactly 15 of them
+    same = total = 0
+    for step in range(6):
+        seed = torch.randint(-2**63, 2**63 - 1, (rows,), generator=torch.Generator().manual_seed(step))
+        index = torch.full((rows,), step, dtype=torch.int64)
+        want = sampler.draw(x, temp, top_p, top_k, seed, index)
+        got = ts.draw(*(t.to(DEVICE) for t in (x, temp, top_p, top_k, seed, index))).cpu()
+        sampled = torch.tensor([True] * 6 + [False, False, True, False])
+        assert bool(kept[sampled].gather(1, got[sampled, None]).all()), (step, got)
+        assert got[6] == 17 and got[7] == 0 and got[9] == x[9].argmax()
+        same += int((got == want).sum())
+        total += rows
+    assert same >= total - 1, (same, total)
+
+
 def test_the_fused_draw_follows_the_filtered_distribution():
-    """One distribution, 1,200 draws (one row each, different seeds): the frequencies are the
-    temperature / top-k / top-p filtered softmax's, and nothing outside it is ever drawn."""
+    """One distribution, 1,200 draws (one row each, different seeds) by the reference: the
+    frequencies are the temperature / top-k / top-p filtered softmax's, and nothing outside it is
+    ever drawn; the fused draw gives the reference's tokens on 96 of them (the interpreter walks
+    each row's 32 descent passes in Python)."""
     gen = torch.Generator().manual_seed(22)
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] + [-9.0] * (V - 8))
     rows = 300
@@ -144,8 +192,11 @@ def test_the_fused_draw_follows_the_filtered_distribution():
     for step in range(4):
         seed = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen, dtype=torch.int64)
         index = torch.full((rows,), step, dtype=torch.int64)
-        got = ts.draw(*(t.to(DEVICE) for t in (x, temp, top_p, top_k, seed, index))).cpu()
-        counts += torch.bincount(got, minlength=V).float()
+        drawn = sampler.draw(x, temp, top_p, top_k, seed, index)
+        counts += torch.bincount(drawn, minlength=V).float()
+        part = slice(24 * step, 24 * step + 24)
+        got = ts.draw(*(t[part].to(DEVICE) for t in (x, temp, top_p, top_k, seed, index))).cpu()
+        assert got.tolist() == drawn[part].tolist()
     freq = counts / counts.sum()
     assert float(freq[want == 0].sum()) == 0.0                          # outside the nucleus: never
     assert float((freq - want).abs().max()) < 0.045, (freq[:8], want[:8])        # ~3.4 sigma at p = 0.3

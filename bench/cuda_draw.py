@@ -1,0 +1,109 @@
+"""The step graph's draw, timed on its own and checked on the device (issue 17: the sort the draw
+used to run over the whole vocabulary, every step, whatever the rows asked for, was ~0.64 ms of an
+8.3 ms float32 decode step at 128 rows on the H200, 2026-11-27).
+
+    rows (the decode shapes' row counts) x sampling mixes (greedy; temperature 1 with no filter,
+    the OpenAI default; top-p 0.9; top-k 50 with top-p 0.95; min_p 0.05), seeded random logits
+    [rows, vocab] float32 on the device
+      -> triton_ms: graphs/triton_sampler.draw (no sort: greedy rows stop after the argmax, top-k and
+         top-p thresholds by a radix descent per row), CUDA events, median of `runs`
+         torch_ms: graphs/sampler.draw (PyTorch's operators, the stable sort the thresholds use)
+         sort_ms: that sort alone over the rows (what every step paid before, greedy rows too)
+         agree: the share of rows where both draws give the same token; outside: Triton tokens the
+         reference's filters drop (must be 0)
+      -> a list of dicts, one per (rows, mix); a failing part costs its cell (the error recorded)
+
+bench.cuda_step_profile runs it beside the shapes (the plan's graphs call). On a CPU only the
+PyTorch columns run (the Triton kernels need a GPU or the interpreter).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+MIXES = {  # name -> (temperature, top_p, top_k, min_p)
+    "greedy": (0.0, 1.0, 0, 0.0),
+    "t1": (1.0, 1.0, 0, 0.0),
+    "top_p0.9": (0.7, 0.9, 0, 0.0),
+    "top_k50_p0.95": (0.8, 0.95, 50, 0.0),
+    "min_p0.05": (1.0, 1.0, 0, 0.05),
+}
+
+
+def _timed(fn, runs: int, cuda: bool) -> float:
+    """Median ms of fn() after one warm-up: CUDA events on a GPU, wall time on a CPU."""
+    fn()
+    out = []
+    for _ in range(runs):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(out), 4)
+
+
+def _batch(rows: int, vocab: int, mix: str, device: str, seed: int = 0):
+    temp, top_p, top_k, min_p = MIXES[mix]
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+    f32 = dict(dtype=torch.float32, device=device)
+    return (x, torch.full((rows,), temp, **f32), torch.full((rows,), top_p, **f32),
+            torch.full((rows,), top_k, dtype=torch.int64, device=device),
+            torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device),
+            torch.full((rows,), 7, dtype=torch.int64, device=device), torch.full((rows,), min_p, **f32))
+
+
+@torch.inference_mode()
+def draw_table(device: str, vocab: int, rows_list, runs: int, triton: bool | None = None) -> list[dict]:
+    """One dict per (rows, mix): triton_ms, torch_ms, sort_ms, agree, outside (module docstring)."""
+    from gpu_backend.graphs import sampler
+    cuda = device.startswith("cuda")
+    triton = cuda if triton is None else triton
+    out = []
+    for rows in sorted(set(rows_list)):
+        for mix in MIXES:
+            args = _batch(rows, vocab, mix, device)
+            x, temp, top_p, top_k, seed, index, min_p = args
+            row = {"rows": rows, "vocab": vocab, "mix": mix}
+            want = sampler.draw(*args)
+            row["torch_ms"] = _timed(lambda: sampler.draw(*args), runs, cuda)
+            row["sort_ms"] = _timed(lambda: torch.sort(x, dim=-1, descending=True, stable=True), runs, cuda)
+            if triton:
+                try:
+                    from gpu_backend.graphs import triton_sampler as ts
+                    got = ts.draw(*args)
+                    row["triton_ms"] = _timed(lambda: ts.draw(*args), runs, cuda)
+                    row["agree"] = round(float((got == want).float().mean()), 4)
+                    probs, order = sampler.filtered_sorted(x, temp, top_p, top_k, min_p)
+                    kept = torch.zeros_like(probs).scatter_(1, order, probs) > 0
+                    sampled = temp >= sampler.MIN_TEMPERATURE
+                    row["outside"] = int((~kept.gather(1, got[:, None])[:, 0] & sampled).sum())
+                except Exception as e:         # noqa: BLE001 - recorded in the result
+                    row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
+            out.append(row)
+            print(f"  draw {rows:>4} rows {mix:<14} triton {row.get('triton_ms', '-')} ms  torch {row['torch_ms']} ms  "
+                  f"sort {row['sort_ms']} ms  agree {row.get('agree', '-')}", flush=True)
+    return out
+
+
+def markdown(table: list[dict]) -> list[str]:
+    """The draw's table for a result file."""
+    if not table:
+        return []
+    lines = ["", f"The draw alone (bench/cuda_draw.py), seeded random logits [rows, {table[0]['vocab']}] float32: "
+             "Triton's (no sort), PyTorch's (graphs/sampler.draw) and the sort every step ran before; `agree`: "
+             "rows where both give the same token, `outside`: Triton tokens the filters drop (must be 0):", "",
+             "| rows | mix | Triton draw ms | PyTorch draw ms | sort alone ms | agree | outside |", "|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['rows']} | {r['mix']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
+                     f"{r['sort_ms']} | {r.get('agree', '-')} | {r.get('outside', '-')} |")
+    return lines
