@@ -261,6 +261,15 @@ def _key_value(t):
 
 
 @triton.jit
+def _tile(row_ptr, n0, cols, vocab):
+    """A row's tile from column n0: ids, in-row mask, values (-inf past the row), order keys."""
+    v = n0 + cols
+    m = v < vocab
+    y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
+    return v, m, y, _order_key(y)
+
+
+@triton.jit
 def _weights(y, m, s0, kth, MASS: tl.constexpr):
     """MASS: exp(y - s0) on the values top-k keeps (>= kth), else 0; otherwise 1 a value (a count)."""
     if MASS:
@@ -284,10 +293,7 @@ def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.cons
         f2 = tl.zeros([BLOCK], tl.float32)
         f3 = tl.zeros([BLOCK], tl.float32)
         for n0 in range(0, vocab, BLOCK):
-            v = n0 + cols
-            m = v < vocab
-            y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
-            key = _order_key(y)
+            v, m, y, key = _tile(row_ptr, n0, cols, vocab)
             w = _weights(y, m, s0, kth, MASS)
             f1 += tl.where(key >= t + step, w, 0.0)
             f2 += tl.where(key >= t + 2 * step, w, 0.0)
@@ -308,10 +314,7 @@ def _above_and_ties(row_ptr, vocab, s0, kth, t, BLOCK: tl.constexpr):
     a = tl.zeros([BLOCK], tl.float32)
     n = tl.zeros([BLOCK], tl.int32)
     for n0 in range(0, vocab, BLOCK):
-        v = n0 + cols
-        m = v < vocab
-        y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
-        key = _order_key(y)
+        v, m, y, key = _tile(row_ptr, n0, cols, vocab)
         a += tl.where(key > t, _weights(y, m, s0, kth, True), 0.0)
         n += (m & (y >= kth) & (key == t)).to(tl.int32)
     return tl.sum(a, axis=0), tl.sum(n, axis=0)
@@ -328,10 +331,7 @@ def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr)
     pick = _NO_PICK
     last = -1
     for n0 in range(0, vocab, BLOCK):
-        v = n0 + cols
-        m = v < vocab
-        y = tl.load(row_ptr + v, mask=m, other=float("-inf"))
-        key = _order_key(y)
+        v, m, y, key = _tile(row_ptr, n0, cols, vocab)
         tie = (m & (y >= kth) & (key == tp)).to(tl.int32)
         rank = ties + tl.cumsum(tie, axis=0) - tie                                # among key tp, in id order
         kept = (key > tp) | ((tie > 0) & (rank < n_tp))
