@@ -56,7 +56,7 @@ def filter_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     if bool(k_on.any()) or bool(p_on.any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)                     # [R, vocab]
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)        # [R, vocab]: ties by id
         if bool(k_on.any()):
             kth = sorted_x.gather(1, (top_k.clamp(1, vocab) - 1).long()[:, None])    # [R, 1]
             kth = torch.where(k_on[:, None], kth, torch.full_like(kth, float("-inf")))

@@ -104,14 +104,15 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
     out.append(("sampler.uniform", ts._uniform_kernel,
                 {"seed_ptr": "*i64", "index_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                 {"BLOCK": ts.UNIFORM_BLOCK}, 1))
-    for name, fn in (("sampler.draw_prep", ts._draw_prep_kernel), ("sampler.draw_pick", ts._draw_pick_kernel)):
+    for name, fn, warps in (("sampler.draw_prep", ts._draw_prep_kernel, 4),
+                            ("sampler.draw_pick", ts._draw_pick_kernel, ts.PICK_WARPS)):
         ptrs = (("x_ptr", "*fp32"), ("y_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("top_ptr", "*fp32"),
                 ("temp_ptr", "*fp32"), ("min_p_ptr", "*fp32")) if name.endswith("prep") else (
                 ("y_ptr", "*fp32"), ("top_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
                 ("top_p_ptr", "*fp32"), ("top_k_ptr", "*i64"), ("seed_ptr", "*i64"), ("index_ptr", "*i64"),
                 ("tokens_ptr", "*i64"))
         out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"},
-                    {"BLOCK": ts.DRAW_BLOCK}, 4))
+                    {"BLOCK": ts.DRAW_BLOCK}, warps))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",
@@ -121,8 +122,9 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
 
 
 def options(label: str, warps: int) -> dict:
-    """The compile options a variant launches with (the sampler's processing: no FMA contraction)."""
-    return {"num_warps": warps, **({"enable_fp_fusion": False} if label.startswith("sampler.process") else {})}
+    """The compile options a variant launches with (the sampler's processing and draw: no FMA contraction)."""
+    no_fma = label.startswith(("sampler.process", "sampler.draw"))
+    return {"num_warps": warps, **({"enable_fp_fusion": False} if no_fma else {})}
 
 
 def compile_all(config, dtype: torch.dtype, block_size: int, arch: int = 90) -> list[dict]:

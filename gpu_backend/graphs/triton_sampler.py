@@ -1,7 +1,7 @@
 """Fused Triton kernels for the step graphs' sampling (graphs/sampler.py): ~120 of its ~170 kernels
 are the logits processing (48 PyTorch operators) and the counter-based uniform (69 int64
 operators); here they are 3 kernels (and the seat update's 8 one), with the same results bit for
-bit; the draw's ~40 are 2 kernels around PyTorch's sort.
+bit; the draw's ~40 are 2 kernels, and no sort.
 
     process(logits, RowParams, SeatState) -> processed logits [R, V]   (2 kernels)
       _process_kernel, one program per (row, column tile):
@@ -16,12 +16,13 @@ bit; the draw's ~40 are 2 kernels around PyTorch's sort.
       sampler.uniform's murmur3-style hash in 32-bit unsigned integers
     update(SeatState, RowParams, tokens)                               (1 kernel)
       each seated row's token counted in its seat and appended to the seat's recent tokens
-    draw(x, temperature, top_p, top_k, seed, index, min_p) -> tokens   (2 kernels and the sort)
-      _draw_prep_kernel: the greedy token, x / temperature, min_p's cut; PyTorch's sort;
-      _draw_pick_kernel: top-k, top-p and the inverse CDF over the sorted prefix they keep (the
-      hash uniform inline); greedy rows take their argmax without the passes. Its sums run in
-      another order than PyTorch's softmax and cumsum: a draw may differ from sampler.draw's
-      where u falls within rounding of a CDF step (rules and hash are the same)
+    draw(x, temperature, top_p, top_k, seed, index, min_p) -> tokens   (2 kernels, no sort)
+      _draw_prep_kernel: the greedy token, x / temperature, min_p's cut, each row's largest value;
+      _draw_pick_kernel, one program a sampling row (greedy rows stop at the argmax): top-k's
+      threshold and top-p's cut by a radix descent over the values' order keys (4 bits a pass, 8
+      passes over the row each), then the inverse CDF in token-id order (the hash uniform inline).
+      Its sums run in another order than PyTorch's softmax and cumsum (and its exp is the GPU's):
+      a draw may differ from sampler.draw's where u or top_p falls within rounding of a boundary
 
 The PyTorch versions in sampler.py stay the reference (and the CPU graphs' code); sample_step
 takes these where the step's kernels are "triton" (graphs/fused_forward.py). CPU tests run them
@@ -195,6 +196,7 @@ def update(s, p, tokens: torch.Tensor) -> None:
 # inverse CDF in token-id order
 
 DRAW_BLOCK = 1024            # columns of one tile of the draw kernels
+PICK_WARPS = 8              # the pick's program: a row's walks, [DRAW_BLOCK, 16] descent accumulators
 MIN_TEMPERATURE = 1e-5       # sampler.MIN_TEMPERATURE
 _NO_PICK = tl.constexpr(2147483647)   # no id yet (a constexpr: the kernels read it)
 
@@ -222,7 +224,7 @@ def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vo
         take = x > best                                  # strictly: the first index of each lane's max
         best_i = tl.where(take, v, best_i)
         best = tl.where(take, x, best)
-        y = x / t
+        y = tl.math.div_rn(x, t)                         # correctly rounded, as PyTorch's x / t
         y_max = tl.maximum(y_max, y)
         nans += (y != y).to(tl.int32)
         tl.store(y_ptr + r * stride + v, y, mask=v < stored)     # greedy rows store nothing
@@ -282,27 +284,22 @@ def _weights(y, m, s0, kth, MASS: tl.constexpr):
 @triton.jit
 def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """The largest order key t whose F(t) >= target, F(t) being the weight (_weights) of the row's
-    values with key >= t; 0 where none is. Two key bits a pass from the top: 16 passes over the
-    row, each summing F at the three candidates above the bits decided so far. F sums its lanes in
-    one order whatever t, so it never grows with t (rounding included)."""
+    values with key >= t; 0 where none is. Four key bits a pass from the top: 8 passes over the
+    row, each summing F at the 16 candidates the bits decided so far leave (one accumulator
+    column each, reduced once a pass in one order for every column, so F never grows with t)."""
     cols = tl.arange(0, BLOCK)
+    d = tl.arange(0, 16).to(tl.int64)
     t = tl.program_id(0).to(tl.int64) * 0
-    for level in range(16):
-        step = (t * 0 + 1) << (30 - 2 * level)
-        f1 = tl.zeros([BLOCK], tl.float32)
-        f2 = tl.zeros([BLOCK], tl.float32)
-        f3 = tl.zeros([BLOCK], tl.float32)
+    for level in range(8):
+        step = (t * 0 + 1) << (28 - 4 * level)
+        cand = t + d * step                                                       # [16] keys
+        f = tl.zeros([BLOCK, 16], tl.float32)
         for n0 in range(0, vocab, BLOCK):
             v, m, y, key = _tile(row_ptr, n0, cols, vocab)
             w = _weights(y, m, s0, kth, MASS)
-            f1 += tl.where(key >= t + step, w, 0.0)
-            f2 += tl.where(key >= t + 2 * step, w, 0.0)
-            f3 += tl.where(key >= t + 3 * step, w, 0.0)
-        s1 = tl.sum(f1, axis=0)
-        s2 = tl.sum(f2, axis=0)
-        s3 = tl.sum(f3, axis=0)
-        t = tl.where(s3 >= target, t + 3 * step, tl.where(s2 >= target, t + 2 * step,
-                                                             tl.where(s1 >= target, t + step, t)))
+            f += tl.where(key[:, None] >= cand[None, :], w[:, None], 0.0)
+        s = tl.sum(f, axis=0)                                                     # [16] F at each candidate
+        t = t + tl.max(tl.where(s >= target, d, 0), axis=0) * step
     return t
 
 
@@ -373,8 +370,9 @@ def _draw_pick_kernel(y_ptr, top_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr
             w_tie = tl.exp(_key_value(tp) - s0)                        # NaN where tp is 0 (no cut)
             some = (n_tie > 0) & (w_tie > 0)
             # the values of key tp stay, by id, while the mass before them is below limit
-            stay = tl.ceil((limit - above) / tl.where(some, w_tie, 1.0))
+            stay = tl.ceil(tl.math.div_rn(limit - above, tl.where(some, w_tie, 1.0)))
             stay = tl.minimum(tl.maximum(stay, 1.0), n_tie.to(tl.float32))
+            stay = tl.where((stay > 1.0) & (above + (stay - 1.0) * w_tie >= limit), stay - 1.0, stay)
             n_tp = tl.where(some, stay.to(tl.int32), n_tie)
             z = above + tl.where(n_tp > 0, n_tp.to(tl.float32) * w_tie, 0.0)
         target = _hash_uniform(tl.load(seed_ptr + r), tl.load(index_ptr + r)) * z
@@ -398,7 +396,8 @@ def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k:
     greedy = torch.empty(r, dtype=torch.int64, device=x.device)
     top = torch.empty(r, dtype=torch.float32, device=x.device)
     mp = min_p if min_p is not None else torch.zeros_like(temperature)
-    _draw_prep_kernel[(r,)](x, y, greedy, top, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4)
+    _draw_prep_kernel[(r,)](x, y, greedy, top, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4,
+                            **_no_fma())
     _draw_pick_kernel[(r,)](y, top, greedy, temperature, top_p, top_k, seed, index, tokens, v, y.stride(0),
-                            BLOCK=DRAW_BLOCK, num_warps=4)
+                            BLOCK=DRAW_BLOCK, num_warps=PICK_WARPS, **_no_fma())
     return tokens

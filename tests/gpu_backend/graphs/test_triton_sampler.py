@@ -175,6 +175,32 @@ def test_the_fused_draw_resolves_ties_and_edges_as_the_pytorch_sampler():
     assert same >= total - 1, (same, total)
 
 
+def test_the_fused_draw_walks_rows_wider_than_a_tile():
+    """A vocabulary past one tile of the draw (ts.DRAW_BLOCK columns): ties at top-p's cut and at
+    top-k's threshold on both sides of the tile boundary, so the tie ranks and the running mass
+    carry from tile to tile; a plain temperature row draws over both tiles."""
+    v = ts.DRAW_BLOCK + 76
+    x = torch.full((3, v), -25.0)
+    x[0, 1090] = 3.5                                     # the best, past the boundary, then four ties of
+    x[0, [5, 700, 1030, 1060]] = 3.0                     # which top-p 0.55 keeps two: the tile-1 ties rank 3rd, 4th
+    x[1, [10, 1023, 1024, 1099]] = 4.0                   # top-k 2: all four kept, across the boundary
+    x[2] = torch.randn(v, generator=torch.Generator().manual_seed(25))
+    x[2, 1050:] += 2.0                                   # most of the mass in the second tile
+    temp, top_p, top_k = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.55, 1.0, 1.0]), torch.tensor([0, 2, 0])
+    kept = _kept(x, temp, top_p, top_k)
+    assert kept[0].nonzero().flatten().tolist() == [5, 700, 1090]
+    assert kept[1].nonzero().flatten().tolist() == [10, 1023, 1024, 1099]
+    seen = set()
+    for step in range(8):
+        seed = torch.randint(-2**63, 2**63 - 1, (3,), generator=torch.Generator().manual_seed(100 + step))
+        index = torch.full((3,), step, dtype=torch.int64)
+        want = sampler.draw(x, temp, top_p, top_k, seed, index)
+        got = ts.draw(*(t.to(DEVICE) for t in (x, temp, top_p, top_k, seed, index))).cpu()
+        assert bool(kept.gather(1, got[:, None]).all()) and got.tolist() == want.tolist(), (step, got, want)
+        seen |= {int(got[0]), int(got[1])}
+    assert seen & {5, 700, 10, 1023} and seen & {1090, 1024, 1099}    # draws on both sides of the boundary
+
+
 def test_the_fused_draw_follows_the_filtered_distribution():
     """One distribution, 1,200 draws (one row each, different seeds) by the reference: the
     frequencies are the temperature / top-k / top-p filtered softmax's, and nothing outside it is
