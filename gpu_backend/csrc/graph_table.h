@@ -21,7 +21,8 @@
 #define BLINK_GRAPH_KIND_PREFILL 1u   /* = BLINK_STEP_PREFILL */
 #define BLINK_GRAPH_KIND_DECODE 2u    /* = BLINK_STEP_DECODE */
 #define BLINK_ROW_SAMPLE 0x80000000u  /* row_flags: the row ends a chunk that samples a token */
-#define BLINK_ROW_CHUNK 0x7fffffffu   /* row_flags: the row's chunk index */
+#define BLINK_ROW_LOGPROBS 0x40000000u  /* row_flags: the host loop wants the row's logprob record */
+#define BLINK_ROW_CHUNK 0x3fffffffu   /* row_flags: the row's chunk index */
 
 typedef struct BLINK_ALIGN8 blink_graph_lut {
     const uint16_t *ids;          /* [(max_rows + 1) * n_len * n_ctx] graph ids */

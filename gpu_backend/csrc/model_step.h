@@ -5,7 +5,8 @@
  *                     request copies (reqs) and block tables (kv_tables) and
  *                     the token ids in the ring's arenas -> the graph's static
  *                     input tensors: ids, positions, KV slots, block tables,
- *                     query lengths and the sampling parameters of each row
+ *                     query lengths, the sampling parameters of each row and
+ *                     whether its logprob record is wanted (lp_want)
  *   ... the captured forward + in-graph sampling (gpu_backend/graphs/step.py)
  *       reads those tensors and writes io->tokens[row] ...
  *   blink_finish_rows (last node) each sampling row's token -> step_tokens[chunk];
@@ -80,6 +81,8 @@ typedef struct BLINK_ALIGN8 blink_step_io {
     int64_t *seat_bad_last;       /* [seats + 1, BLINK_BAD_WORDS] the banned token; vocab = unused */
     uint8_t *automaton_on;        /* [rows] torch.bool: the row samples under a token automaton */
     uint8_t *automaton_allowed;   /* [rows, vocab] torch.bool: its allowed tokens now (-inf elsewhere) */
+    int64_t *lp_want;             /* [rows] 1: the row's logprob record is read (a sampling row whose
+                                     request asks logprobs); the in-graph logprobs skip the others */
     uint32_t block_size;
     uint32_t sink_block;          /* == the pool's block count: padding's K/V lands there */
     uint32_t sink_seat;           /* == the seats the graph holds: the neutral seat */
@@ -217,6 +220,7 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
         for (uint32_t j = tid; j < mb; j += nt) table_out[j] = sink;
         if (tid == 0) {
             io->automaton_on[r] = 0;
+            io->lp_want[r] = 0;
             io->q_lens[r] = 0;
             io->temperature[r] = 0.0f;
             io->top_p[r] = 1.0f;
@@ -257,6 +261,9 @@ BLINK_DEV void blink_stage_row(P &plat, const blink_sched_params_t *p, const bli
     for (uint32_t j = tid; j < mb; j += nt) table_out[j] = j < held ? (int64_t)table[j] : (int64_t)sink;
     if (tid == 0) {
         io->automaton_on[r] = (uint8_t)constrained;
+        /* the device scheduler's request copy says it; the host loop's (which publishes the records
+         * itself, no BLINK_FLAG_LOGPROBS) marks the row */
+        io->lp_want[r] = samples && ((q->flags & BLINK_FLAG_LOGPROBS) || (p->row_flags[r] & BLINK_ROW_LOGPROBS));
         io->q_lens[r] = n;
         io->temperature[r] = q->temperature;
         io->top_p[r] = q->top_p;

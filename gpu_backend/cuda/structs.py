@@ -20,7 +20,7 @@ BAD_WORDS = 64                             # csrc BLINK_BAD_WORDS (= graphs.samp
 BAD_WORD_LEN = 64                          # csrc BLINK_BAD_WORD_LEN (= graphs.sampler.BAD_WORD_LEN)
 STEP_GRAPHS = 2               # instances of each step graph, launched alternately
 
-ROW_SAMPLE, ROW_CHUNK = 0x8000_0000, 0x7FFF_FFFF
+ROW_SAMPLE, ROW_LOGPROBS, ROW_CHUNK = 0x8000_0000, 0x4000_0000, 0x3FFF_FFFF   # csrc/graph_table.h
 KV_OK, KV_NO_BLOCKS, KV_TABLE_FULL, KV_NOT_OWNED, KV_BAD_ROW = 0, 1, 2, 3, 4
 
 STEP_IDLE, STEP_PREFILL, STEP_DECODE = 0, 1, 2
@@ -136,7 +136,7 @@ class StepIO(_Struct):
                 ("repetition", ptr), ("min_tokens", ptr), ("stop_ids", ptr), ("seat", ptr), ("lp_token", ptr),
                 ("lp_rank", ptr), ("lp_top_ids", ptr), ("lp_top_vals", ptr), ("seat_bias", ptr), ("seat_counts", ptr),
                 ("seat_prompt_mask", ptr), ("seat_recent", ptr), ("seat_bad_prefix", ptr), ("seat_bad_len", ptr),
-                ("seat_bad_last", ptr), ("automaton_on", ptr), ("automaton_allowed", ptr), ("block_size", u32), ("sink_block", u32), ("sink_seat", u32), ("vocab", u32)]
+                ("seat_bad_last", ptr), ("automaton_on", ptr), ("automaton_allowed", ptr), ("lp_want", ptr), ("block_size", u32), ("sink_block", u32), ("sink_seat", u32), ("vocab", u32)]
 
 
 class SchedParams(_Struct):

@@ -26,7 +26,7 @@ import numpy as np
 KIND_PREFILL = 1       # = structs.STEP_PREFILL (csrc BLINK_GRAPH_KIND_PREFILL)
 KIND_DECODE = 2        # = structs.STEP_DECODE
 KIND_NAMES = {KIND_PREFILL: "prefill", KIND_DECODE: "decode"}
-ROW_SAMPLE, ROW_CHUNK = 0x8000_0000, 0x7FFF_FFFF
+ROW_SAMPLE, ROW_LOGPROBS, ROW_CHUNK = 0x8000_0000, 0x4000_0000, 0x3FFF_FFFF
 MAX_GRAPHS = 0xFFFF    # ids are uint16 in the tables
 
 

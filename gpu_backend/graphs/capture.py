@@ -189,6 +189,7 @@ class GraphCache:
         b.temperature.fill_(1.0)                 # the sampling path too, not only argmax
         b.top_p.fill_(0.9)
         b.top_k.fill_(0)
+        b.lp_want.fill_(1)                       # the logprobs' walk too
 
     def warm_up(self) -> None:
         """Run the largest shape of each kind eagerly on the capture stream, so lazy

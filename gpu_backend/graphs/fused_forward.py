@@ -228,8 +228,17 @@ def _sampler_self_test(device: torch.device, gen: torch.Generator) -> str | None
     kept = order[2][probs[2] > 0]
     if not (bool((drawn[:2] == logits.argmax(dim=-1)[:2]).all()) and bool((kept == drawn[2]).any())):
         return "sampler draw breaks its rules"
-    counts, recent = s.counts.clone(), s.recent.clone()
+    # the logprobs of the rows whose record is read: the token's rank and the top ids exactly (the
+    # logits are distinct), the values within rounding; the row not wanted gets zeros
     tokens = torch.tensor([3, 5, 7], device=device)
+    want = torch.tensor([1, 0, 1], device=device)
+    lp, rank, ids, vals = triton_sampler.logprobs(logits, tokens, 5, want)
+    ref = sampler.logprobs(logits, tokens, 5)
+    rows_ = [0, 2]
+    if not (torch.equal(rank[rows_], ref[1][rows_]) and torch.equal(ids[rows_], ref[2][rows_])
+            and bool(torch.allclose(vals[rows_], ref[3][rows_], atol=1e-4)) and float(vals[1].abs().sum()) == 0):
+        return "sampler logprobs differ from PyTorch's"
+    counts, recent = s.counts.clone(), s.recent.clone()
     sampler.update(s, p, tokens)
     want = (s.counts.clone(), s.recent.clone())
     s.counts.copy_(counts)

@@ -34,7 +34,7 @@ from shared_layout import Ring
 
 from ..scheduler import StepBatch
 from ..scheduler.policy import StepKind
-from .buckets import KIND_DECODE, KIND_PREFILL, ROW_CHUNK, ROW_SAMPLE, BucketTable
+from .buckets import KIND_DECODE, KIND_PREFILL, ROW_CHUNK, ROW_LOGPROBS, ROW_SAMPLE, BucketTable
 
 
 def _align(x: int, a: int = 64) -> int:
@@ -220,6 +220,8 @@ class HostLoopRunner:
                 b.tables[i, :len(s.blocks)] = s.blocks
             b.chunk_slot[i], b.chunk_sample[i] = i, int(c.sample)
         for j, (chunk, start, length, flags) in enumerate(rows):
+            if flags & ROW_SAMPLE and chunks[flags & ROW_CHUNK].seq.params.logprobs is not None:
+                flags |= ROW_LOGPROBS               # the graph computes this row's logprob record (_logprobs)
             b.row_slot[j], b.row_start[j], b.row_len[j], b.row_flags[j] = chunk, start, length, flags
         st = b.state
         st.n_rows, st.n_chunks, st.graph = len(rows), n, graph
@@ -235,8 +237,8 @@ class HostLoopRunner:
         return {k: getattr(self.launcher, k) for k in ("launch_ns", "wait_ns") if hasattr(self.launcher, k)}
 
     def _logprobs(self, chunks, rows) -> None:
-        """Each sampling chunk that asks for logprobs: its row's record (the graph computed
-        every row's) into seq.step_logprobs, [1, 2 + 2k] int32 words."""
+        """Each sampling chunk that asks for logprobs: its row's record (the graph computed it: run
+        marked the row ROW_LOGPROBS) into seq.step_logprobs, [1, 2 + 2k] int32 words."""
         for c in chunks:
             c.seq.step_logprobs = None
         want = {flags & ROW_CHUNK: j for j, (_, _, _, flags) in enumerate(rows)

@@ -37,7 +37,7 @@ class StaticSizes:
 
     def nbytes(self) -> int:
         from .sampler import ROW_STOPS, TOP_LOGPROBS, SeatState
-        per_row = (4 * 7 + 8 * 8 + 8 * ROW_STOPS + 12 * TOP_LOGPROBS     # parameters and logprob outputs
+        per_row = (4 * 7 + 8 * 9 + 8 * ROW_STOPS + 12 * TOP_LOGPROBS     # parameters, lp_want, logprob outputs
                    + 1 + self.vocab)                                    # a structured output's allowed tokens
         return (8 * (3 * self.tokens + self.table) + self.rows * per_row
                 + SeatState.nbytes_for(self.seats, self.vocab))

@@ -115,6 +115,8 @@ class RowParams:
     seat: torch.Tensor            # [R] i64 into SeatState; the sink seat for rows without one
     automaton_on: torch.Tensor | None = None       # [R] bool: the row samples under a token automaton
     automaton_allowed: torch.Tensor | None = None  # [R, V] bool: its allowed tokens (staged: csrc/automaton.h)
+    lp_want: torch.Tensor | None = None  # [R] i64, 1: the row's logprob record is read (None: every row's);
+                                         # the fused logprobs skip the others (the PyTorch ones compute all)
 
     @classmethod
     def neutral(cls, rows: int, sink_seat: int, device="cpu") -> "RowParams":
@@ -323,16 +325,24 @@ def update(s: SeatState, p: RowParams, tokens: torch.Tensor) -> None:
 
 def sample_step(logits: torch.Tensor, p: RowParams, s: SeatState, kernels: str = "torch") -> StepSample:
     """The graph's sampling: raw logits [R, V] -> StepSample; the seats updated in place. kernels
-    "triton": the processing, the draw and the seat update by triton_sampler's fused kernels (the
-    same results; a draw may part from this one where u falls within rounding of a CDF step)."""
+    "triton": the processing, the draw, the logprobs and the seat update by triton_sampler's fused
+    kernels (the same results; a draw may part from this one where u falls within rounding of a CDF
+    step, logprobs by rounding; rows whose logprob record nobody reads, p.lp_want 0, get zeros)."""
+    k = min(TOP_LOGPROBS, logits.shape[-1])
     if kernels == "triton":
         from . import triton_sampler
         process_, draw_, update_ = triton_sampler.process, triton_sampler.draw, triton_sampler.update
+
+        def logprobs_(raw, tokens):
+            return triton_sampler.logprobs(raw, tokens, k, p.lp_want)
     else:
         process_, draw_, update_ = process, draw, update
+
+        def logprobs_(raw, tokens):
+            return logprobs(raw, tokens, k)
     raw = logits.float()
     x = process_(raw, p, s)
     tokens = draw_(x, p.temperature, p.top_p, p.top_k, p.seed, p.index, p.min_p)
-    lp, rank, ids, vals = logprobs(raw, tokens, min(TOP_LOGPROBS, raw.shape[-1]))
+    lp, rank, ids, vals = logprobs_(raw, tokens)
     update_(s, p, tokens)
     return StepSample(tokens, lp, rank, ids, vals)

@@ -107,9 +107,11 @@ class StaticBuffers:
         self.lp_top_vals = torch.zeros(sizes.rows, TOP_LOGPROBS, **f32)  # [rows, TOP_LOGPROBS]
         self.automaton_on = torch.zeros(sizes.rows, dtype=torch.bool, device=device)                 # [rows]
         self.automaton_allowed = torch.zeros(sizes.rows, sizes.vocab, dtype=torch.bool, device=device)  # [rows, V]
+        self.lp_want = torch.zeros(sizes.rows, **i64)          # [rows] 1: the row's logprob record is read
         self.row_params = RowParams(self.temperature, self.top_p, self.top_k, self.seeds, self.token_index,
                                     self.min_p, self.presence, self.frequency, self.repetition, self.min_tokens,
-                                    self.stop_ids, self.seat, self.automaton_on, self.automaton_allowed)
+                                    self.stop_ids, self.seat, self.automaton_on, self.automaton_allowed,
+                                    self.lp_want)
 
     def io(self, block_size: int, sink_block: int):
         """structs.StepIO: where the staging kernels write and the finish kernel reads."""
@@ -118,7 +120,7 @@ class StaticBuffers:
             "input_ids", "positions", "slot_mapping", "block_tables", "q_lens", "temperature", "top_p", "top_k",
             "seeds", "token_index", "tokens", "min_p", "presence", "frequency", "repetition", "min_tokens",
             "stop_ids", "seat", "lp_token", "lp_rank", "lp_top_ids", "lp_top_vals", "automaton_on",
-            "automaton_allowed")}
+            "automaton_allowed", "lp_want")}
         st = self.seats
         ptrs.update(seat_bias=st.bias.data_ptr(), seat_counts=st.counts.data_ptr(),
                     seat_prompt_mask=st.prompt_mask.data_ptr(), seat_recent=st.recent.data_ptr(),

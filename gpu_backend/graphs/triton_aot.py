@@ -8,7 +8,7 @@ found on a CPU machine, not on a lent GPU).
          add_rms_norm forms, silu_mul, rope_kv_write, decode_attention (unsplit, and split along the
          context with its combine kernel), the prefill tile of
          paged_attention, the sampler's processing (with and without an automaton), bans, uniform,
-         seat update, the draw's two kernels
+         seat update, the draw's two kernels, the logprobs
       -> triton.compile(..., target=GPUTarget("cuda", 90, 32)) each (Triton's own ptxas; no
          driver, no GPU) -> warps, shared memory and cubin size of each, one line apiece; an error
          for a variant that needs what a device-launched graph cannot hold (a scratch buffer
@@ -113,6 +113,11 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                 ("tokens_ptr", "*i64"))
         out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"},
                     {"BLOCK": ts.DRAW_BLOCK}, warps))
+    out.append(("sampler.logprobs", ts._logprobs_kernel,           # step graphs always pass the rows' want flags
+                {"raw_ptr": "*fp32", "tokens_ptr": "*i64", "want_ptr": "*i64", "lp_ptr": "*fp32", "rank_ptr": "*i64",
+                 "ids_ptr": "*i64", "vals_ptr": "*fp32", "vocab": "i32", "stride": "i32", "k": "i32",
+                 "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK}, 8))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",

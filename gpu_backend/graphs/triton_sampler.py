@@ -163,6 +163,88 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# logprobs of the raw logits, only for the rows whose record is read
+
+LOGPROB_BLOCK = 1024         # columns of one tile of the logprobs kernel
+TOP_BLOCK = 32               # the top entries kept while walking a row (>= TOP_LOGPROBS, a power of two)
+_LOWEST = tl.constexpr(-9223372036854775808)
+
+
+@triton.jit
+def _sortable(y, v):
+    """Values and ids -> int64 keys ordered by value, then by smaller id (for tl.topk)."""
+    return ((_order_key(y) - 2147483648) << 32) + (4294967295 - v.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["vocab", "stride", "k"])
+def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, vals_ptr, vocab, stride, k,
+                     HAS_WANT: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr):
+    """One row a program, one walk over its raw logits for a row whose record is wanted: the
+    log-sum-exp (online max), the token's logprob and rank (1 + the ids above it), the k most
+    likely (ids and logprobs, most likely first, equal values by id: per tile tl.topk merged into
+    the best so far). A row not wanted writes zeros and reads nothing."""
+    r = tl.program_id(0)
+    j = tl.arange(0, TOP)
+    if HAS_WANT:
+        want = tl.load(want_ptr + r)
+    else:
+        want = 1
+    lp = 0.0
+    rank = tl.program_id(0).to(tl.int64) * 0
+    ids = tl.zeros([TOP], tl.int64)
+    vals = tl.zeros([TOP], tl.float32)
+    if want != 0:
+        row = raw_ptr + r * stride
+        x_tok = tl.load(row + tl.load(tokens_ptr + r))
+        cols = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        above = tl.zeros([BLOCK], tl.int32)
+        best = tl.full([TOP], _LOWEST, tl.int64)
+        for n0 in range(0, vocab, BLOCK):
+            v = n0 + cols
+            inside = v < vocab
+            x = tl.load(row + v, mask=inside, other=float("-inf"))
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+            m = m_new
+            above += (x > x_tok).to(tl.int32)
+            tile = tl.topk(tl.where(inside, _sortable(x, v), _LOWEST), TOP)
+            best = tl.topk(tl.reshape(tl.join(best, tile), [2 * TOP]), TOP)
+        top = tl.max(m, axis=0)
+        log_sum = tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+        lp = (x_tok - top) - log_sum                                             # log_softmax's formula
+        rank = (tl.sum(above, axis=0) + 1).to(tl.int64)
+        ids = 4294967295 - (best & 4294967295)
+        vals = (_key_value((best >> 32) + 2147483648) - top) - log_sum
+    tl.store(lp_ptr + r, lp)
+    tl.store(rank_ptr + r, rank)
+    tl.store(ids_ptr + r * k + j, ids, mask=j < k)
+    tl.store(vals_ptr + r * k + j, vals, mask=j < k)
+
+
+def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor | None = None):
+    """sampler.logprobs in one kernel, for the rows where want != 0 (all without it): raw logits [R, V]
+    float32 + tokens [R] -> (logprob [R], rank [R], top ids [R, k], top logprobs [R, k]); zeros in the
+    rows not wanted. The same values but for rounding (its sums run in another order; exp and log
+    are the GPU's), ranks counted on the raw logits."""
+    _check_device(raw)
+    raw = raw.contiguous()
+    r, v = raw.shape
+    if not 0 < k <= TOP_BLOCK:
+        raise ValueError(f"logprobs: k {k} outside 1..{TOP_BLOCK}")
+    dev = raw.device
+    lp, rank = torch.empty(r, dtype=torch.float32, device=dev), torch.empty(r, dtype=torch.int64, device=dev)
+    ids, vals = torch.empty((r, k), dtype=torch.int64, device=dev), torch.empty((r, k), dtype=torch.float32, device=dev)
+    if r:
+        _logprobs_kernel[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, v,
+                               raw.stride(0), k, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK,
+                               num_warps=8)
+    return lp, rank, ids, vals
+
+
 @triton.jit(do_not_specialize=["vocab", "sink", "recent_len"])
 def _update_kernel(tokens_ptr, seat_ptr, counts_ptr, recent_ptr, vocab, sink, recent_len, LEN: tl.constexpr):
     r = tl.program_id(0)

@@ -26,7 +26,7 @@ from gpu_backend.cuda import structs
 from gpu_backend.cuda.config import SchedulerConfig
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.executors import ExecutorOptions
-from gpu_backend.graphs.buckets import ROW_SAMPLE, BucketConfig, BucketTable
+from gpu_backend.graphs.buckets import ROW_LOGPROBS, ROW_SAMPLE, BucketConfig, BucketTable
 from gpu_backend.graphs.cpu_graphs import CpuGraphs
 from gpu_backend.graphs.hostloop import CpuLauncher, HostLoopRunner, StepBlock
 from gpu_backend.scheduler.intake import IntakeConfig
@@ -257,6 +257,17 @@ def test_staging_fills_a_fresh_seat_as_seatstate_fill(tiny_model, twin_lib):
     assert b.seat[:3].tolist() == [got.sink, 2, got.sink]
     assert b.stop_ids[1, :3].tolist() == [7, 2, -1] and b.min_tokens[1] == 3
     assert float(b.presence[1]) == 0.5 and float(b.repetition[1]) == 1.0          # 0: off
+    assert b.lp_want[:3].tolist() == [0, 0, 0]                 # no request asks logprobs: none computed
+    # lp_want: the sampling row of a request with FLAG_LOGPROBS (the device scheduler's copies), or
+    # a row the host loop marks ROW_LOGPROBS; never a row that does not sample, nor padding
+    r.flags = FLAG_LOGPROBS
+    twin_lib.blink_twin_stage(ctypes.addressof(params), ctypes.byref(graphs.io), 3, 4, 80)
+    assert b.lp_want[:3].tolist() == [0, 1, 0]
+    r.flags = 0
+    block.row_flags[0], block.row_flags[1] = ROW_LOGPROBS, ROW_SAMPLE | ROW_LOGPROBS
+    twin_lib.blink_twin_stage(ctypes.addressof(params), ctypes.byref(graphs.io), 3, 4, 80)
+    assert b.lp_want[:3].tolist() == [0, 1, 0]
+    block.row_flags[0], block.row_flags[1] = 0, ROW_SAMPLE
     # not fresh: the staging leaves the seat as the graph's updates made it
     got.counts[2, 5] = 42.0
     r.seat_fresh = 0

@@ -292,6 +292,7 @@ def _both_steps(model, config):
             hidden = step.forward(g)
             pool = (prof.pool.k.clone(), prof.pool.v.clone())
             prof.stage(g)
+            b.lp_want[:g.rows].fill_(1)                  # every row's logprob record read (the fused skip the rest)
             step.run(g)
             out[kind] = (hidden, *pool, b.tokens[:g.rows].clone(), b.lp_token[:g.rows].clone())
         res.append((g, out))
@@ -419,7 +420,7 @@ def test_the_ahead_of_time_variants_are_the_launches_a_step_makes(tiny, monkeypa
                  "_decode_attention_kernel", "_decode_split_kernel", "_decode_combine_kernel"):
         monkeypatch.setattr(tk, name, Recorder(getattr(tk, name)))
     for name in ("_process_kernel", "_ban_kernel", "_uniform_kernel", "_update_kernel", "_draw_prep_kernel",
-                 "_draw_pick_kernel"):
+                 "_draw_pick_kernel", "_logprobs_kernel"):
         monkeypatch.setattr(ts, name, Recorder(getattr(ts, name)))
     prof = sp.Profiler(model, config, [(3, 1, 64), (1, 1, 512)], [(2, 32, 48)], DEVICE)   # 1x512: 2 splits
     step = StepFunction(model, prof.pool, prof.buffers, prof.plan, kernels="triton")
@@ -446,7 +447,7 @@ def test_every_variant_compiles_for_sm90_ahead_of_time(tmp_path):
                             "--dtype", dtype], capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         lines = r.stdout.splitlines()
-        assert len(lines) == 15 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
+        assert len(lines) == 16 and all(line.startswith("triton_aot: sm_90 ") for line in lines), r.stdout
     r = subprocess.run([sys.executable, "-m", "gpu_backend.graphs.triton_aot"], capture_output=True, text=True,
                        env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr

@@ -1,8 +1,8 @@
 """The sampler's fused Triton kernels (graphs/triton_sampler.py) against the PyTorch sampler they
 stand in for (graphs/sampler.py, itself diffed with the CPU daemon by test_sampler_twin.py), bit
 for bit: the processed logits of a batch mixing every rule, the counter-based uniform over seeds
-of all 64 bits, and whole sampling steps (tokens, logprob records, seat updates) over several
-steps. Under Triton's interpreter without a GPU; compiled, and marked `gpu`, with one."""
+of all 64 bits, and whole sampling steps (tokens, logprob records (their values within rounding),
+seat updates) over several steps. Under Triton's interpreter without a GPU; compiled, and marked `gpu`, with one."""
 from __future__ import annotations
 
 import os
@@ -81,12 +81,39 @@ def test_sampling_steps_with_the_fused_kernels_are_the_pytorch_samplers():
         outs = {k: sampler.sample_step(raw, p, s, kernels=k) for k, (p, s) in sides.items()}
         a, b = outs["torch"], outs["triton"]
         assert b.tokens.tolist() == a.tokens.tolist(), step
-        for x, y in ((a.logprob, b.logprob), (a.rank, b.rank), (a.top_ids, b.top_ids), (a.top_logprobs, b.top_logprobs)):
-            assert torch.equal(x, y)
+        assert torch.equal(a.rank, b.rank) and torch.equal(a.top_ids, b.top_ids)
+        for x, y in ((a.logprob, b.logprob), (a.top_logprobs, b.top_logprobs)):     # sums in another order
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=4e-6)
         for p, _ in sides.values():
             p.index += 1
     (_, st), (_, sr) = sides["torch"], sides["triton"]
     assert torch.equal(st.counts, sr.counts) and torch.equal(st.recent, sr.recent)
+
+
+def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest():
+    """One walk a wanted row: the token's logprob and rank, the top entries most likely first (equal
+    values by id, over two tiles of columns), -inf logits, k below TOP_LOGPROBS and a vocabulary
+    narrower than the kept block; rows nobody reads get zeros."""
+    gen = torch.Generator().manual_seed(26)
+    for v, k in ((ts.LOGPROB_BLOCK + 300, 20), (300, 5), (16, 16)):
+        raw = torch.randn(5, v, generator=gen) * 3
+        raw[1, : v // 2] = float("-inf")
+        raw[3, [2, v - 3, v // 2]] = 9.0                 # three equal best, far apart: by id
+        tokens = torch.tensor([0, v - 1, 1, v // 2, 4])
+        want = torch.tensor([1, 1, 0, 1, 0])
+        lp, rank, ids, vals = sampler.logprobs(raw, tokens, k)
+        got = [t.cpu() for t in ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), k, want.to(DEVICE))]
+        w = want.bool()
+        # torch.topk orders equal values as it likes (the tied best of row 3, row 1's -inf), the kernel by id
+        by_id = [sorted(zip((-vals[i]).tolist(), ids[i].tolist())) for i in range(5)]
+        assert torch.equal(got[1][w], rank[w]), (v, got[1], rank)
+        assert all(got[2][i].tolist() == [t for _, t in by_id[i]] for i in (0, 1, 3)), (v, got[2], ids)
+        torch.testing.assert_close(got[0][w], lp[w], rtol=1e-6, atol=4e-6)
+        torch.testing.assert_close(got[3][w], vals[w], rtol=1e-6, atol=4e-6)
+        assert got[2][3, :3].tolist() == sorted([2, v - 3, v // 2]) and got[1][3] == 1   # ties: none above
+        assert all(float(t[~w].abs().sum()) == 0 for t in got)
+    with pytest.raises(ValueError, match="k 33 outside 1..32"):
+        ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), 33)
 
 
 def test_a_seat_wider_than_the_ban_tile_is_refused():
