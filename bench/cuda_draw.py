@@ -12,6 +12,8 @@ used to run over the whole vocabulary, every step, whatever the rows asked for, 
          agree: the share of rows where both draws give the same token; outside: Triton tokens the
          reference's filters drop (must be 0)
       -> a list of dicts, one per (rows, mix); a failing part costs its cell (the error recorded)
+    logprobs_table: the logprob records of every row (graphs/triton_sampler.logprobs, one walk a
+    row) against PyTorch's (graphs/sampler.logprobs), timed the same way, ranks and ids compared
 
 bench.cuda_step_profile runs it beside the shapes (the plan's graphs call). On a CPU only the
 PyTorch columns run (the Triton kernels need a GPU or the interpreter).
@@ -93,6 +95,49 @@ def draw_table(device: str, vocab: int, rows_list, runs: int, triton: bool | Non
             print(f"  draw {rows:>4} rows {mix:<14} triton {row.get('triton_ms', '-')} ms  torch {row['torch_ms']} ms  "
                   f"sort {row['sort_ms']} ms  agree {row.get('agree', '-')}", flush=True)
     return out
+
+
+@torch.inference_mode()
+def logprobs_table(device: str, vocab: int, rows_list, runs: int, triton: bool | None = None) -> list[dict]:
+    """One dict per row count: the logprob records of every row (each asked for), triton_ms
+    (triton_sampler.logprobs, one walk a row) against torch_ms (sampler.logprobs: log_softmax,
+    gather, compare-and-sum, torch.topk), and whether ranks and ids agree."""
+    from gpu_backend.graphs import sampler
+    cuda = device.startswith("cuda")
+    triton = cuda if triton is None else triton
+    k = min(sampler.TOP_LOGPROBS, vocab)
+    out = []
+    for rows in sorted(set(rows_list)):
+        gen = torch.Generator().manual_seed(rows)
+        raw = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+        tokens = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        row = {"rows": rows, "vocab": vocab, "torch_ms": _timed(lambda: sampler.logprobs(raw, tokens, k), runs, cuda)}
+        if triton:
+            try:
+                from gpu_backend.graphs import triton_sampler as ts
+                want = torch.ones(rows, dtype=torch.int64, device=device)
+                got, ref = ts.logprobs(raw, tokens, k, want), sampler.logprobs(raw, tokens, k)
+                row["triton_ms"] = _timed(lambda: ts.logprobs(raw, tokens, k, want), runs, cuda)
+                row["same_ranks_ids"] = bool(torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]))
+                row["max_value_diff"] = float((got[3] - ref[3]).abs().max())
+            except Exception as e:             # noqa: BLE001 - recorded in the result
+                row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
+        out.append(row)
+        print(f"  logprobs {rows:>4} rows  triton {row.get('triton_ms', '-')} ms  torch {row['torch_ms']} ms", flush=True)
+    return out
+
+
+def logprobs_markdown(table: list[dict]) -> list[str]:
+    if not table:
+        return []
+    lines = ["", f"The logprob records alone, every row asking (seeded random logits [rows, {table[0]['vocab']}]): "
+             "the fused kernel (one walk a row; rows not asking are skipped in a step) against PyTorch's operators:",
+             "", "| rows | Triton logprobs ms | PyTorch logprobs ms | ranks and ids the same | largest value difference |",
+             "|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
+                     f"{r.get('same_ranks_ids', '-')} | {r.get('max_value_diff', '-')} |")
+    return lines
 
 
 def markdown(table: list[dict]) -> list[str]:

@@ -18,7 +18,8 @@ per-step overhead against this time, so it is the number that decides it).
          3 eager steps, the 15 largest kernels by device time (on a CPU the operators by CPU
          time) and the kernels a step launches; a capture or a profiler that fails costs its
          column or table (the error is recorded), not the run
-      -> the draw alone at the decode shapes' row counts, each sampling mix (bench/cuda_draw.py)
+      -> the draw alone at the decode shapes' row counts, each sampling mix, and the logprob
+         records of every row (bench/cuda_draw.py)
       -> OUT/<date>-<machine>-cuda_step_profile.json + .md
 
     python -m bench.cuda_step_profile [--out DIR] [--decode 1x256,128x1024] [--prefill 16x128x512]
@@ -302,6 +303,8 @@ def run(args) -> dict:
             rows = [min(r, 4) if args.quick else r for r, _, _ in decode] or [1]     # quick: the CPU's dry run
             res["draw"] = cuda_draw.draw_table(device, config.vocab_size, rows, args.runs,
                                                triton=prof.step.kernels == "triton")
+            res["logprobs"] = cuda_draw.logprobs_table(device, config.vocab_size, rows, args.runs,
+                                                       triton=prof.step.kernels == "triton")
         except Exception as e:                 # noqa: BLE001 - recorded in the result
             res["draw_error"] = f"{type(e).__name__}: {e}"[:300]
     want = args.profile or str(max((g for g in prof.shapes if g.len == 1), key=lambda g: (g.rows, g.ctx),
@@ -375,8 +378,9 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
                       + f", {bp.get(count)} baseline."
                       + (" (On a CPU the Triton kernels run in Triton's interpreter, whose own operators count here.)"
                          if kernels == "triton" and p.get("clock") == "cpu" else "")]
+    from .cuda_draw import logprobs_markdown
     from .cuda_draw import markdown as draw_markdown
-    lines += draw_markdown(res.get("draw", []))
+    lines += draw_markdown(res.get("draw", [])) + logprobs_markdown(res.get("logprobs", []))
     lines += ["", f"The draw's table failed: {res['draw_error']}"] if "draw_error" in res else []
     errors = [f"{r['shape']}: {r['graph_error']}" for r in res["shapes"] if r.get("graph_error")]
     lines += ["", f"Capture failed: {'; '.join(errors)}"] if errors else []

@@ -422,7 +422,7 @@ void blink_twin_finish(const blink_sched_params_t *p, const blink_step_io_t *io)
     X(blink_step_io_t, lp_top_vals) X(blink_step_io_t, seat_bias) X(blink_step_io_t, seat_counts)           \
     X(blink_step_io_t, seat_prompt_mask) X(blink_step_io_t, seat_recent) X(blink_step_io_t, seat_bad_prefix) \
     X(blink_step_io_t, seat_bad_len) X(blink_step_io_t, seat_bad_last) X(blink_step_io_t, automaton_on)     \
-    X(blink_step_io_t, automaton_allowed) X(blink_step_io_t, block_size)                                    \
+    X(blink_step_io_t, automaton_allowed) X(blink_step_io_t, lp_want) X(blink_step_io_t, block_size)         \
     X(blink_step_io_t, sink_block) X(blink_step_io_t, sink_seat) X(blink_step_io_t, vocab)
 
 long blink_struct_offset(const char *strct, const char *field) {

@@ -23,7 +23,8 @@ with no host sync and no data-dependent shape, so it is captured inside each ste
          daemon's) at u = hash(seed, token index) -> token; a row whose filtered
          distribution is not finite keeps the argmax
       -> logprobs of the *raw* logits (vLLM's raw_logprobs, as logprobs.records): the
-         token's logprob and rank, the MAX_LOGPROBS most likely ids and logprobs
+         token's logprob and rank, the MAX_LOGPROBS most likely ids and logprobs (the fused
+         kernel: only for rows with lp_want, whose record is read; zeros elsewhere)
       -> update: each seated row's token counted in its seat, appended to its recent tokens
 
 Every rule runs on every row: a neutral parameter (bias 0, penalties 0/1, min_p 0, no
@@ -54,7 +55,7 @@ MIN_TEMPERATURE = 1e-5          # as gpu_backend/sampling.py: below this, argmax
 ROW_STOPS = 2 * MAX_STOP_IDS    # a row's stop ids: the slot's (8) and the model's EOS ids (8)
 BAD_WORDS = 64                  # multi-token bad words a seat holds
 BAD_WORD_LEN = 64               # tokens of one bad word at most (shared_layout.extra.MAX_BAD_WORD_TOKENS)
-TOP_LOGPROBS = MAX_LOGPROBS     # top entries computed for every row; a record keeps its first k
+TOP_LOGPROBS = MAX_LOGPROBS     # top entries computed for a row; a record keeps its first k
 _M32 = 0xFFFF_FFFF
 
 

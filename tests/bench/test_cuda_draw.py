@@ -31,3 +31,11 @@ def test_without_triton_only_the_pytorch_columns_run():
     table = cuda_draw.draw_table("cpu", 64, [2], runs=1, triton=False)
     assert all("triton_ms" not in r and r["torch_ms"] > 0 for r in table)
     assert "| 2 | greedy | - |" in "\n".join(cuda_draw.markdown(table))
+
+
+def test_the_logprobs_table_compares_the_fused_records_with_pytorchs():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = cuda_draw.logprobs_table(device, 1100, [2, 1], runs=1, triton=True)
+    assert [r["rows"] for r in table] == [1, 2]
+    assert all(r["same_ranks_ids"] and r["max_value_diff"] < 1e-5 and r["triton_ms"] > 0 for r in table), table
+    assert sum(line.startswith("| 2 | ") for line in cuda_draw.logprobs_markdown(table)) == 1
