@@ -123,7 +123,19 @@ def test_hostloop_applies_the_surface_as_the_cpu_executor_does(tiny_model, twin_
     work, want = reference
     ring = Ring.create(bytearray(GEOM.total_size), GEOM)
     engine, runner = _hostloop(tiny_model, ring)
+    marked, launch = [], runner.launcher.launch
+
+    def launch_and_look(graph, n_chunks):      # the staged lp_want of each row: the host loop's mark
+        launch(graph, n_chunks)
+        n = runner.block.state.n_rows
+        flags = [int(f) for f in runner.block.row_flags[:n]]
+        wanted = runner.launcher.buffers.lp_want[:n].tolist()
+        assert wanted == [int(bool(f & ROW_SAMPLE and f & ROW_LOGPROBS)) for f in flags]
+        marked.append(sum(wanted))
+    runner.launcher.launch = launch_and_look
     got = _serve(ring, engine.step, work)
+    # one marked row for each token drawn for a request asking logprobs, none for the others
+    assert sum(marked) == sum(len(got[i][2]) for i, (_, _, kw) in enumerate(work) if kw.get("logprobs") is not None)
     plain = [greedy_generate(tiny_model, p, n) for p, n, _ in work]
     for i, ((f, e, toks, recs), (wf, we, wtoks, wrecs)) in enumerate(zip(got, want)):
         assert (f, e, toks) == (wf, we, wtoks), i
