@@ -137,6 +137,7 @@ class Profiler:
         b.q_lens[:r].fill_(s)
         b.temperature[:r].zero_()                                                          # greedy
         b.seat[:r].fill_(b.seats.sink)
+        b.lp_want[:r].zero_()            # no row's logprob record read, as in Fig. 3 (the fused step skips them)
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -337,7 +338,8 @@ def write_results(res: dict, out_dir: pathlib.Path, machine: str) -> pathlib.Pat
     p = res["profile"]
     lines = [f"# Step graphs, shape by shape: {machine} ({res['device']})", "",
              f"Model {res['model']} ({res['dtype']}), torch {res['torch']}, step kernels {res.get('kernels', 'torch')}, "
-             f"every row at its whole context, greedy; "
+             f"every row at its whole context, greedy, no row asking logprobs (the fused logprobs skip them; "
+             f"PyTorch's operators compute every row's); "
              f"medians of {res['runs']} runs after a warm-up. Eager parts are synchronised around each call; "
              f"`graph` is one replay of the captured step (CUDA events), the device's own time of a step.", "",
              "Where a decode step splits its attention along the context (`splits` > 1: few rows, long context, "

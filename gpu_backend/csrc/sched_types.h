@@ -274,7 +274,7 @@ typedef struct BLINK_ALIGN8 blink_sched_params {
     uint32_t *row_slot;           /* [max_rows] the step's rows: slot (or compact index) of each row */
     uint32_t *row_start;          /* [max_rows] position of the row's first token */
     uint32_t *row_len;            /* [max_rows] tokens in the row */
-    uint32_t *row_flags;          /* [max_rows] chunk index | BLINK_ROW_SAMPLE */
+    uint32_t *row_flags;          /* [max_rows] chunk index | BLINK_ROW_SAMPLE (| BLINK_ROW_LOGPROBS: host loop) */
     uint32_t *kv_free_stack;      /* [num_blocks] kv_alloc.h */
     uint32_t *kv_owner;           /* [num_blocks] */
     uint32_t *kv_tables;          /* [slot_count * kv_max_blocks] block table of each slot */

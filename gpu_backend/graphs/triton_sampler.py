@@ -233,8 +233,8 @@ def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor
     _check_device(raw)
     raw = raw.contiguous()
     r, v = raw.shape
-    if not 0 < k <= TOP_BLOCK:
-        raise ValueError(f"logprobs: k {k} outside 1..{TOP_BLOCK}")
+    if not 0 < k <= min(TOP_BLOCK, v):
+        raise ValueError(f"logprobs: k {k} outside 1..{min(TOP_BLOCK, v)}")
     dev = raw.device
     lp, rank = torch.empty(r, dtype=torch.float32, device=dev), torch.empty(r, dtype=torch.int64, device=dev)
     ids, vals = torch.empty((r, k), dtype=torch.int64, device=dev), torch.empty((r, k), dtype=torch.float32, device=dev)

@@ -112,7 +112,7 @@ def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest():
         torch.testing.assert_close(got[3][w], vals[w], rtol=1e-6, atol=4e-6)
         assert got[2][3, :3].tolist() == sorted([2, v - 3, v // 2]) and got[1][3] == 1   # ties: none above
         assert all(float(t[~w].abs().sum()) == 0 for t in got)
-    with pytest.raises(ValueError, match="k 33 outside 1..32"):
+    with pytest.raises(ValueError, match="k 33 outside 1..16"):
         ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), 33)
 
 
