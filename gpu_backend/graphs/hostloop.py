@@ -219,9 +219,11 @@ class HostLoopRunner:
                     raise RuntimeError(f"slot {s.slot} holds {len(s.blocks)} blocks, tables hold {b.max_blocks}")
                 b.tables[i, :len(s.blocks)] = s.blocks
             b.chunk_slot[i], b.chunk_sample[i] = i, int(c.sample)
+        # the sampling row of a chunk asking logprobs: the graph computes its record (_logprobs reads it)
+        rows = [(chunk, start, length, flags | ROW_LOGPROBS
+                 if flags & ROW_SAMPLE and chunks[flags & ROW_CHUNK].seq.params.logprobs is not None else flags)
+                for chunk, start, length, flags in rows]
         for j, (chunk, start, length, flags) in enumerate(rows):
-            if flags & ROW_SAMPLE and chunks[flags & ROW_CHUNK].seq.params.logprobs is not None:
-                flags |= ROW_LOGPROBS               # the graph computes this row's logprob record (_logprobs)
             b.row_slot[j], b.row_start[j], b.row_len[j], b.row_flags[j] = chunk, start, length, flags
         st = b.state
         st.n_rows, st.n_chunks, st.graph = len(rows), n, graph
@@ -241,8 +243,7 @@ class HostLoopRunner:
         marked the row ROW_LOGPROBS) into seq.step_logprobs, [1, 2 + 2k] int32 words."""
         for c in chunks:
             c.seq.step_logprobs = None
-        want = {flags & ROW_CHUNK: j for j, (_, _, _, flags) in enumerate(rows)
-                if flags & ROW_SAMPLE and chunks[flags & ROW_CHUNK].seq.params.logprobs is not None}
+        want = {flags & ROW_CHUNK: j for j, (_, _, _, flags) in enumerate(rows) if flags & ROW_LOGPROBS}
         buffers = getattr(self.launcher, "buffers", None)
         if not want or buffers is None:      # the echo stand-in computes none: the engine writes blanks
             return
