@@ -118,12 +118,22 @@ def logprobs_table(device: str, vocab: int, rows_list, runs: int, triton: bool |
                 want = torch.ones(rows, dtype=torch.int64, device=device)
                 got, ref = ts.logprobs(raw, tokens, k, want), sampler.logprobs(raw, tokens, k)
                 row["triton_ms"] = _timed(lambda: ts.logprobs(raw, tokens, k, want), runs, cuda)
-                row["same_ranks_ids"] = bool(torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]))
+                # ranks are counted on the raw logits (the kernel's rule, docs/cuda.md), PyTorch's on the
+                # log-softmax, where two raw values within rounding of each other can tie: compare with
+                # the raw rule, and count the rows where the log-softmax tie moves PyTorch's rank
+                raw_rank = (raw > raw.gather(1, tokens[:, None])).sum(-1) + 1
+                row["same_ranks_ids"] = bool(torch.equal(got[1], raw_rank) and torch.equal(got[2], ref[2]))
+                row["rank_ties"] = int((raw_rank != ref[1]).sum())
+                # the same records by the descent (a count walk to the k-th value, no sort per tile)
+                got_d = ts.logprobs(raw, tokens, k, want, kernel="descent")
+                row["descent_ms"] = _timed(lambda: ts.logprobs(raw, tokens, k, want, kernel="descent"), runs, cuda)
+                row["descent_same"] = all(bool(torch.equal(a, b)) for a, b in zip(got, got_d))
                 row["max_value_diff"] = float((got[3] - ref[3]).abs().max())
             except Exception as e:             # noqa: BLE001 - recorded in the result
                 row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
         out.append(row)
-        print(f"  logprobs {rows:>4} rows  triton {row.get('triton_ms', '-')} ms  torch {row['torch_ms']} ms", flush=True)
+        print(f"  logprobs {rows:>4} rows  triton {row.get('triton_ms', '-')} ms  descent {row.get('descent_ms', '-')} ms  "
+              f"torch {row['torch_ms']} ms", flush=True)
     return out
 
 
@@ -132,11 +142,13 @@ def logprobs_markdown(table: list[dict]) -> list[str]:
         return []
     lines = ["", f"The logprob records alone, every row asking (seeded random logits [rows, {table[0]['vocab']}]): "
              "the fused kernel (one walk a row; rows not asking are skipped in a step) against PyTorch's operators:",
-             "", "| rows | Triton logprobs ms | PyTorch logprobs ms | ranks and ids the same | largest value difference |",
-             "|---|---|---|---|---|"]
+             "", "| rows | Triton logprobs ms | descent ms | PyTorch logprobs ms | ranks (raw logits) and ids the same | "
+             "rows where PyTorch's log-softmax ties move the rank | largest value difference | descent's records "
+             "the same |", "|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
-                     f"{r.get('same_ranks_ids', '-')} | {r.get('max_value_diff', '-')} |")
+        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r.get('descent_ms', '-')} | "
+                     f"{r['torch_ms']} | {r.get('same_ranks_ids', '-')} | {r.get('rank_ties', '-')} | "
+                     f"{r.get('max_value_diff', '-')} | {r.get('descent_same', '-')} |")
     return lines
 
 
@@ -152,3 +164,36 @@ def markdown(table: list[dict]) -> list[str]:
         lines.append(f"| {r['rows']} | {r['mix']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
                      f"{r['sort_ms']} | {r.get('agree', '-')} | {r.get('outside', '-')} |")
     return lines
+
+
+def main(argv=None) -> int:
+    """The two tables alone, on the first GPU (or the CPU: PyTorch's columns), as a result file."""
+    import argparse
+    import json
+    import pathlib
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,64,128", help="row counts, comma-separated")
+    ap.add_argument("--vocab", type=int, default=49152, help="columns (SmolLM2's vocabulary)")
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--out", default="", help="folder for <date>-<device>-cuda_draw.{json,md}")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [int(r) for r in args.rows.split(",") if r]
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "draw": draw_table(device, args.vocab, rows, args.runs),
+           "logprobs": logprobs_table(device, args.vocab, rows, args.runs)}
+    md = [f"# The draw and the logprob records alone: {res['device']}", "",
+          f"torch {res['torch']}; medians of {args.runs} runs after a warm-up.", *markdown(res["draw"]),
+          *logprobs_markdown(res["logprobs"]), "", f"Reproduce: `python -m bench.cuda_draw --rows {args.rows}`."]
+    print("\n".join(md))
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"{time.strftime('%Y-%m-%d')}-{res['device'].split()[-1].lower()}-cuda_draw"
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

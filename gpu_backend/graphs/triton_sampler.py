@@ -225,7 +225,71 @@ def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, v
     tl.store(vals_ptr + r * k + j, vals, mask=j < k)
 
 
-def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor | None = None):
+@triton.jit(do_not_specialize=["vocab", "stride", "k"])
+def _logprobs_descent_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, vals_ptr, vocab, stride, k,
+                             HAS_WANT: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr):
+    """_logprobs_kernel's records without a sort per tile: a walk for the log-sum-exp and the rank;
+    the k-th largest value's key by _descend (counting); a walk counting the values above it; a
+    walk writing the k kept values' composite keys (those above, then the ties at the k-th value
+    by id) into the row's ids; then those k keys sorted once (tl.topk) into ids and logprobs."""
+    r = tl.program_id(0)
+    j = tl.arange(0, TOP)
+    if HAS_WANT:
+        want = tl.load(want_ptr + r)
+    else:
+        want = 1
+    lp = 0.0
+    rank = tl.program_id(0).to(tl.int64) * 0
+    ids = tl.zeros([TOP], tl.int64)
+    vals = tl.zeros([TOP], tl.float32)
+    if want != 0:
+        row = raw_ptr + r * stride
+        x_tok = tl.load(row + tl.load(tokens_ptr + r))
+        cols = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        above = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(0, vocab, BLOCK):
+            v = n0 + cols
+            x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+            m = m_new
+            above += (x > x_tok).to(tl.int32)
+        top = tl.max(m, axis=0)
+        log_sum = tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+        lp = (x_tok - top) - log_sum                                             # log_softmax's formula
+        rank = (tl.sum(above, axis=0) + 1).to(tl.int64)
+        kth = _descend(row, vocab, top, float("-inf"), k.to(tl.float32), False, BLOCK)   # the k-th value's key
+        n_above = tl.zeros([BLOCK], tl.int32)
+        for n0 in range(0, vocab, BLOCK):
+            v, inside, y, key = _tile(row, n0, cols, vocab)
+            n_above += (inside & (key > kth)).to(tl.int32)
+        room = k - tl.sum(n_above, axis=0)                                        # ties at kth kept, by id
+        ties = 0
+        kept = 0
+        for n0 in range(0, vocab, BLOCK):
+            v, inside, y, key = _tile(row, n0, cols, vocab)
+            tie = (inside & (key == kth)).to(tl.int32)
+            keep = ((inside & (key > kth)) | ((tie > 0) & (ties + tl.cumsum(tie, axis=0) - tie < room))).to(tl.int32)
+            pos = kept + tl.cumsum(keep, axis=0) - keep
+            tl.store(ids_ptr + r * k + pos, _sortable(y, v), mask=keep > 0)
+            ties += tl.sum(tie, axis=0)
+            kept += tl.sum(keep, axis=0)
+        tl.debug_barrier()                                                        # the keys written, block-wide
+        best = tl.topk(tl.load(ids_ptr + r * k + j, mask=j < k, other=_LOWEST), TOP)
+        tl.debug_barrier()                                                        # every thread read them
+        ids = 4294967295 - (best & 4294967295)
+        vals = (_key_value((best >> 32) + 2147483648) - top) - log_sum
+    tl.store(lp_ptr + r, lp)
+    tl.store(rank_ptr + r, rank)
+    tl.store(ids_ptr + r * k + j, ids, mask=j < k)
+    tl.store(vals_ptr + r * k + j, vals, mask=j < k)
+
+
+def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor | None = None,
+             kernel: str = "topk"):
     """sampler.logprobs in one kernel, for the rows where want != 0 (all without it): raw logits [R, V]
     float32 + tokens [R] -> (logprob [R], rank [R], top ids [R, k], top logprobs [R, k]); zeros in the
     rows not wanted. The same values but for rounding (its sums run in another order; exp and log
@@ -239,9 +303,9 @@ def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor
     lp, rank = torch.empty(r, dtype=torch.float32, device=dev), torch.empty(r, dtype=torch.int64, device=dev)
     ids, vals = torch.empty((r, k), dtype=torch.int64, device=dev), torch.empty((r, k), dtype=torch.float32, device=dev)
     if r:
-        _logprobs_kernel[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, v,
-                               raw.stride(0), k, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK,
-                               num_warps=8)
+        fn = _logprobs_descent_kernel if kernel == "descent" else _logprobs_kernel
+        fn[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, v,
+                 raw.stride(0), k, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK, num_warps=8)
     return lp, rank, ids, vals
 
 
@@ -367,21 +431,68 @@ def _weights(y, m, s0, kth, MASS: tl.constexpr):
 def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """The largest order key t whose F(t) >= target, F(t) being the weight (_weights) of the row's
     values with key >= t; 0 where none is. Four key bits a pass from the top: 8 passes over the
-    row, each summing F at the 16 candidates the bits decided so far leave (one accumulator
-    column each, reduced once a pass in one order for every column, so F never grows with t)."""
+    row. A pass sums F at the 16 candidates t + d * step the bits decided so far leave: each value's
+    digit q (its key's offset from t in steps, clamped to -1..15) adds its weight, once computed,
+    to the accumulators d = 1..15 with q >= d (F at d = 0 is F(t), known >= target). Every
+    accumulator is a [BLOCK] tensor of one layout, summed lane by lane in tile order and reduced
+    once a pass in one order, so F never grows with t, and _above_and_ties sums as this does.
+    (Until the sixth lent run a [BLOCK, 16] accumulator: 16 threads each loaded and weighed every
+    value, and the pick took ~75 us a pass on the H200.)"""
     cols = tl.arange(0, BLOCK)
-    d = tl.arange(0, 16).to(tl.int64)
     t = tl.program_id(0).to(tl.int64) * 0
     for level in range(8):
-        step = (t * 0 + 1) << (28 - 4 * level)
-        cand = t + d * step                                                       # [16] keys
-        f = tl.zeros([BLOCK, 16], tl.float32)
+        shift = 28 - 4 * level
+        f1 = tl.zeros([BLOCK], tl.float32)
+        f2 = tl.zeros([BLOCK], tl.float32)
+        f3 = tl.zeros([BLOCK], tl.float32)
+        f4 = tl.zeros([BLOCK], tl.float32)
+        f5 = tl.zeros([BLOCK], tl.float32)
+        f6 = tl.zeros([BLOCK], tl.float32)
+        f7 = tl.zeros([BLOCK], tl.float32)
+        f8 = tl.zeros([BLOCK], tl.float32)
+        f9 = tl.zeros([BLOCK], tl.float32)
+        f10 = tl.zeros([BLOCK], tl.float32)
+        f11 = tl.zeros([BLOCK], tl.float32)
+        f12 = tl.zeros([BLOCK], tl.float32)
+        f13 = tl.zeros([BLOCK], tl.float32)
+        f14 = tl.zeros([BLOCK], tl.float32)
+        f15 = tl.zeros([BLOCK], tl.float32)
         for n0 in range(0, vocab, BLOCK):
             v, m, y, key = _tile(row_ptr, n0, cols, vocab)
             w = _weights(y, m, s0, kth, MASS)
-            f += tl.where(key[:, None] >= cand[None, :], w[:, None], 0.0)
-        s = tl.sum(f, axis=0)                                                     # [16] F at each candidate
-        t = t + tl.max(tl.where(s >= target, d, 0), axis=0) * step
+            q = tl.minimum(tl.maximum((key - t) >> shift, -1), 15).to(tl.int32)
+            f1 += tl.where(q >= 1, w, 0.0)
+            f2 += tl.where(q >= 2, w, 0.0)
+            f3 += tl.where(q >= 3, w, 0.0)
+            f4 += tl.where(q >= 4, w, 0.0)
+            f5 += tl.where(q >= 5, w, 0.0)
+            f6 += tl.where(q >= 6, w, 0.0)
+            f7 += tl.where(q >= 7, w, 0.0)
+            f8 += tl.where(q >= 8, w, 0.0)
+            f9 += tl.where(q >= 9, w, 0.0)
+            f10 += tl.where(q >= 10, w, 0.0)
+            f11 += tl.where(q >= 11, w, 0.0)
+            f12 += tl.where(q >= 12, w, 0.0)
+            f13 += tl.where(q >= 13, w, 0.0)
+            f14 += tl.where(q >= 14, w, 0.0)
+            f15 += tl.where(q >= 15, w, 0.0)
+        # F falls as d grows: the largest d with F(d) >= target is how many of d = 1..15 reach it
+        d = ((tl.sum(f1, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f2, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f3, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f4, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f5, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f6, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f7, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f8, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f9, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f10, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f11, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f12, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f13, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f14, axis=0) >= target).to(tl.int64) +
+             (tl.sum(f15, axis=0) >= target).to(tl.int64))
+        t = t + (d << shift)
     return t
 
 

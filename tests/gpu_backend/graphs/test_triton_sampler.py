@@ -90,24 +90,27 @@ def test_sampling_steps_with_the_fused_kernels_are_the_pytorch_samplers():
     assert torch.equal(st.counts, sr.counts) and torch.equal(st.recent, sr.recent)
 
 
-def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest():
-    """One walk a wanted row: the token's logprob and rank, the top entries most likely first (equal
-    values by id, over two tiles of columns), -inf logits, k below TOP_LOGPROBS and a vocabulary
-    narrower than the kept block; rows nobody reads get zeros."""
+@pytest.mark.parametrize("kernel", ["topk", "descent"])
+def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest(kernel):
+    """A wanted row: the token's logprob and rank, the top entries most likely first (equal values
+    by id, over two tiles of columns; a row of one value throughout), -inf logits, k below
+    TOP_LOGPROBS and a vocabulary narrower than the kept block; rows nobody reads get zeros."""
     gen = torch.Generator().manual_seed(26)
     for v, k in ((ts.LOGPROB_BLOCK + 300, 20), (300, 5), (16, 16)):
         raw = torch.randn(5, v, generator=gen) * 3
         raw[1, : v // 2] = float("-inf")
         raw[3, [2, v - 3, v // 2]] = 9.0                 # three equal best, far apart: by id
+        raw[4] = 0.5                                      # every value tied: the first k ids
         tokens = torch.tensor([0, v - 1, 1, v // 2, 4])
-        want = torch.tensor([1, 1, 0, 1, 0])
+        want = torch.tensor([1, 1, 0, 1, 1])
         lp, rank, ids, vals = sampler.logprobs(raw, tokens, k)
-        got = [t.cpu() for t in ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), k, want.to(DEVICE))]
+        got = [t.cpu() for t in ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), k, want.to(DEVICE), kernel=kernel)]
         w = want.bool()
         # torch.topk orders equal values as it likes (the tied best of row 3, row 1's -inf), the kernel by id
         by_id = [sorted(zip((-vals[i]).tolist(), ids[i].tolist())) for i in range(5)]
         assert torch.equal(got[1][w], rank[w]), (v, got[1], rank)
         assert all(got[2][i].tolist() == [t for _, t in by_id[i]] for i in (0, 1, 3)), (v, got[2], ids)
+        assert got[2][4].tolist() == list(range(k)) and got[1][4] == 1
         torch.testing.assert_close(got[0][w], lp[w], rtol=1e-6, atol=4e-6)
         torch.testing.assert_close(got[3][w], vals[w], rtol=1e-6, atol=4e-6)
         assert got[2][3, :3].tolist() == sorted([2, v - 3, v // 2]) and got[1][3] == 1   # ties: none above
