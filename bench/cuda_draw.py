@@ -7,13 +7,18 @@ used to run over the whole vocabulary, every step, whatever the rows asked for, 
     [rows, vocab] float32 on the device
       -> triton_ms: graphs/triton_sampler.draw (no sort: greedy rows stop after the argmax, top-k and
          top-p thresholds by a radix descent per row), CUDA events, median of `runs`
+         unpipelined_ms: the same kernels with DRAW_STAGES = 1 (no load pipeline; the A/B that
+         decides it; unpipelined_same: its tokens equal)
          torch_ms: graphs/sampler.draw (PyTorch's operators, the stable sort the thresholds use)
          sort_ms: that sort alone over the rows (what every step paid before, greedy rows too)
          agree: the share of rows where both draws give the same token; outside: Triton tokens the
          reference's filters drop (must be 0)
       -> a list of dicts, one per (rows, mix); a failing part costs its cell (the error recorded)
     logprobs_table: the logprob records of every row (graphs/triton_sampler.logprobs, one walk a
-    row) against PyTorch's (graphs/sampler.logprobs), timed the same way, ranks and ids compared
+    row) against PyTorch's (graphs/sampler.logprobs), timed the same way; ids compared with PyTorch's,
+    ranks with the raw logits' (rank_ties: rows where PyTorch's log-softmax rounds two values equal)
+
+    python -m bench.cuda_draw [--rows 1,64,128] [--vocab 49152] [--runs 20] [--out DIR]
 
 bench.cuda_step_profile runs it beside the shapes (the plan's graphs call). On a CPU only the
 PyTorch columns run (the Triton kernels need a GPU or the interpreter).
@@ -84,6 +89,10 @@ def draw_table(device: str, vocab: int, rows_list, runs: int, triton: bool | Non
                     from gpu_backend.graphs import triton_sampler as ts
                     got = ts.draw(*args)
                     row["triton_ms"] = _timed(lambda: ts.draw(*args), runs, cuda)
+                    # the same kernels without tl.range's load pipeline (DRAW_STAGES = 1): the A/B
+                    # that decides triton_sampler.DRAW_STAGES; the tokens must not move
+                    row["unpipelined_ms"] = _timed(lambda: ts.draw(*args, stages=1), runs, cuda)
+                    row["unpipelined_same"] = bool(torch.equal(ts.draw(*args, stages=1), got))
                     row["agree"] = round(float((got == want).float().mean()), 4)
                     probs, order = sampler.filtered_sorted(x, temp, top_p, top_k, min_p)
                     kept = torch.zeros_like(probs).scatter_(1, order, probs) > 0
@@ -124,16 +133,11 @@ def logprobs_table(device: str, vocab: int, rows_list, runs: int, triton: bool |
                 raw_rank = (raw > raw.gather(1, tokens[:, None])).sum(-1) + 1
                 row["same_ranks_ids"] = bool(torch.equal(got[1], raw_rank) and torch.equal(got[2], ref[2]))
                 row["rank_ties"] = int((raw_rank != ref[1]).sum())
-                # the same records by the descent (a count walk to the k-th value, no sort per tile)
-                got_d = ts.logprobs(raw, tokens, k, want, kernel="descent")
-                row["descent_ms"] = _timed(lambda: ts.logprobs(raw, tokens, k, want, kernel="descent"), runs, cuda)
-                row["descent_same"] = all(bool(torch.equal(a, b)) for a, b in zip(got, got_d))
                 row["max_value_diff"] = float((got[3] - ref[3]).abs().max())
             except Exception as e:             # noqa: BLE001 - recorded in the result
                 row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
         out.append(row)
-        print(f"  logprobs {rows:>4} rows  triton {row.get('triton_ms', '-')} ms  descent {row.get('descent_ms', '-')} ms  "
-              f"torch {row['torch_ms']} ms", flush=True)
+        print(f"  logprobs {rows:>4} rows  triton {row.get('triton_ms', '-')} ms  torch {row['torch_ms']} ms", flush=True)
     return out
 
 
@@ -142,13 +146,12 @@ def logprobs_markdown(table: list[dict]) -> list[str]:
         return []
     lines = ["", f"The logprob records alone, every row asking (seeded random logits [rows, {table[0]['vocab']}]): "
              "the fused kernel (one walk a row; rows not asking are skipped in a step) against PyTorch's operators:",
-             "", "| rows | Triton logprobs ms | descent ms | PyTorch logprobs ms | ranks (raw logits) and ids the same | "
-             "rows where PyTorch's log-softmax ties move the rank | largest value difference | descent's records "
-             "the same |", "|---|---|---|---|---|---|---|---|"]
+             "", "| rows | Triton logprobs ms | PyTorch logprobs ms | ranks (raw logits) and ids the same | "
+             "rows where PyTorch's log-softmax ties move the rank | largest value difference |",
+             "|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r.get('descent_ms', '-')} | "
-                     f"{r['torch_ms']} | {r.get('same_ranks_ids', '-')} | {r.get('rank_ties', '-')} | "
-                     f"{r.get('max_value_diff', '-')} | {r.get('descent_same', '-')} |")
+        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
+                     f"{r.get('same_ranks_ids', '-')} | {r.get('rank_ties', '-')} | {r.get('max_value_diff', '-')} |")
     return lines
 
 
@@ -159,10 +162,12 @@ def markdown(table: list[dict]) -> list[str]:
     lines = ["", f"The draw alone (bench/cuda_draw.py), seeded random logits [rows, {table[0]['vocab']}] float32: "
              "Triton's (no sort), PyTorch's (graphs/sampler.draw) and the sort every step ran before; `agree`: "
              "rows where both give the same token, `outside`: Triton tokens the filters drop (must be 0):", "",
-             "| rows | mix | Triton draw ms | PyTorch draw ms | sort alone ms | agree | outside |", "|---|---|---|---|---|---|---|"]
+             "| rows | mix | Triton draw ms | unpipelined ms | PyTorch draw ms | sort alone ms | agree | outside | "
+             "unpipelined tokens the same |", "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['rows']} | {r['mix']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
-                     f"{r['sort_ms']} | {r.get('agree', '-')} | {r.get('outside', '-')} |")
+        lines.append(f"| {r['rows']} | {r['mix']} | {r.get('triton_ms', r.get('triton_error', '-'))} | "
+                     f"{r.get('unpipelined_ms', '-')} | {r['torch_ms']} | {r['sort_ms']} | {r.get('agree', '-')} | "
+                     f"{r.get('outside', '-')} | {r.get('unpipelined_same', '-')} |")
     return lines
 
 

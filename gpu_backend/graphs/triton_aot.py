@@ -111,14 +111,13 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                 ("y_ptr", "*fp32"), ("top_ptr", "*fp32"), ("greedy_ptr", "*i64"), ("temp_ptr", "*fp32"),
                 ("top_p_ptr", "*fp32"), ("top_k_ptr", "*i64"), ("seed_ptr", "*i64"), ("index_ptr", "*i64"),
                 ("tokens_ptr", "*i64"))
-        out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr"},
-                    {"BLOCK": ts.DRAW_BLOCK}, warps))
-    for name, fn in (("sampler.logprobs", ts._logprobs_kernel), ("sampler.logprobs_descent", ts._logprobs_descent_kernel)):
-        out.append((name, fn,           # step graphs always pass the rows' want flags
-                    {"raw_ptr": "*fp32", "tokens_ptr": "*i64", "want_ptr": "*i64", "lp_ptr": "*fp32", "rank_ptr": "*i64",
-                     "ids_ptr": "*i64", "vals_ptr": "*fp32", "vocab": "i32", "stride": "i32", "k": "i32",
-                     "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr"},
-                    {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK}, 8))
+        out.append((name, fn, {**dict(ptrs), "vocab": "i32", "stride": "i32", "BLOCK": "constexpr",
+                               "STAGES": "constexpr"}, {"BLOCK": ts.DRAW_BLOCK, "STAGES": ts.DRAW_STAGES}, warps))
+    out.append(("sampler.logprobs", ts._logprobs_kernel,           # step graphs always pass the rows' want flags
+                {"raw_ptr": "*fp32", "tokens_ptr": "*i64", "want_ptr": "*i64", "lp_ptr": "*fp32", "rank_ptr": "*i64",
+                 "ids_ptr": "*i64", "vals_ptr": "*fp32", "vocab": "i32", "stride": "i32", "k": "i32",
+                 "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr"},
+                {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK}, 8))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",

@@ -225,71 +225,7 @@ def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, v
     tl.store(vals_ptr + r * k + j, vals, mask=j < k)
 
 
-@triton.jit(do_not_specialize=["vocab", "stride", "k"])
-def _logprobs_descent_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, vals_ptr, vocab, stride, k,
-                             HAS_WANT: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr):
-    """_logprobs_kernel's records without a sort per tile: a walk for the log-sum-exp and the rank;
-    the k-th largest value's key by _descend (counting); a walk counting the values above it; a
-    walk writing the k kept values' composite keys (those above, then the ties at the k-th value
-    by id) into the row's ids; then those k keys sorted once (tl.topk) into ids and logprobs."""
-    r = tl.program_id(0)
-    j = tl.arange(0, TOP)
-    if HAS_WANT:
-        want = tl.load(want_ptr + r)
-    else:
-        want = 1
-    lp = 0.0
-    rank = tl.program_id(0).to(tl.int64) * 0
-    ids = tl.zeros([TOP], tl.int64)
-    vals = tl.zeros([TOP], tl.float32)
-    if want != 0:
-        row = raw_ptr + r * stride
-        x_tok = tl.load(row + tl.load(tokens_ptr + r))
-        cols = tl.arange(0, BLOCK)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        above = tl.zeros([BLOCK], tl.int32)
-        for n0 in range(0, vocab, BLOCK):
-            v = n0 + cols
-            x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
-            m_new = tl.maximum(m, x)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-            m = m_new
-            above += (x > x_tok).to(tl.int32)
-        top = tl.max(m, axis=0)
-        log_sum = tl.log(tl.sum(s * tl.exp(m - top), axis=0))
-        lp = (x_tok - top) - log_sum                                             # log_softmax's formula
-        rank = (tl.sum(above, axis=0) + 1).to(tl.int64)
-        kth = _descend(row, vocab, top, float("-inf"), k.to(tl.float32), False, BLOCK)   # the k-th value's key
-        n_above = tl.zeros([BLOCK], tl.int32)
-        for n0 in range(0, vocab, BLOCK):
-            v, inside, y, key = _tile(row, n0, cols, vocab)
-            n_above += (inside & (key > kth)).to(tl.int32)
-        room = k - tl.sum(n_above, axis=0)                                        # ties at kth kept, by id
-        ties = 0
-        kept = 0
-        for n0 in range(0, vocab, BLOCK):
-            v, inside, y, key = _tile(row, n0, cols, vocab)
-            tie = (inside & (key == kth)).to(tl.int32)
-            keep = ((inside & (key > kth)) | ((tie > 0) & (ties + tl.cumsum(tie, axis=0) - tie < room))).to(tl.int32)
-            pos = kept + tl.cumsum(keep, axis=0) - keep
-            tl.store(ids_ptr + r * k + pos, _sortable(y, v), mask=keep > 0)
-            ties += tl.sum(tie, axis=0)
-            kept += tl.sum(keep, axis=0)
-        tl.debug_barrier()                                                        # the keys written, block-wide
-        best = tl.topk(tl.load(ids_ptr + r * k + j, mask=j < k, other=_LOWEST), TOP)
-        tl.debug_barrier()                                                        # every thread read them
-        ids = 4294967295 - (best & 4294967295)
-        vals = (_key_value((best >> 32) + 2147483648) - top) - log_sum
-    tl.store(lp_ptr + r, lp)
-    tl.store(rank_ptr + r, rank)
-    tl.store(ids_ptr + r * k + j, ids, mask=j < k)
-    tl.store(vals_ptr + r * k + j, vals, mask=j < k)
-
-
-def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor | None = None,
-             kernel: str = "topk"):
+def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor | None = None):
     """sampler.logprobs in one kernel, for the rows where want != 0 (all without it): raw logits [R, V]
     float32 + tokens [R] -> (logprob [R], rank [R], top ids [R, k], top logprobs [R, k]); zeros in the
     rows not wanted. The same values but for rounding (its sums run in another order; exp and log
@@ -303,9 +239,9 @@ def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor
     lp, rank = torch.empty(r, dtype=torch.float32, device=dev), torch.empty(r, dtype=torch.int64, device=dev)
     ids, vals = torch.empty((r, k), dtype=torch.int64, device=dev), torch.empty((r, k), dtype=torch.float32, device=dev)
     if r:
-        fn = _logprobs_descent_kernel if kernel == "descent" else _logprobs_kernel
-        fn[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, v,
-                 raw.stride(0), k, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK, num_warps=8)
+        _logprobs_kernel[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, v,
+                               raw.stride(0), k, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK,
+                               num_warps=8)
     return lp, rank, ids, vals
 
 
@@ -342,13 +278,19 @@ def update(s, p, tokens: torch.Tensor) -> None:
 # inverse CDF in token-id order
 
 DRAW_BLOCK = 1024            # columns of one tile of the draw kernels
-PICK_WARPS = 8              # the pick's program: a row's walks, [DRAW_BLOCK, 16] descent accumulators
+PICK_WARPS = 8              # the pick's program: a row's walks, 15 [DRAW_BLOCK] descent accumulators
+# Loads of a walk's tiles in flight ahead of the tile being summed (tl.range's software pipeline:
+# cp.async into shared memory, DRAW_STAGES - 1 tiles ahead; 1: none). One program walks a whole row,
+# so without it every tile waits for its load (~31 us a descent pass over 49,152 values on the H200,
+# sixth lent run); not yet timed on a GPU with it: bench.cuda_draw's `unpipelined` column A/Bs it
+DRAW_STAGES = 3
 MIN_TEMPERATURE = 1e-5       # sampler.MIN_TEMPERATURE
 _NO_PICK = tl.constexpr(2147483647)   # no id yet (a constexpr: the kernels read it)
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
-def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vocab, stride, BLOCK: tl.constexpr):
+def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vocab, stride, BLOCK: tl.constexpr,
+                      STAGES: tl.constexpr):
     """Per row: the greedy token (first argmax of x). Sampling rows also: y = x / temperature, -inf
     where min_p cuts (softmax(y) < min_p * its largest), and top = the largest y (NaN where y holds
     a NaN: the pick keeps the greedy token, as the reference does for a distribution not finite)."""
@@ -363,7 +305,7 @@ def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vo
     y_max = tl.full([BLOCK], float("-inf"), tl.float32)
     nans = tl.zeros([BLOCK], tl.int32)
     stored = tl.where(sampling, vocab, 0)
-    for n0 in range(0, vocab, BLOCK):
+    for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         v = n0 + cols
         m = v < vocab
         x = tl.load(x_ptr + r * stride + v, mask=m, other=float("-inf"))
@@ -380,13 +322,13 @@ def _draw_prep_kernel(x_ptr, y_ptr, greedy_ptr, top_ptr, temp_ptr, min_p_ptr, vo
     tl.store(top_ptr + r, tl.where(tl.sum(nans, axis=0) > 0, float("nan"), ym))
     if sampling & (min_p > 0):
         z = tl.zeros([BLOCK], tl.float32)
-        for n0 in range(0, vocab, BLOCK):
+        for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
             v = n0 + cols
             y = tl.load(y_ptr + r * stride + v, mask=v < vocab, other=float("-inf"))
             z += tl.exp(y - ym)
         total = tl.sum(z, axis=0)
         cut = min_p * (1.0 / total)                      # min_p x the largest probability (1 / total)
-        for n0 in range(0, vocab, BLOCK):
+        for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
             v = n0 + cols
             m = v < vocab
             y = tl.load(y_ptr + r * stride + v, mask=m, other=float("-inf"))
@@ -428,7 +370,7 @@ def _weights(y, m, s0, kth, MASS: tl.constexpr):
 
 
 @triton.jit
-def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.constexpr):
+def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """The largest order key t whose F(t) >= target, F(t) being the weight (_weights) of the row's
     values with key >= t; 0 where none is. Four key bits a pass from the top: 8 passes over the
     row. A pass sums F at the 16 candidates t + d * step the bits decided so far leave: each value's
@@ -457,7 +399,7 @@ def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.cons
         f13 = tl.zeros([BLOCK], tl.float32)
         f14 = tl.zeros([BLOCK], tl.float32)
         f15 = tl.zeros([BLOCK], tl.float32)
-        for n0 in range(0, vocab, BLOCK):
+        for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
             v, m, y, key = _tile(row_ptr, n0, cols, vocab)
             w = _weights(y, m, s0, kth, MASS)
             q = tl.minimum(tl.maximum((key - t) >> shift, -1), 15).to(tl.int32)
@@ -497,13 +439,13 @@ def _descend(row_ptr, vocab, s0, kth, target, MASS: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _above_and_ties(row_ptr, vocab, s0, kth, t, BLOCK: tl.constexpr):
+def _above_and_ties(row_ptr, vocab, s0, kth, t, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """The weight of the values top-k keeps with key > t (F(t + 1), summed as _descend sums), and
     how many of them have key t."""
     cols = tl.arange(0, BLOCK)
     a = tl.zeros([BLOCK], tl.float32)
     n = tl.zeros([BLOCK], tl.int32)
-    for n0 in range(0, vocab, BLOCK):
+    for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         v, m, y, key = _tile(row_ptr, n0, cols, vocab)
         a += tl.where(key > t, _weights(y, m, s0, kth, True), 0.0)
         n += (m & (y >= kth) & (key == t)).to(tl.int32)
@@ -511,7 +453,7 @@ def _above_and_ties(row_ptr, vocab, s0, kth, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr):
+def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """The first id, in id order over the kept values (>= kth, and key > tp or among the first n_tp
     ids of key tp), whose cumulative weight exceeds target; past the total (rounding): the last kept
     id of positive weight; -1 where none has."""
@@ -520,7 +462,7 @@ def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr)
     ties = 0
     pick = _NO_PICK
     last = -1
-    for n0 in range(0, vocab, BLOCK):
+    for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
         v, m, y, key = _tile(row_ptr, n0, cols, vocab)
         tie = (m & (y >= kth) & (key == tp)).to(tl.int32)
         rank = ties + tl.cumsum(tie, axis=0) - tie                                # among key tp, in id order
@@ -536,7 +478,7 @@ def _inverse_cdf(row_ptr, vocab, s0, kth, tp, n_tp, target, BLOCK: tl.constexpr)
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
 def _draw_pick_kernel(y_ptr, top_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr, index_ptr, tokens_ptr,
-                      vocab, stride, BLOCK: tl.constexpr):
+                      vocab, stride, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Per sampling row, over its values y in id order (no sort): top-k keeps the values >= the
     k-th largest (ties kept), top-p the values, in descending order and among equal ones by id,
     while those before them hold less than top_p; then the inverse CDF in id order at the row's
@@ -551,15 +493,15 @@ def _draw_pick_kernel(y_ptr, top_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr
         kth = s0 * 0.0 + float("-inf")
         tp_none = k.to(tl.int64) * 0 - 1
         if (k > 0) & (k < vocab):                        # the k-th largest value: F counts values
-            kth = _key_value(_descend(row, vocab, s0, kth, k.to(tl.float32), False, BLOCK))
-        z, _ = _above_and_ties(row, vocab, s0, kth, tp_none, BLOCK)             # the mass top-k keeps
+            kth = _key_value(_descend(row, vocab, s0, kth, k.to(tl.float32), False, BLOCK, STAGES))
+        z, _ = _above_and_ties(row, vocab, s0, kth, tp_none, BLOCK, STAGES)             # the mass top-k keeps
         top_p = tl.load(top_p_ptr + r)
         tp = tp_none                                     # top-p's cut key; -1: none
         n_tp = k.to(tl.int32) * 0
         if top_p < 1.0:
             limit = top_p * z
-            tp = _descend(row, vocab, s0, kth, limit, True, BLOCK)    # where the running mass reaches limit
-            above, n_tie = _above_and_ties(row, vocab, s0, kth, tp, BLOCK)
+            tp = _descend(row, vocab, s0, kth, limit, True, BLOCK, STAGES)    # where the running mass reaches limit
+            above, n_tie = _above_and_ties(row, vocab, s0, kth, tp, BLOCK, STAGES)
             w_tie = tl.exp(_key_value(tp) - s0)                        # NaN where tp is 0 (no cut)
             some = (n_tie > 0) & (w_tie > 0)
             # the values of key tp stay, by id, while the mass before them is below limit
@@ -569,13 +511,13 @@ def _draw_pick_kernel(y_ptr, top_ptr, greedy_ptr, temp_ptr, top_p_ptr, top_k_ptr
             n_tp = tl.where(some, stay.to(tl.int32), n_tie)
             z = above + tl.where(n_tp > 0, n_tp.to(tl.float32) * w_tie, 0.0)
         target = _hash_uniform(tl.load(seed_ptr + r), tl.load(index_ptr + r)) * z
-        pick = _inverse_cdf(row, vocab, s0, kth, tp, n_tp, target, BLOCK)
+        pick = _inverse_cdf(row, vocab, s0, kth, tp, n_tp, target, BLOCK, STAGES)
         token = tl.where(pick >= 0, pick.to(tl.int64), token)
     tl.store(tokens_ptr + r, token)
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor,
-         index: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+         index: torch.Tensor, min_p: torch.Tensor | None = None, stages: int = DRAW_STAGES) -> torch.Tensor:
     """sampler.draw in 2 kernels and no sort: processed logits [R, V] float32 -> tokens [R]. The same
     rules and the same hash uniform; sums in another order than PyTorch's softmax and cumsum, so a
     draw can differ from sampler.draw's where u (or top_p) falls within rounding of a boundary."""
@@ -589,8 +531,8 @@ def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k:
     greedy = torch.empty(r, dtype=torch.int64, device=x.device)
     top = torch.empty(r, dtype=torch.float32, device=x.device)
     mp = min_p if min_p is not None else torch.zeros_like(temperature)
-    _draw_prep_kernel[(r,)](x, y, greedy, top, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, num_warps=4,
-                            **_no_fma())
+    _draw_prep_kernel[(r,)](x, y, greedy, top, temperature, mp, v, x.stride(0), BLOCK=DRAW_BLOCK, STAGES=stages,
+                            num_warps=4, **_no_fma())
     _draw_pick_kernel[(r,)](y, top, greedy, temperature, top_p, top_k, seed, index, tokens, v, y.stride(0),
-                            BLOCK=DRAW_BLOCK, num_warps=PICK_WARPS, **_no_fma())
+                            BLOCK=DRAW_BLOCK, STAGES=stages, num_warps=PICK_WARPS, **_no_fma())
     return tokens
