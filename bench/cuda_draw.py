@@ -16,7 +16,8 @@ used to run over the whole vocabulary, every step, whatever the rows asked for, 
       -> a list of dicts, one per (rows, mix); a failing part costs its cell (the error recorded)
     logprobs_table: the logprob records of every row (graphs/triton_sampler.logprobs, one walk a
     row) against PyTorch's (graphs/sampler.logprobs), timed the same way; ids compared with PyTorch's,
-    ranks with the raw logits' (rank_ties: rows where PyTorch's log-softmax rounds two values equal)
+    ranks with the raw logits' (rank_ties: rows where PyTorch's log-softmax rounds two values equal);
+    every_tile_ms: the same kernel merging every tile (LOGPROB_CANDIDATES off; the A/B that decides it)
 
     python -m bench.cuda_draw [--rows 1,64,128] [--vocab 49152] [--runs 20] [--out DIR]
 
@@ -133,6 +134,10 @@ def logprobs_table(device: str, vocab: int, rows_list, runs: int, triton: bool |
                 raw_rank = (raw > raw.gather(1, tokens[:, None])).sum(-1) + 1
                 row["same_ranks_ids"] = bool(torch.equal(got[1], raw_rank) and torch.equal(got[2], ref[2]))
                 row["rank_ties"] = int((raw_rank != ref[1]).sum())
+                # every tile merged (LOGPROB_CANDIDATES off): the A/B that decides it; the records must not move
+                every = ts.logprobs(raw, tokens, k, want, candidates=False)
+                row["every_tile_ms"] = _timed(lambda: ts.logprobs(raw, tokens, k, want, candidates=False), runs, cuda)
+                row["every_tile_same"] = all(bool(torch.equal(x, y)) for x, y in zip(got, every))
                 row["max_value_diff"] = float((got[3] - ref[3]).abs().max())
             except Exception as e:             # noqa: BLE001 - recorded in the result
                 row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
@@ -146,12 +151,13 @@ def logprobs_markdown(table: list[dict]) -> list[str]:
         return []
     lines = ["", f"The logprob records alone, every row asking (seeded random logits [rows, {table[0]['vocab']}]): "
              "the fused kernel (one walk a row; rows not asking are skipped in a step) against PyTorch's operators:",
-             "", "| rows | Triton logprobs ms | PyTorch logprobs ms | ranks (raw logits) and ids the same | "
-             "rows where PyTorch's log-softmax ties move the rank | largest value difference |",
-             "|---|---|---|---|---|---|"]
+             "", "| rows | Triton logprobs ms | every tile merged ms | PyTorch logprobs ms | ranks (raw logits) and ids "
+             "the same | rows where PyTorch's log-softmax ties move the rank | largest value difference | "
+             "every-tile records the same |", "|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r['torch_ms']} | "
-                     f"{r.get('same_ranks_ids', '-')} | {r.get('rank_ties', '-')} | {r.get('max_value_diff', '-')} |")
+        lines.append(f"| {r['rows']} | {r.get('triton_ms', r.get('triton_error', '-'))} | {r.get('every_tile_ms', '-')} | "
+                     f"{r['torch_ms']} | {r.get('same_ranks_ids', '-')} | {r.get('rank_ties', '-')} | "
+                     f"{r.get('max_value_diff', '-')} | {r.get('every_tile_same', '-')} |")
     return lines
 
 

@@ -115,9 +115,11 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                                "STAGES": "constexpr"}, {"BLOCK": ts.DRAW_BLOCK, "STAGES": ts.DRAW_STAGES}, warps))
     out.append(("sampler.logprobs", ts._logprobs_kernel,           # step graphs always pass the rows' want flags
                 {"raw_ptr": "*fp32", "tokens_ptr": "*i64", "want_ptr": "*i64", "lp_ptr": "*fp32", "rank_ptr": "*i64",
-                 "ids_ptr": "*i64", "vals_ptr": "*fp32", "vocab": "i32", "stride": "i32", "k": "i32",
-                 "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr"},
-                {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK}, 8))
+                 "ids_ptr": "*i64", "vals_ptr": "*fp32", "cand_ptr": "*i64", "vocab": "i32", "stride": "i32",
+                 "k": "i32", "cap": "i32", "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr",
+                 "CANDIDATES": "constexpr", "STAGES": "constexpr"},
+                {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK,
+                 "CANDIDATES": ts.LOGPROB_CANDIDATES, "STAGES": ts.DRAW_STAGES}, 8))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",

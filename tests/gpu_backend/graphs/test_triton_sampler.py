@@ -91,7 +91,7 @@ def test_sampling_steps_with_the_fused_kernels_are_the_pytorch_samplers():
 
 
 def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest():
-    """One walk a wanted row: the token's logprob and rank, the top entries most likely first (equal values
+    """A wanted row: the token's logprob and rank, the top entries most likely first (equal values
     by id, over two tiles of columns; a row of one value throughout), -inf logits, k below
     TOP_LOGPROBS and a vocabulary narrower than the kept block; rows nobody reads get zeros."""
     gen = torch.Generator().manual_seed(26)
@@ -116,6 +116,47 @@ def test_the_fused_logprobs_give_the_wanted_rows_pytorchs_and_skip_the_rest():
         assert all(float(t[~w].abs().sum()) == 0 for t in got)
     with pytest.raises(ValueError, match="k 33 outside 1..16"):
         ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), 33)
+
+
+def test_the_logprobs_candidates_hold_the_top_entries_wherever_they_lie():
+    """The candidate bound at its worst: the largest values all in one lane (the same column of every
+    tile); 31 lanes whose every value is a candidate, beside the 32nd lane's maximum, over 35 tiles
+    (1,086 candidates: two merges); ties at the k-th value; a row whose top entries sit in one
+    tile. Ids and values as the every-tile merge and PyTorch give them."""
+    b, k = ts.LOGPROB_BLOCK, 20
+    gen = torch.Generator().manual_seed(5)
+
+    def records(raw, tokens):
+        want = sampler.logprobs(raw, tokens, k)
+        got = [[t.cpu() for t in ts.logprobs(raw.to(DEVICE), tokens.to(DEVICE), k, candidates=c)] for c in (True, False)]
+        assert all(torch.equal(x, y) for x, y in zip(*got))
+        _, rank, ids, vals = want
+        by_id = [[t for _, t in sorted(zip((-vals[i]).tolist(), ids[i].tolist()))] for i in range(len(raw))]
+        assert [got[0][2][i].tolist() for i in range(len(raw))] == by_id
+        assert torch.equal(got[0][1], rank)
+        torch.testing.assert_close(got[0][3], vals, rtol=1e-6, atol=4e-6)
+        return got[0]
+
+    v = 3 * b + 77
+    raw = torch.randn(3, v, generator=gen)
+    lanes = torch.arange(v) % b
+    raw[0, lanes == 7] = 50.0 + torch.arange(int((lanes == 7).sum()), dtype=torch.float32)   # one lane on top
+    raw[1, 10:40] = 30.0                                                                  # 30 equal, k = 20 of them
+    raw[2, b + 5: b + 30] = 20.0 + torch.arange(25, dtype=torch.float32)                  # one tile
+    got = records(raw, torch.tensor([7, 12, b + 6]))
+    assert got[2][1].tolist() == list(range(10, 30))
+    # lane 0 at 40 throughout (its maximum, id 0, is the smallest of the lane maxima: L) and lanes
+    # 1..31 above it, rising with id, over 35 tiles: every value of theirs is a candidate (1,086, two
+    # merges), the last written the largest
+    v = 34 * b + 77
+    raw = torch.randn(1, v, generator=gen)
+    lanes = torch.arange(v) % b
+    raw[0, lanes == 0] = 40.0
+    rest = (lanes > 0) & (lanes < ts.TOP_BLOCK)
+    raw[0, rest] = 41.0 + 0.25 * torch.arange(int(rest.sum()), dtype=torch.float32)
+    assert int(rest.sum()) + 1 > b
+    got = records(raw, torch.tensor([1]))
+    assert got[2][0, 0] == int(rest.nonzero()[-1])
 
 
 def test_a_seat_wider_than_the_ban_tile_is_refused():
