@@ -182,6 +182,10 @@ BENCH_SCHED = Stage("bench_sched", 15, 60, (PY, "-m", "bench.cuda_scheduler", "-
 # The fifth (H200, 2026-11-27, bench/results/2026-11-27-h200-gpu-check-4): 100 / 140 / 217 s, with build
 # 29, triton 44, graph_smoke 13, sched 4; graphs_inproc 45, agreement 43, frontend_1000 23, step_profile
 # 28; real_weights 38, echo_10k 5, bench_graphs 99, bench_graphs_f32 73.
+# The sixth (H200, 2026-11-27, bench/results/2026-11-27-h200-gpu-check-5): 103 / 203 / 224 s, with build
+# 29, triton 47, graph_smoke 13, sched 5; graphs_inproc 56, agreement 57, frontend_1000 29, step_profile
+# 38, step_profile_bf16 18; real_weights 49, echo_10k 5, bench_graphs 100, bench_graphs_f32 65. The three
+# calls, start included, took ~575 s of the 900.
 CALLS: tuple[Call, ...] = (
     Call("smoke", "the device module builds and loads on the GPU; the persistent scheduler serves the echo "
          "through many tail-launch windows from a host-mapped ring and from device memory; the step graphs' "
