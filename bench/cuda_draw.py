@@ -14,8 +14,8 @@ used to run over the whole vocabulary, every step, whatever the rows asked for, 
          agree: the share of rows where both draws give the same token; outside: Triton tokens the
          reference's filters drop (must be 0)
       -> a list of dicts, one per (rows, mix); a failing part costs its cell (the error recorded)
-    logprobs_table: the logprob records of every row (graphs/triton_sampler.logprobs, one walk a
-    row) against PyTorch's (graphs/sampler.logprobs), timed the same way; ids compared with PyTorch's,
+    logprobs_table: the logprob records of every row (graphs/triton_sampler.logprobs: two walks a
+    row and a merge of its candidates) against PyTorch's (graphs/sampler.logprobs), timed the same way; ids compared with PyTorch's,
     ranks with the raw logits' (rank_ties: rows where PyTorch's log-softmax rounds two values equal);
     every_tile_ms: the same kernel merging every tile (LOGPROB_CANDIDATES off; the A/B that decides it)
 
@@ -110,7 +110,7 @@ def draw_table(device: str, vocab: int, rows_list, runs: int, triton: bool | Non
 @torch.inference_mode()
 def logprobs_table(device: str, vocab: int, rows_list, runs: int, triton: bool | None = None) -> list[dict]:
     """One dict per row count: the logprob records of every row (each asked for), triton_ms
-    (triton_sampler.logprobs, one walk a row) against torch_ms (sampler.logprobs: log_softmax,
+    (triton_sampler.logprobs: two walks a row, its candidates merged) against torch_ms (sampler.logprobs: log_softmax,
     gather, compare-and-sum, torch.topk), and whether ranks and ids agree."""
     from gpu_backend.graphs import sampler
     cuda = device.startswith("cuda")
@@ -150,7 +150,8 @@ def logprobs_markdown(table: list[dict]) -> list[str]:
     if not table:
         return []
     lines = ["", f"The logprob records alone, every row asking (seeded random logits [rows, {table[0]['vocab']}]): "
-             "the fused kernel (one walk a row; rows not asking are skipped in a step) against PyTorch's operators:",
+             "the fused kernel (two walks a row and a merge of its candidates; rows not asking are skipped in a "
+             "step) against PyTorch's operators:",
              "", "| rows | Triton logprobs ms | every tile merged ms | PyTorch logprobs ms | ranks (raw logits) and ids "
              "the same | rows where PyTorch's log-softmax ties move the rank | largest value difference | "
              "every-tile records the same |", "|---|---|---|---|---|---|---|---|"]
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
     import argparse
     import json
     import pathlib
+    from .machine_label import machine_label
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,64,128", help="row counts, comma-separated")
     ap.add_argument("--vocab", type=int, default=49152, help="columns (SmolLM2's vocabulary)")
@@ -195,12 +197,13 @@ def main(argv=None) -> int:
            "logprobs": logprobs_table(device, args.vocab, rows, args.runs)}
     md = [f"# The draw and the logprob records alone: {res['device']}", "",
           f"torch {res['torch']}; medians of {args.runs} runs after a warm-up.", *markdown(res["draw"]),
-          *logprobs_markdown(res["logprobs"]), "", f"Reproduce: `python -m bench.cuda_draw --rows {args.rows}`."]
+          *logprobs_markdown(res["logprobs"]), "", f"Reproduce: `python -m bench.cuda_draw --rows {args.rows} --vocab {args.vocab} --runs {args.runs}`."]
     print("\n".join(md))
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"{time.strftime('%Y-%m-%d')}-{res['device'].split()[-1].lower()}-cuda_draw"
+        machine = "cpu" if device == "cpu" else machine_label("auto", res["device"])
+        stem = f"{time.strftime('%Y-%m-%d')}-{machine}-cuda_draw"
         (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
         (out / f"{stem}.md").write_text("\n".join(md) + "\n")
     return 0

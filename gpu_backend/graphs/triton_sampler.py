@@ -195,7 +195,8 @@ def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, v
 
     CANDIDATES (the default): the first walk also keeps each lane's largest key (a lane: one column
     of every tile); the TOP-th largest of those lane maxima, L, has TOP distinct keys at or above
-    it, so the row's top TOP are among the keys >= L, and those lie in the TOP lanes whose maxima
+    it (or is the lowest key, where fewer than TOP lanes hold a value, and all are kept), so the
+    row's top TOP are among the keys >= L, and those lie in the TOP lanes whose maxima
     are >= L: at most TOP keys a tile (`cap` slots of cand_ptr's row, candidate_cap). A second walk
     writes them there (a running count and a scan), and tl.topk merges them a tile at a time: two
     walks and typically one merge. Without it every tile of the row is merged into the best so far
