@@ -222,9 +222,7 @@ def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, v
         best = tl.full([TOP], _LOWEST, tl.int64)
         lane_max = tl.full([BLOCK], _LOWEST, tl.int64)
         for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
-            v = n0 + cols
-            inside = v < vocab
-            x = tl.load(row + v, mask=inside, other=float("-inf"))
+            v, inside, x, _ = _tile(row, n0, cols, vocab)
             m_new = tl.maximum(m, x)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
@@ -239,9 +237,8 @@ def _logprobs_kernel(raw_ptr, tokens_ptr, want_ptr, lp_ptr, rank_ptr, ids_ptr, v
             low = tl.min(tl.topk(lane_max, TOP), axis=0)      # L: TOP distinct keys are >= it
             kept = 0
             for n0 in tl.range(0, vocab, BLOCK, num_stages=STAGES):
-                v = n0 + cols
-                inside = v < vocab
-                key = tl.where(inside, _sortable(tl.load(row + v, mask=inside, other=0.0), v), _LOWEST)
+                v, inside, x, _ = _tile(row, n0, cols, vocab)
+                key = tl.where(inside, _sortable(x, v), _LOWEST)
                 keep = (inside & (key >= low)).to(tl.int32)
                 pos = kept + tl.cumsum(keep, axis=0) - keep
                 tl.store(cand_ptr + r * cap + pos, key, mask=(keep > 0) & (pos < cap))
