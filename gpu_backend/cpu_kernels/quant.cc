@@ -580,7 +580,7 @@ void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const
 template <int T, int NR>
 void tile_rows_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx,
                   const float* xs, int64_t M, int64_t nb, const Out& out, int64_t n0) {
-    constexpr int MR = NR >= 4 ? 1 : 2;          // 16 ymm: accumulators and block sums, 2 x NR each
+    constexpr int MR = 2;                        // 2 x NR accumulators and block sums of 16 ymm
     int64_t m = 0;
     for (; m + MR <= M; m += MR) tile_fx<T, MR, NR>(rows, wd, wm, x, ldx, xs, m, nb, out, n0);
     if (m < M) tile_fx<T, 1, NR>(rows, wd, wm, x, ldx, xs, m, nb, out, n0);
@@ -596,20 +596,20 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
         for (int k = 0; k < QK; ++k) t += x[(i / nb) * ldx + (i % nb) * QK + k];
         xs[i] = t;
     }
-    const int nr = M == 1 ? 4 : 2;               // as matmul_simd: one row of x is memory-bound
+    // 2 weight rows a tile at every M (each row's sums in the same order at any tile width, so the
+    // same bits). One row of x used to take 4, for more loads in flight; on the AVX2-only EPYC
+    // (Zen 1, 2.0 GHz, ymm split in two 128-bit halves) SmolLM2's tied Q8_0 head (49152 x 576)
+    // at one row then ran 3.71 ms on 2 threads, 7.24 on one; with 2 rows 2.98 / 5.57 ms, with 1 row
+    // (one FMA chain a block) 3.26 / 6.19 ms (python -m bench.decode_split, 2026-11-27).
+    const int nr = 2;
     const int64_t groups = (N + nr - 1) / nr;
     #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
     {
         std::vector<float> wd(4 * nb), wm(4 * nb);
         for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
                                                                      int64_t n0) {
-            if (rows_here == 4) tile_rows_fx<T, 4>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
-            else if (rows_here == nr && nr == 2)
-                tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
-            else
-                for (int r = 0; r < rows_here; ++r)
-                    tile_rows_fx<T, 1>(rows + r, wd.data() + r * nb, wm.data() + r * nb, x, ldx, xs.data(), M, nb,
-                                       out, n0 + r);
+            if (rows_here == 2) tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
+            else tile_rows_fx<T, 1>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
         });
     }
 }

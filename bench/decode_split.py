@@ -1,0 +1,76 @@
+"""Where one stream's decode step goes on this CPU: the 30 layers' fused decode against the logits
+head, at 1 and 2 threads (issue 21: 1-stream decode as a fraction of the bandwidth bound).
+
+    python -m bench.decode_split
+    -> per context: the median ms of the layers (KernelForward: embedding, RoPE table, the fused
+       layers over the served Q4_1 blocks, the paged attention over the executor's pool) and of the
+       head (the model's logits head on their last row: on a CPU without AVX512-BF16 the tied Q8_0
+       head on float activations, `quant_matmul_fx`), then the head alone at 1 and 2 threads with its
+       bytes: a head that halves with twice the threads is compute-bound, not bandwidth-bound
+
+The default model through CpuExecutor (--dtype auto, what `blink serve` serves), one row over its own
+blocks at each context. A session harness made permanent so the numbers in bench/results reproduce;
+not a test (timing only). Sampling and the serving path are not in it: the rest of a served TPOT.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from gpu_backend.executors import ExecutorOptions
+from gpu_backend.executors.cpu import CpuExecutor
+from gpu_backend.executors.cpu_forward import KernelForward
+from gpu_backend.paged_attention import PagedBatch
+
+CONTEXTS = (64, 192, 256)
+STEPS = 20
+ROUNDS = 7
+
+
+def _median_ms(fn, n: int) -> float:
+    ts = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        ts.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    ex = CpuExecutor(ExecutorOptions(model="default", dtype="auto", kv_cache_mb=512))
+    m = ex.model
+    forward = KernelForward(m, ex.pool, ex.kernels)
+    head = m.logits_head
+    print(f"head: {head}", flush=True)
+    bs = ex.pool.config.block_size
+    with torch.inference_mode():
+        for ctx in CONTEXTS:
+            per = -(-ctx // bs)
+            batch = PagedBatch.build([(ctx - 1, 1, list(range(per)))], bs)
+            ids = torch.randint(0, m.config.vocab_size, (1,))
+            pos = torch.full((1,), ctx - 1)
+            h = forward(ids, pos, batch)
+            for _ in range(3):
+                forward(ids, pos, batch)
+                m.compute_logits(h[-1:])
+            layers = _median_ms(lambda: forward(ids, pos, batch), STEPS)
+            logits = _median_ms(lambda: m.compute_logits(h[-1:]), STEPS)
+            print(f"ctx {ctx}: layers {layers:.3f} ms, head {logits:.3f} ms (2 threads)", flush=True)
+        x = torch.randn(1, m.config.hidden_size)
+        nbytes = sum(t.numel() * t.element_size() for t in getattr(head, "block_tensors", lambda: [])())
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                m.compute_logits(x)
+            ms = _median_ms(lambda: m.compute_logits(x), STEPS)
+            rate = f", {nbytes / ms / 1e6:.1f} GB/s of its blocks" if nbytes else ""
+            print(f"head alone, {threads} thread(s): {ms:.3f} ms{rate}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
