@@ -55,7 +55,9 @@ PY311 = [os.path.expanduser("~/.pyenv/versions/3.11.7/bin/python3.11"), "/usr/bi
 COMMON = ["aiohttp", "tokenizers==0.23.2", "uvloop", "jinja2", "pytest", "pytest-timeout", "hypothesis", "pyyaml",
           "requests", "tqdm", "safetensors==0.8.0", "psutil", "nvidia-ml-py"]
 IMAGE_PINS = ["numpy==2.5.2", "cuda-bindings==13.0.3", *COMMON]
-TORCH_PINS = ["torch==2.13.0+cpu", "numpy==2.4.6", "cuda-bindings==13.0.3", "triton==3.6.0", *COMMON]
+# pytest-xdist: here only (the triton stage's interpreter tests over every core), never on the device
+TORCH_PINS = ["torch==2.13.0+cpu", "numpy==2.4.6", "cuda-bindings==13.0.3", "triton==3.6.0", "pytest-xdist==3.8.0",
+              *COMMON]
 DEVICE_CODE = ["shared_layout", "dpu_frontend", "gpu_backend", "bench/cuda_scheduler.py", "bench/cuda_graphs.py",
                "bench/cuda_step_profile.py",
                "tests/conftest.py", "tests/gpu_backend/conftest.py", "tests/gpu_backend/frontend_player.py",
@@ -348,9 +350,11 @@ def stage_triton(ctx) -> str:
     for dtype in ("float32", "bfloat16"):
         out = sh([ctx["py311"], "-m", "gpu_backend.graphs.triton_aot", "--dtype", dtype], 300, env=env, cwd=REPO)
         lines += out.strip().splitlines()
-    tests = sh([ctx["py311"], "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # Under the interpreter the two files take ~15 min of one core on the AVX2 EPYC (Zen 1, 2026-11-28:
+    # 928 s, three sampler tests 430 s of it; ~4 min on Zen 4), so they run on every core (xdist)
+    tests = sh([ctx["py311"], "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(os.cpu_count() or 1),
                 "tests/gpu_backend/graphs/test_triton_kernels.py", "tests/gpu_backend/graphs/test_triton_sampler.py"],
-               600, env=env, cwd=REPO)
+               900, env=env, cwd=REPO)
     return f"{len(lines)} kernel variants compiled for sm_90; interpreter tests: {tests.strip().splitlines()[-1]}"
 
 

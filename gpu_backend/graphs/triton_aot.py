@@ -119,7 +119,7 @@ def variants(config, dtype: torch.dtype, block_size: int) -> list[tuple[str, obj
                  "k": "i32", "cap": "i32", "HAS_WANT": "constexpr", "TOP": "constexpr", "BLOCK": "constexpr",
                  "CANDIDATES": "constexpr", "STAGES": "constexpr"},
                 {"HAS_WANT": True, "TOP": ts.TOP_BLOCK, "BLOCK": ts.LOGPROB_BLOCK,
-                 "CANDIDATES": ts.LOGPROB_CANDIDATES, "STAGES": ts.DRAW_STAGES}, 8))
+                 "CANDIDATES": ts.LOGPROB_CANDIDATES, "STAGES": ts.LOGPROB_STAGES}, 8))
     from .sampler import BAD_WORD_LEN
     out.append(("sampler.update", ts._update_kernel,
                 {"tokens_ptr": "*i64", "seat_ptr": "*i64", "counts_ptr": "*fp32", "recent_ptr": "*i64", "vocab": "i32",

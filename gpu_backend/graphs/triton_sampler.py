@@ -169,6 +169,8 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 LOGPROB_BLOCK = 1024         # columns of one tile of the logprobs kernel
 TOP_BLOCK = 32               # the top entries kept while walking a row (>= TOP_LOGPROBS, a power of two)
 LOGPROB_CANDIDATES = True    # two walks: lane maxima bound the top entries, then only candidates are merged
+LOGPROB_STAGES = 3           # its walks' tiles loaded through tl.range's pipeline (see DRAW_STAGES), as
+                             # timed on the H200 (seventh run): 0.13-0.17 ms a row, every tile merged 0.34-0.38
 _LOWEST = tl.constexpr(-9223372036854775808)
 
 
@@ -284,7 +286,7 @@ def logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int, want: torch.Tensor
     if r:
         _logprobs_kernel[(r,)](raw, tokens, want if want is not None else tokens, lp, rank, ids, vals, cand, v,
                                raw.stride(0), k, cap, HAS_WANT=want is not None, TOP=TOP_BLOCK, BLOCK=LOGPROB_BLOCK,
-                               CANDIDATES=candidates, STAGES=DRAW_STAGES, num_warps=8)
+                               CANDIDATES=candidates, STAGES=LOGPROB_STAGES, num_warps=8)
     return lp, rank, ids, vals
 
 
@@ -323,10 +325,11 @@ def update(s, p, tokens: torch.Tensor) -> None:
 DRAW_BLOCK = 1024            # columns of one tile of the draw kernels
 PICK_WARPS = 8              # the pick's program: a row's walks, 15 [DRAW_BLOCK] descent accumulators
 # Loads of a walk's tiles in flight ahead of the tile being summed (tl.range's software pipeline:
-# cp.async into shared memory, DRAW_STAGES - 1 tiles ahead; 1: none). One program walks a whole row,
-# so without it every tile waits for its load (~31 us a descent pass over 49,152 values on the H200,
-# sixth lent run); not yet timed on a GPU with it: bench.cuda_draw's `unpipelined` column A/Bs it
-DRAW_STAGES = 3
+# cp.async into shared memory, STAGES - 1 tiles ahead; 1: none). The draw's walks run without it:
+# on the H200 (seventh lent run, bench.cuda_draw's A/B column in both step profiles) 3 stages
+# made the draw ~10% slower (1.10-1.11x the time summed over rows and mixes; top-k + top-p 0.86 ->
+# 0.77 ms a row, top-p 0.58 -> 0.52), the same tokens
+DRAW_STAGES = 1
 MIN_TEMPERATURE = 1e-5       # sampler.MIN_TEMPERATURE
 _NO_PICK = tl.constexpr(2147483647)   # no id yet (a constexpr: the kernels read it)
 

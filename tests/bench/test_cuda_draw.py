@@ -21,8 +21,8 @@ def test_every_mix_draws_the_references_tokens_and_the_table_renders():
     assert [(r["rows"], r["mix"]) for r in table] == [(n, m) for n in (1, 3) for m in cuda_draw.MIXES]
     for r in table:
         assert "triton_error" not in r, r
-        assert r["outside"] == 0 and r["agree"] == 1.0 and r["unpipelined_same"], r
-        assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["sort_ms"] > 0 and r["unpipelined_ms"] > 0
+        assert r["outside"] == 0 and r["agree"] == 1.0 and r["pipelined_same"], r
+        assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["sort_ms"] > 0 and r["pipelined_ms"] > 0
     md = cuda_draw.markdown(table)
     assert sum(line.startswith("| 3 | ") for line in md) == len(cuda_draw.MIXES)
 
