@@ -926,8 +926,9 @@ typedef float float_alias __attribute__((may_alias));
 // samples piled on the first use of each block's codes (perf): the hardware prefetcher left the
 // loads exposed. Asking 1,280 bytes ahead: the layers 6.71 -> 5.88 ms a step (median of 5 alternating
 // runs; 640 bytes slower, 1,920 and 2,560 no better), served TPOT 11.4-11.5 -> 9.9-10.3 ms
-// (bench/results/2026-11-28-cpu2-epyc-avx2-x8-prefetch.md). The VNNI tiles (AVX512 CPUs) were not
-// measured with it and go without.
+// (bench/results/2026-11-28-cpu2-epyc-avx2-x8-prefetch.md). Measured at one row of x; the AVX2
+// tiles for more rows take it unmeasured. The VNNI tiles (AVX512 CPUs) were not measured with it
+// and go without.
 constexpr int64_t kX8Prefetch = 1280;
 
 // 4 bytes of x's codes (group q of a block) in every int32 lane.
@@ -949,7 +950,7 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = grp + b * BB;
-        if constexpr (!VNNI) {          // AVX2: the blocks 1,280 bytes ahead asked for (see kX8Prefetch)
+        if constexpr (!VNNI) {          // AVX2: the blocks kX8Prefetch bytes ahead asked for
             const char* pf = reinterpret_cast<const char*>(blk) + kX8Prefetch;
             _mm_prefetch(pf, _MM_HINT_T0);
             _mm_prefetch(pf + 64, _MM_HINT_T0);
