@@ -24,12 +24,15 @@
 //
 // Threads: OpenMP over rows / (sequence, kv head) pairs with the caller's thread count; the
 // process shares PyTorch's libgomp (same soname), so there is one OpenMP runtime.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -353,12 +356,25 @@ static inline void pv_bf16(const uint16_t* pb, int64_t len, const uint16_t* vbas
 }
 #endif
 
+// Parts a (row, kv head) item's group of query heads is cut into: enough items for twice the team
+// (dynamic scheduling evens them out), never more parts than heads. Called inside the team.
+static inline int64_t head_parts(int64_t items, int64_t group) {
+    const int64_t want = 2 * int64_t(omp_get_num_threads());
+    if (items >= want || group <= 1) return 1;
+    const int64_t parts = (want + items - 1) / items;
+    return parts < group ? parts : group;
+}
+
 // One query row at a time: o[b, h] = softmax(q[b, h] . K^T * scale) V over the first
 // context_lens[b] cached positions of row b's sequence, found through block table
 // tables[table_index[b]] (tables[b] when table_index is null). A decode is one row; a prefill
 // chunk of n tokens ending at position c - 1 is n rows sharing one table, with lengths
 // c - n + 1 .. c: causal attention without a mask, and one work list for the whole step.
 // q rows are strided (q_stride elements between tokens: the fused qkv rows); o is [B, H, D].
+// A work item is a (row, kv head) pair with its group of query heads, or, where a step has fewer
+// pairs than twice the team, a part of that group (head_parts): one decode row of SmolLM2 is 3
+// pairs for 2 threads, so one thread ran two while the other waited at the next barrier. Each
+// query head's sums are its own whichever part it falls in: the same bits either way.
 template <class P, class KV, int DC>
 void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typename KV::T* kc,
                            const typename KV::T* vc, const int64_t* tables, const int64_t* table_index,
@@ -368,21 +384,26 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
     const int64_t d = DC ? DC : d_rt;
     const int64_t group = heads / kv_heads;
     const int64_t pool_slots = num_blocks * bs;
+    const int64_t parts = head_parts(batch * kv_heads, group);
+    const int64_t per_part = (group + parts - 1) / parts;     // query heads an item (the last may have fewer)
     {
         std::vector<float> qf, scores, acc, row;
         std::vector<uint16_t> pb;           // P in bf16 (the hardware-dot path)
         #pragma omp for schedule(dynamic)
-        for (int64_t w = 0; w < batch * kv_heads; ++w) {
-            const int64_t b = w / kv_heads, g = w % kv_heads;
+        for (int64_t w = 0; w < batch * kv_heads * parts; ++w) {
+            const int64_t b = w / (kv_heads * parts), g = w / parts % kv_heads;
+            const int64_t h0 = g * group + w % parts * per_part;              // the item's first query head
+            const int64_t hn = std::min(per_part, (g + 1) * group - h0);      // ... and how many
+            if (hn <= 0) continue;
             const int64_t len = context_lens[b];
-            scores.resize(group * (len > 0 ? len : 1));
-            acc.assign(group * d, 0.f);
+            scores.resize(hn * (len > 0 ? len : 1));
+            acc.assign(hn * d, 0.f);
             row.resize(bs * d);            // one block of K or V rows in float32
             if constexpr (!kHardwareDot<P, DC>) {     // the hardware dot reads the bf16 query itself
-                qf.resize(group * d);
-                for (int64_t j = 0; j < group; ++j)
+                qf.resize(hn * d);
+                for (int64_t j = 0; j < hn; ++j)
                     for (int64_t i = 0; i < d; ++i)
-                        qf[j * d + i] = P::load(q[b * q_stride + (g * group + j) * d + i]) * scale;
+                        qf[j * d + i] = P::load(q[b * q_stride + (h0 + j) * d + i]) * scale;
             }
             const typename P::T* qh = q + b * q_stride;                 // this token's query heads
             const int64_t* table = tables + (table_index ? table_index[b] : b) * max_blocks;
@@ -399,23 +420,23 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                 int64_t o = 0;
                 if constexpr (kHardwareDot<P, DC>) {
                     for (; o + 4 <= n; o += 4)
-                        for (int64_t j = 0; j < group; ++j)
-                            dot4_bf16<DC>(qh + (g * group + j) * d, kb + o * d, scale, &scores[j * len + t0 + o]);
+                        for (int64_t j = 0; j < hn; ++j)
+                            dot4_bf16<DC>(qh + (h0 + j) * d, kb + o * d, scale, &scores[j * len + t0 + o]);
                 } else if constexpr (kFloatDot8<P, DC>) {
                     for (; o + 8 <= n; o += 8)
-                        for (int64_t j = 0; j < group; ++j)
+                        for (int64_t j = 0; j < hn; ++j)
                             dot8_f32<DC>(qf.data() + j * d, kb + o * d, &scores[j * len + t0 + o]);
                 }
                 for (; o < n; ++o) {
                     const typename KV::T* __restrict k = kb + o * d;
                     if constexpr (kHardwareDot<P, DC>) {
-                        for (int64_t j = 0; j < group; ++j)
-                            scores[j * len + t0 + o] = dot_bf16<DC>(qh + (g * group + j) * d, k) * scale;
+                        for (int64_t j = 0; j < hn; ++j)
+                            scores[j * len + t0 + o] = dot_bf16<DC>(qh + (h0 + j) * d, k) * scale;
                         continue;
                     }
                     float* __restrict r = row.data();
                     for (int64_t i = 0; i < d; ++i) r[i] = KV::load(k[i]);
-                    for (int64_t j = 0; j < group; ++j) {
+                    for (int64_t j = 0; j < hn; ++j) {
                         const float* __restrict qj = qf.data() + j * d;
                         float dot = 0.f;
                         #pragma omp simd reduction(+ : dot)
@@ -424,8 +445,8 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                     }
                 }
             }
-            if constexpr (kHardwareDot<P, DC>) pb.resize(group * len);
-            for (int64_t j = 0; j < group; ++j) {        // softmax over the context
+            if constexpr (kHardwareDot<P, DC>) pb.resize(hn * len);
+            for (int64_t j = 0; j < hn; ++j) {           // softmax over the context
                 float* sj = scores.data() + j * len;
                 float mx = -INFINITY;
                 #pragma omp simd reduction(max : mx)
@@ -446,10 +467,10 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
             }
             if constexpr (kHardwareDot<P, DC>) {
 #if BLINK_AVX512_BF16
-                pv_bf16<DC>(pb.data(), len, vbase, table, bs, group, acc.data());
+                pv_bf16<DC>(pb.data(), len, vbase, table, bs, hn, acc.data());
 #endif
             } else if constexpr (kFloatDot8<P, DC>) {
-                pv_f32<DC>(scores.data(), len, vbase, table, bs, group, acc.data());
+                pv_f32<DC>(scores.data(), len, vbase, table, bs, hn, acc.data());
             } else
             // o = p . v, a block at a time: its rows converted once, then per query head an
             // accumulator that stays in registers across the block (a memory accumulator
@@ -465,7 +486,7 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                     for (int64_t i = 0; i < n * d; ++i) conv[i] = KV::load(vb[i]);
                     vf = conv;
                 }
-                for (int64_t j = 0; j < group; ++j) {
+                for (int64_t j = 0; j < hn; ++j) {
                     const float* __restrict pj = scores.data() + j * len + t0;
                     float* __restrict aj = acc.data() + j * d;
                     if constexpr (DC > 0) {
@@ -480,9 +501,9 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                     }
                 }
             }
-            for (int64_t j = 0; j < group; ++j)
+            for (int64_t j = 0; j < hn; ++j)
                 for (int64_t i = 0; i < d; ++i)
-                    o[(b * heads + g * group + j) * d + i] = P::store(acc[j * d + i]);
+                    o[(b * heads + h0 + j) * d + i] = P::store(acc[j * d + i]);
         }
     }
 }
@@ -674,7 +695,7 @@ BLINK_EXPORT(f32, F32)
                                                  int64_t heads, int64_t kv_heads, int64_t d,             \
                                                  int64_t num_blocks, int64_t bs, float scale,            \
                                                  int threads) {                                          \
-        _Pragma("omp parallel num_threads(threads) if (threads > 1 && batch * kv_heads > 1)")           \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1 && batch * heads > 1)")                \
         decode_attention<P, KV>((const P::T*)q, q_stride, (const KV::T*)kc, (const KV::T*)vc, tables,    \
                                 table_index, max_blocks, context_lens, (P::T*)o, batch, heads, kv_heads, \
                                 d, num_blocks, bs, scale);                                               \

@@ -146,8 +146,9 @@ def test_prefill_rows_through_a_shared_table_are_causal_attention(dtype, start):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 1, 32, 4)])
 def test_long_contexts_give_the_same_bits_on_any_team(dtype, heads, kv_heads, d, block_size):
-    """Each (row, kv head) item is one thread's, whichever: the output is the bits one thread
-    computes alone, on 2-4 threads, and PagedAttention's result."""
+    """Each (row, kv head) item, or part of its query heads where a step has fewer items than
+    twice the team (one row: split by head), is one thread's, whichever: the output is the bits
+    one thread computes alone, on 2-4 threads, and PagedAttention's result."""
     before = torch.get_num_threads()
     for contexts in ([192], [517], [300, 45], [256, 257, 1030]):
         pool, batch, qkv = paged_case(dtype, heads, kv_heads, d, block_size, contexts, seed=sum(contexts) + d)
