@@ -3,10 +3,12 @@ head, at 1 and 2 threads (issue 21: 1-stream decode as a fraction of the bandwid
 
     python -m bench.decode_split
     -> per context: the median ms of the layers (KernelForward: embedding, RoPE table, the fused
-       layers over the served Q4_1 blocks, the paged attention over the executor's pool) and of the
+       layers over the served Q4_1 blocks, the paged attention over the executor's pool), of the
        head (the model's logits head on their last row: on a CPU without AVX512-BF16 the tied Q8_0
-       head on float activations, `quant_matmul_fx`), then the head alone at 1 and 2 threads with its
-       bytes: a head that halves with twice the threads is compute-bound, not bandwidth-bound
+       head on float activations, `quant_matmul_fx`) and of the attention alone (the 30 layers'
+       decode attention kernel over the same pool, one raw ctypes call a layer: a part of the layers' time),
+       then the head alone at 1 and 2 threads with its bytes: a head that halves with twice the
+       threads is compute-bound, not bandwidth-bound
 
 The default model through CpuExecutor (--dtype auto, what `blink serve` serves), one row over its own
 blocks at each context. A session harness made permanent so the numbers in bench/results reproduce;
@@ -39,6 +41,24 @@ def _median_ms(fn, n: int) -> float:
     return statistics.median(ts)
 
 
+def _attention(ex: CpuExecutor, batch: PagedBatch):
+    """One step's decode attention alone: the kernel once a layer over that layer's pool, one query row."""
+    cfg, pool = ex.model.config, ex.pool
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = torch.randn(1, h + 2 * kvh, d, dtype=ex.model.dtype)
+    out = torch.empty(1, h, d, dtype=ex.model.dtype)
+    tables, lens = batch.decode_block_tables.contiguous(), batch.decode_context_lens.contiguous()
+    fn = ex.kernels.raw("decode_attention", ex.model.dtype, pool.k.dtype)      # no checks: ~1 us a call
+    _, num_blocks, bs, _ = pool.k[0].shape
+    layers = [(pool.k[i].data_ptr(), pool.v[i].data_ptr()) for i in range(cfg.num_layers)]
+
+    def step():
+        for kc, vc in layers:
+            fn(qkv.data_ptr(), (h + 2 * kvh) * d, kc, vc, tables.data_ptr(), None, tables.shape[1], lens.data_ptr(),
+               out.data_ptr(), 1, h, kvh, d, num_blocks, bs, d ** -0.5, torch.get_num_threads())
+    return step
+
+
 def main() -> int:
     torch.set_num_threads(2)
     ex = CpuExecutor(ExecutorOptions(model="default", dtype="auto", kv_cache_mb=512))
@@ -59,7 +79,9 @@ def main() -> int:
                 m.compute_logits(h[-1:])
             layers = _median_ms(lambda: forward(ids, pos, batch), STEPS)
             logits = _median_ms(lambda: m.compute_logits(h[-1:]), STEPS)
-            print(f"ctx {ctx}: layers {layers:.3f} ms, head {logits:.3f} ms (2 threads)", flush=True)
+            attention = _median_ms(_attention(ex, batch), STEPS)
+            print(f"ctx {ctx}: layers {layers:.3f} ms, head {logits:.3f} ms, attention alone {attention:.3f} ms "
+                  f"(2 threads)", flush=True)
         x = torch.randn(1, m.config.hidden_size)
         nbytes = sum(t.numel() * t.element_size() for t in getattr(head, "block_tensors", lambda: [])())
         for threads in (1, 2):
