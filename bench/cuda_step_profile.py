@@ -50,6 +50,7 @@ BLOCK = 16
 DECODE = "1x256,8x256,32x256,128x256,1x1024,8x1024,64x1024,128x1024"
 PREFILL = "1x128x512,16x128x512"
 QUICK_DECODE, QUICK_PREFILL = "1x64,4x128", "2x32x64"
+QUICK_ROWS, QUICK_CTX = 4, 128    # --quick caps shapes given explicitly too (the rehearsal's dry run of a stage)
 TOP = 15
 # operators that launch no kernel (views, metadata, dtype no-ops): left out of the launching count
 NO_KERNEL = frozenset(f"aten::{n}" for n in (
@@ -57,6 +58,21 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
     "transpose", "detach", "alias", "empty", "_unsafe_view", "split_with_sizes", "narrow", "empty_strided", "empty_like",
     "lift_fresh", "resolve_conj", "resolve_neg", "squeeze", "unflatten", "expand_as", "view_as", "result_type",
     "item", "_local_scalar_dense", "is_nonzero", "chunk", "unbind", "to"))
+
+
+def quick_shapes(text: str) -> str:
+    """Shapes "RxC,..." / "RxSxC,..." with rows capped at QUICK_ROWS and every length at QUICK_CTX, in
+    order, duplicates dropped: a stage's own shapes made small enough for a CPU's dry run of its code
+    (the bf16 step profile's 128x256 took over its 60 s budget on an AVX2-only CPU without bf16 math)."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split("x")
+        if not all(p.isdigit() for p in parts):
+            out.append(item)                   # parse_shapes says what is wrong with it
+            continue
+        small = [min(int(parts[0]), QUICK_ROWS)] + [min(int(p), QUICK_CTX) for p in parts[1:]]
+        out.append("x".join(map(str, small)))
+    return ",".join(dict.fromkeys(out))
 
 
 def parse_shapes(text: str, kind: str) -> list[tuple[int, int, int]]:
@@ -247,9 +263,14 @@ def run(args) -> dict:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    decode = parse_shapes(QUICK_DECODE if args.quick and args.decode is None else args.decode or DECODE, "decode")
-    prefill = parse_shapes(QUICK_PREFILL if args.quick and args.prefill is None else
-                           (PREFILL if args.prefill is None else args.prefill), "prefill")
+    decode_text = QUICK_DECODE if args.quick and args.decode is None else args.decode or DECODE
+    prefill_text = QUICK_PREFILL if args.quick and args.prefill is None else (
+        PREFILL if args.prefill is None else args.prefill)
+    if args.quick:
+        decode_text, prefill_text = quick_shapes(decode_text), quick_shapes(prefill_text)
+        if args.profile:
+            args.profile = quick_shapes(args.profile)
+    decode, prefill = parse_shapes(decode_text, "decode"), parse_shapes(prefill_text, "prefill")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     config, model = load_graph_model(args.model, dtype, device)
@@ -420,7 +441,8 @@ def main(argv=None) -> int:
                     help="skip the A/B against the step before the kernel-count work")
     ap.add_argument("--no-draw", dest="draw", action="store_false",
                     help="skip the draw's table (bench/cuda_draw.py: the draw alone, each sampling mix)")
-    ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}), 3 runs")
+    ap.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_DECODE}; {QUICK_PREFILL}; shapes given "
+                                                         f"capped at {QUICK_ROWS} rows and {QUICK_CTX} positions), 3 runs")
     args = ap.parse_args(argv)
     if args.quick:
         args.runs = min(args.runs, 3)

@@ -36,6 +36,22 @@ def test_shapes_parse_and_bad_ones_say_why():
             sp.parse_shapes(text, kind)
 
 
+def test_quick_caps_the_shapes_a_stage_names_for_the_cpus_dry_run():
+    """The rehearsal runs a dry_cpu stage's own argv with --quick: its shapes shrink to the CPU's size
+    (the bf16 profile's 128x256 outran its 60 s budget on an AVX2-only CPU), its --profile with them."""
+    assert sp.quick_shapes("1x256,64x256,128x256") == "1x128,4x128"
+    assert sp.quick_shapes("16x128x512, 1x64x32") == "4x128x128,1x64x32"
+    assert sp.quick_shapes("") == "" and sp.quick_shapes("1x") == "1x"          # parse_shapes refuses it
+    for stage in (s for c in plan.CALLS for s in c.stages if s.dry_cpu):
+        argv = [str(a) for a in stage.argv[stage.argv.index("-m") + 2:]]
+        decode = argv[argv.index("--decode") + 1] if "--decode" in argv else sp.QUICK_DECODE
+        for rows, _, ctx in sp.parse_shapes(sp.quick_shapes(decode), "decode"):
+            assert rows <= sp.QUICK_ROWS and ctx <= sp.QUICK_CTX, (stage.name, decode)
+        if "--profile" in argv:
+            want = sp.quick_shapes(argv[argv.index("--profile") + 1])
+            assert want in [f"{r}x{c}" for r, _, c in sp.parse_shapes(sp.quick_shapes(decode), "decode")]
+
+
 def test_a_staged_step_is_a_real_step_at_full_context():
     model = LlamaModel.random(CONFIG, seed=0).eval()
     prof = sp.Profiler(model, CONFIG, [(3, 1, 64)], [(2, 16, 48)], "cpu")
