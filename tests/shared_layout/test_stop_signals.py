@@ -4,6 +4,7 @@ hang), a burst of signals is one stop, and restore() puts the previous handlers 
 a fresh interpreter so pytest's own handlers are never touched, with a timeout that fails a hang."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,9 +19,17 @@ PRELUDE = textwrap.dedent("""
 """)
 
 
+def _default_dispositions() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their default action, as a terminal starts a
+    process. A runner that ignores them (a shell's `cmd &` without job control ignores SIGINT, and
+    children inherit that) would otherwise start Python without its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def run(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=30)
+                          timeout=30, preexec_fn=_default_dispositions)
 
 
 def test_sigterm_sets_the_event():
