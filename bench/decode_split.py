@@ -8,7 +8,9 @@ head, at 1 and 2 threads (issue 21: 1-stream decode as a fraction of the bandwid
        head on float activations, `quant_matmul_fx`) and of the attention alone (the 30 layers'
        decode attention kernel over the same pool, one raw ctypes call a layer: a part of the layers' time),
        then the head alone at 1 and 2 threads with its bytes: a head that halves with twice the
-       threads is compute-bound, not bandwidth-bound
+       threads is compute-bound, not bandwidth-bound; then the head's largest logit error against
+       the float64 product with its dequantized table, one row a call over the hidden states of a
+       96-token prompt (what the served head computes per decode row: on AVX2 int16 activation codes)
 
 The default model through CpuExecutor (--dtype auto, what `blink serve` serves), one row over its own
 blocks at each context. A session harness made permanent so the numbers in bench/results reproduce;
@@ -91,6 +93,15 @@ def main() -> int:
             ms = _median_ms(lambda: m.compute_logits(x), STEPS)
             rate = f", {nbytes / ms / 1e6:.1f} GB/s of its blocks" if nbytes else ""
             print(f"head alone, {threads} thread(s): {ms:.3f} ms{rate}", flush=True)
+        table = getattr(head, "table", None)
+        if table is not None:
+            n = 96
+            batch = PagedBatch.build([(0, n, list(range(-(-n // bs))))], bs)
+            ids = torch.randint(0, m.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+            h = forward(ids, torch.arange(n), batch)
+            err = max(float((m.compute_logits(h[i:i + 1]).double() - h[i:i + 1].double() @ table.double().T)
+                            .abs().max()) for i in range(n))
+            print(f"head error: max |logit - float64 product| {err:.2e} over {n} rows, one a call", flush=True)
     return 0
 
 

@@ -32,6 +32,9 @@
 //              avx512 it takes the scalar loop (CpuKernels.repack picks X8 there)
 // Integer sums are exact on every path and the activation codes are computed by one scalar
 // routine, so the paths differ only in the order of the float additions.
+// quant_matmul_fx (float activations, the tied logits head's): x float32 against the dequantized
+// weights on every path, except Q8_0 on avx2, which codes x in int16 per 32 values first
+// (matmul_q8_x16: on Zen 1 the float path's int-to-float conversions bound it).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -613,6 +616,108 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
         });
     }
 }
+
+// ---- Q8_0 rows against int16 activation codes (AVX2; the logits head's path there) ----
+// x is coded per 32-value block as int16 (e = amax / 32767, round half to even), and each weight
+// block's 32 signed codes, sign-extended to int16, meet them in two vpmaddwd: exact int32 sums, one
+// conversion and one FMA (d_w * e_x) a block, where the float path converts and FMAs every 8 codes.
+// On the AVX2-only EPYC (Zen 1: cvtdq2ps on one pipe, ymm in two halves) that conversion bound the
+// float path. Every weight is still the dequantized table's own (d * q, exact), and only x is
+// rounded, to 1 part in 65534 of its block's largest magnitude: with an outlier channel (SmolLM2's
+// final hidden state has one) the error stays in that channel's block, not the whole row, as a
+// per-row scale would make it. SmolLM2's head on its own hidden states: logits within 2.0e-3 of
+// the float64 product (the float path: 1.1e-5), against the ~0.05 (one standard deviation) by which
+// Q8_0's rounding of the table moves them; 2.68 ms a 1-row step against the float path's 3.35
+// (python -m bench.decode_split; bench/results/2026-11-28-cpu2-epyc-avx2-head-x16.md).
+// Integer sums cannot overflow: 4 products a lane of at most 128 * 32767, 16,776,704 < 2^24, so
+// their float conversion is exact too. A block of x holding a NaN or an infinity gets e = NaN: its
+// rows' outputs are NaN, as the float product's would be non-finite (the sampler's check sees them).
+inline void quantize_x16(const float* x, int64_t ldx, int64_t M, int64_t K, int16_t* q, float* e) {
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* v = x + m * ldx + b * QK;
+            float amax = 0.f;
+            bool finite = true;
+            for (int j = 0; j < QK; ++j) {
+                finite = finite && std::isfinite(v[j]);
+                amax = std::fabs(v[j]) > amax ? std::fabs(v[j]) : amax;
+            }
+            int16_t* qb = q + m * K + b * QK;
+            if (!finite) {
+                std::memset(qb, 0, QK * sizeof(int16_t));
+                e[m * nb + b] = NAN;
+                continue;
+            }
+            const float id = amax > 0.f ? 32767.f / amax : 0.f;
+            for (int j = 0; j < QK; ++j) {
+                const float r = std::nearbyint(v[j] * id);        // |r| <= 32767: v * (32767 / amax)
+                qb[j] = int16_t(r > 32767.f ? 32767.f : (r < -32767.f ? -32767.f : r));
+            }
+            e[m * nb + b] = amax / 32767.f;
+        }
+}
+
+template <int T, int MR, int NR>
+void tile_q8_x16(const uint8_t* const* rows, const float* wd, const int16_t* xq, const float* xe, int64_t K,
+                 int64_t m0, int64_t nb, const Out& out, int64_t n0) {
+    __m256 acc[MR][NR];
+    #pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i lo[NR], hi[NR];
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t* qs = codes_at<T>(rows[r], b, nb).qs;
+            lo[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+            hi[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        }
+        #pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+            const int16_t* xb = xq + (m0 + m) * K + b * QK;
+            const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+            const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+            const float e = xe[(m0 + m) * nb + b];
+            #pragma GCC unroll 4
+            for (int r = 0; r < NR; ++r) {
+                const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo[r], xl), _mm256_madd_epi16(hi[r], xh));
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(wd[r * nb + b] * e), acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) out.put(m0 + m, n0 + r, hsum(acc[m][r]));
+}
+
+template <int T>
+void matmul_q8_x16(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
+                   int64_t K, int threads) {
+    const int64_t nb = K / QK;
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xe(M * nb);
+    quantize_x16(x, ldx, M, K, xq.data(), xe.data());
+    // 2 weight rows a tile, as the float path: 1 and 3 rows measured slower at one row of x, 4 much
+    // slower (2.68 / 2.74 / 2.86 / 4.04 ms for the 49152 x 576 head, 2 threads, Zen 1)
+    constexpr int nr = 2;
+    const int64_t groups = (N + nr - 1) / nr;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        std::vector<float> wd(4 * nb), wm(4 * nb);
+        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
+                                                                     int64_t n0) {
+            int64_t m = 0;
+            if (rows_here == 2) {
+                for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 2>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
+                if (m < M) tile_q8_x16<T, 1, 2>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
+            } else {
+                for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 1>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
+                if (m < M) tile_q8_x16<T, 1, 1>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
+            }
+        });
+    }
+}
 #endif
 
 template <int T>
@@ -798,6 +903,8 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
     }
 #endif
 #if BLINK_Q_AVX2
+    if constexpr (base_type(T) == Q8_0)
+        if (isa == 1) return matmul_q8_x16<T>(w, rb, x, ldx, out, M, N, K, threads);
     if (isa >= 1) return matmul_fx_simd<T>(w, rb, x, ldx, out, M, N, K, threads);
 #endif
     (void)isa;

@@ -125,10 +125,67 @@ def test_float_activation_matmul_is_the_float_matmul_of_the_dequantized_matrix(w
     want = x.double() @ w.T + bias.double()
     err = (got.double() - want).abs()
     scale = (x.double().abs() @ w.abs().T) + bias.double().abs()          # the sum's own magnitude
-    assert bool((err <= 4 * k * 2.0 ** -24 * scale + 1e-6).all())
+    coding = 0.0
+    if isa == 1 and wtype == Q.Q8_0:          # AVX2's Q8_0 path: x in int16 codes, half a step each at most
+        coding = x16_steps(x).double() @ w.abs().T / 2
+    assert bool((err <= 4 * k * 2.0 ** -24 * scale + coding + 1e-6).all())
     got_bf16 = KERNELS.quant_linear_fx(x.bfloat16(), int(wtype), blocks, out_dtype=torch.bfloat16, isa=isa)
     torch.testing.assert_close(got_bf16, KERNELS.quant_linear_fx(x.bfloat16().float(), int(wtype), blocks,
                                                                  isa=isa).bfloat16(), rtol=0, atol=0)
+
+
+def x16_steps(x: torch.Tensor) -> torch.Tensor:
+    """The step of each value's int16 code on AVX2's Q8_0 path: its 32-block's max |x| / 32767."""
+    return (x.abs().view(x.shape[0], -1, 32).amax(-1) / 32767).repeat_interleave(32, dim=1)
+
+
+def x16_coded(x: torch.Tensor) -> torch.Tensor:
+    """x as AVX2's Q8_0 path codes it, in float64: round(x * (32767 / amax)) (float32, half to even)
+    times amax / 32767, per 32-value block."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    codes = torch.round(blocks * inv)                        # float32 multiply, then half to even
+    return (codes.double() * (amax / 32767).double()).view_as(x)
+
+
+@pytest.mark.skipif(KERNELS is None or KERNELS.quant_isa_max < 1, reason="no AVX2 path here")
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 3, 33])
+def test_avx2_q8_0_float_activation_path_is_the_matmul_of_int16_coded_x(m, split):
+    """quant_linear_fx of Q8_0 on AVX2 (the logits head there): x coded per 32-value block in int16,
+    two vpmaddwd a block, so exactly dequant(W) times the coded x up to float32 summation order; an
+    outlier channel's coarser step stays in its own block; a non-finite value makes its rows NaN."""
+    n, k = 37, 576
+    blocks = random_blocks(Q.Q8_0, n, k, seed=m)
+    w = dequantized(Q.Q8_0, blocks, k)
+    wtype = int(Q.Q8_0)
+    if split:
+        wtype, blocks = KERNELS.repack(wtype, blocks, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 199] = 40.0                                         # an outlier channel, as SmolLM2's final hidden state has
+    got = KERNELS.quant_linear_fx(x, wtype, blocks, isa=1).double()
+    want = x16_coded(x) @ w.T
+    scale = x.double().abs() @ w.abs().T
+    assert bool(((got - want).abs() <= 4 * k * 2.0 ** -24 * scale + 1e-6).all())
+    # The outlier's step stays in its block: weights only in a block of small values (1e-3), whose
+    # products a coding scaled by the row's 40 would lose (its step 1.2e-3), come out near exact.
+    raw = random_blocks(Q.Q8_0, n, k, seed=m).view(n, k // 32, 34).clone()
+    raw[:, [b for b in range(k // 32) if b != 1], 2:] = 0
+    raw = raw.view(n, -1)
+    w1 = dequantized(Q.Q8_0, raw, k)
+    x1 = x.clone()
+    x1[:, 32:64] *= 1e-3
+    exact = x1.double() @ w1.T
+    bound = x16_steps(x1).double() @ w1.abs().T / 2 + 4 * k * 2.0 ** -24 * (x1.double().abs() @ w1.abs().T)
+    assert bool(((KERNELS.quant_linear_fx(x1, int(Q.Q8_0), raw, isa=1).double() - exact).abs() <= bound + 1e-12).all())
+    assert float(bound.max()) < 1e-3 * float(exact.abs().max())
+    bad = x.clone()
+    bad[0, 5] = float("nan")
+    if m > 1:
+        bad[1, 300] = float("inf")
+    out = KERNELS.quant_linear_fx(bad, wtype, blocks, isa=1)
+    assert bool(out[: min(m, 2)].isnan().all()) and bool(out[2:].isfinite().all())
 
 
 @pytest.mark.parametrize("isa", ISAS)
