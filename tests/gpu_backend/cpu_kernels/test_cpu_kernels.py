@@ -165,6 +165,30 @@ def test_long_contexts_give_the_same_bits_on_any_team(dtype, heads, kv_heads, d,
         close(alone, want, dtype, bf16_tol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_rows_attention_bits_do_not_depend_on_the_rows_beside_it(dtype):
+    """Contexts past kernels.cc's kChunkPositions (128) are cut into chunks whose softmax partials
+    are combined; the cut depends on the row's own length only, so a row's output is the same bits
+    alone, in a batch of short and long rows, and on any team (requests' tokens do not depend on
+    what else runs), and it is the attention over the whole context (PagedAttention's)."""
+    contexts = [300, 45, 1030, 128, 129]
+    pool, batch, qkv = paged_case(dtype, 9, 3, 64, 16, contexts, seed=11)
+    tables, lens = batch.decode_block_tables, batch.decode_context_lens
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = KERNELS.decode_attention(qkv, 9, pool.k[0], pool.v[0], tables, lens)
+            for i in range(len(contexts)):
+                alone = KERNELS.decode_attention(qkv[i:i + 1].contiguous(), 9, pool.k[0], pool.v[0],
+                                                 tables[i:i + 1, :].contiguous(), lens[i:i + 1].contiguous())
+                assert torch.equal(alone[0], together[i]), (threads, contexts[i])
+    finally:
+        torch.set_num_threads(before)
+    want = PagedAttention._decode(qkv[:, :9], pool.k[0], pool.v[0], batch)
+    close(together, want, dtype, bf16_tol=3e-2)
+
+
 def test_decode_attention_of_a_single_position_returns_its_value():
     pool, batch, qkv = paged_case(torch.bfloat16, 9, 3, 64, 16, [1, 1], seed=4)
     KERNELS.rope_cache(qkv, *rope_tables(torch.zeros(2), 64, torch.bfloat16), batch.slot_mapping,
