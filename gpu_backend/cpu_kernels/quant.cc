@@ -374,6 +374,15 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// A tile's accumulators (ymm or zmm) to zero.
+template <class V, int MR, int NR>
+inline void zero_tile(V (&acc)[MR][NR]) {
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) acc[m][r] = V{};
+}
+
 inline float hsum(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -388,10 +397,7 @@ template <int T, bool VNNI, int MR, int NR>
 void tile(const uint8_t* const* rows, const float* wd, const float* wm, const Act& a, int64_t m0, int64_t nb,
           int64_t K, const Out& out, int64_t n0) {
     __m256 acc[MR][NR];
-    #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    zero_tile(acc);
     for (int64_t b = 0; b < nb; ++b) {          // (unrolled: GCC kept the accumulators on the stack)
         __m256i wq[NR];
         #pragma GCC unroll 4
@@ -533,10 +539,7 @@ template <int T, int MR, int NR>
 void tile_fx(const uint8_t* const* rows, const float* wd, const float* wm, const float* x, int64_t ldx,
              const float* xs, int64_t m0, int64_t nb, const Out& out, int64_t n0) {
     __m256 acc[MR][NR];
-    #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    zero_tile(acc);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qs[NR];
         __m256i wq[NR];
@@ -589,6 +592,22 @@ void tile_rows_fx(const uint8_t* const* rows, const float* wd, const float* wm, 
     if (m < M) tile_fx<T, 1, NR>(rows, wd, wm, x, ldx, xs, m, nb, out, n0);
 }
 
+// The weight rows two at a time over `threads` (each thread its share of the pairs, their scales
+// decoded): fn(rows, rows_here, n0, wd, wm) for each pair (the last may be a single row).
+template <int T, typename Fn>
+void in_pairs(const uint8_t* w, int64_t rb, int64_t N, int64_t nb, int threads, Fn&& fn) {
+    constexpr int nr = 2;
+    const int64_t groups = (N + nr - 1) / nr;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        std::vector<float> wd(nr * nb), wm(nr * nb);
+        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
+                                                                     int64_t n0) {
+            fn(rows, rows_here, n0, wd.data(), wm.data());
+        });
+    }
+}
+
 template <int T>
 void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
                     int64_t K, int threads) {
@@ -604,17 +623,11 @@ void matmul_fx_simd(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, c
     // (Zen 1, 2.0 GHz, ymm split in two 128-bit halves) SmolLM2's tied Q8_0 head (49152 x 576)
     // at one row then ran 3.71 ms on 2 threads, 7.24 on one; with 2 rows 2.98 / 5.57 ms, with 1 row
     // (one FMA chain a block) 3.26 / 6.19 ms (python -m bench.decode_split, 2026-11-27).
-    const int nr = 2;
-    const int64_t groups = (N + nr - 1) / nr;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
-    {
-        std::vector<float> wd(4 * nb), wm(4 * nb);
-        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
-                                                                     int64_t n0) {
-            if (rows_here == 2) tile_rows_fx<T, 2>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
-            else tile_rows_fx<T, 1>(rows, wd.data(), wm.data(), x, ldx, xs.data(), M, nb, out, n0);
-        });
-    }
+    in_pairs<T>(w, rb, N, nb, threads, [&](const uint8_t* const* rows, int rows_here, int64_t n0, const float* wd,
+                                           const float* wm) {
+        if (rows_here == 2) tile_rows_fx<T, 2>(rows, wd, wm, x, ldx, xs.data(), M, nb, out, n0);
+        else tile_rows_fx<T, 1>(rows, wd, wm, x, ldx, xs.data(), M, nb, out, n0);
+    });
 }
 
 // ---- Q8_0 rows against int16 activation codes (AVX2; the logits head's path there) ----
@@ -662,10 +675,7 @@ template <int T, int MR, int NR>
 void tile_q8_x16(const uint8_t* const* rows, const float* wd, const int16_t* xq, const float* xe, int64_t K,
                  int64_t m0, int64_t nb, const Out& out, int64_t n0) {
     __m256 acc[MR][NR];
-    #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    zero_tile(acc);
     for (int64_t b = 0; b < nb; ++b) {
         __m256i lo[NR], hi[NR];
         #pragma GCC unroll 4
@@ -700,23 +710,17 @@ void matmul_q8_x16(const uint8_t* w, int64_t rb, const float* x, int64_t ldx, co
     quantize_x16(x, ldx, M, K, xq.data(), xe.data());
     // 2 weight rows a tile, as the float path: 1 and 3 rows measured slower at one row of x, 4 much
     // slower (2.68 / 2.74 / 2.86 / 4.04 ms for the 49152 x 576 head, 2 threads, Zen 1)
-    constexpr int nr = 2;
-    const int64_t groups = (N + nr - 1) / nr;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
-    {
-        std::vector<float> wd(4 * nb), wm(4 * nb);
-        for_each_tile<T>(w, rb, N, nb, nr, wd.data(), wm.data(), [&](const uint8_t* const* rows, int rows_here,
-                                                                     int64_t n0) {
-            int64_t m = 0;
-            if (rows_here == 2) {
-                for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 2>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
-                if (m < M) tile_q8_x16<T, 1, 2>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
-            } else {
-                for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 1>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
-                if (m < M) tile_q8_x16<T, 1, 1>(rows, wd.data(), xq.data(), xe.data(), K, m, nb, out, n0);
-            }
-        });
-    }
+    in_pairs<T>(w, rb, N, nb, threads, [&](const uint8_t* const* rows, int rows_here, int64_t n0, const float* wd,
+                                           const float*) {
+        int64_t m = 0;
+        if (rows_here == 2) {
+            for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 2>(rows, wd, xq.data(), xe.data(), K, m, nb, out, n0);
+            if (m < M) tile_q8_x16<T, 1, 2>(rows, wd, xq.data(), xe.data(), K, m, nb, out, n0);
+        } else {
+            for (; m + 2 <= M; m += 2) tile_q8_x16<T, 2, 1>(rows, wd, xq.data(), xe.data(), K, m, nb, out, n0);
+            if (m < M) tile_q8_x16<T, 1, 1>(rows, wd, xq.data(), xe.data(), K, m, nb, out, n0);
+        }
+    });
 }
 #endif
 
@@ -751,14 +755,6 @@ void matmul_fx_scalar(const uint8_t* w, int64_t rb, const float* x, int64_t ldx,
 // and every 8-row chunk of x (18 KB at K = 576, in L1) passes over them, so W streams from DRAM once
 // and x from L2 once per super-tile.
 constexpr int64_t FX_SUPER = 32;
-
-template <int MR, int NR>
-inline void zero_tile(__m512 (&acc)[MR][NR]) {
-    #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-}
 
 template <int T, int MR, int NR>
 void tile_fx512(const uint8_t* const* rows, const float* wd, int64_t nb, const float* x, int64_t ldx, int64_t m0,
