@@ -72,6 +72,13 @@ def test_kernel_layer_equals_the_pytorch_layer_on_quantized_weights(variant, dty
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def int16_coding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far AVX2's Q8_0 head (quant.cc's matmul_q8_x16) may move x @ w^T by coding x in int16: half
+    a step a value, a step being its 32-value block's max |x| / 32767."""
+    steps = (x.float().abs().view(x.shape[0], -1, 32).amax(-1) / 32767).repeat_interleave(32, dim=1)
+    return steps.double() @ w.double().abs().T / 2
+
+
 @pytest.mark.parametrize("rows", [1, 3, cpu_linear.FX_HEAD_MAX_ROWS, cpu_linear.FX_HEAD_MAX_ROWS + 1])
 def test_a_tied_head_gives_the_float_logits_of_its_embedding_table(rows):
     """FloatActHead: up to FX_HEAD_MAX_ROWS rows on the blocks, above on the float table; both are
@@ -90,8 +97,7 @@ def test_a_tied_head_gives_the_float_logits_of_its_embedding_table(rows):
     assert got.dtype == torch.float32 and got.shape == want.shape
     coding = 0.0
     if KERNELS.quant_isa == 1 and rows <= cpu_linear.FX_HEAD_MAX_ROWS:
-        steps = (x.abs().view(rows, -1, 32).amax(-1) / 32767).repeat_interleave(32, dim=1)
-        coding = steps.double() @ model.embed_tokens.weight.double().abs().T / 2
+        coding = int16_coding_bound(x, model.embed_tokens.weight)
     assert bool(((got.double() - want).abs() <= coding + 1e-5 * want.abs() + 1e-5).all())
 
 
@@ -115,8 +121,7 @@ def test_a_bf16_models_tied_head_keeps_float32_logits_of_the_blocks(rows):
     want = x.double() @ w.t()
     coding = 0.0
     if KERNELS.quant_isa == 1:              # AVX2 (no G16 copy there): x in int16 codes, as above
-        steps = (x.float().abs().view(rows, -1, 32).amax(-1) / 32767).repeat_interleave(32, dim=1)
-        coding = steps.double() @ w.abs().t() / 2
+        coding = int16_coding_bound(x, w)
     assert bool(((got.double() - want).abs() <= coding + 1e-5 * want.abs() + 1e-5).all())
 
 
