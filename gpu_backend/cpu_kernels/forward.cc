@@ -9,6 +9,15 @@
 //   -> normed [T, hidden], as KernelForward's per-call loop returns it, bit for bit: the same
 //      kernels (the team bodies of kernels.cc and quant.cc) in the same order on the same data.
 //
+// A step may also hand over its token ids and positions instead of x and cos/sin (executors/
+// cpu_decode_step.py, the runner's decode-only steps): the embedding rows and the RoPE table's rows
+// are then copied here, in the first phase; and ask for the logits (the tied Q8_0 head on float
+// activations, blink_quant_matmul_fx, after the parallel region) and each row's greedy pick. What
+// that saves is Python, not arithmetic: on a 2-core Zen 1 a 1-row step's torch calls around the
+// stack (embedding, RoPE gathers, the head's row select and buffers, the sampler's argmax) took
+// ~0.5 ms of an ~8.2 ms step, 5-10x their warm cost, run between two weight streams that leave the
+// caches cold.
+//
 // Why one call: a 1-row decode step of SmolLM2 made ~14 ctypes calls a layer (30 layers) and opened
 // a parallel region for each matmul and the attention: ~420 Python -> C crossings and ~150 fork/joins
 // whose waits a loaded 2-core machine stretches, where every byte of work is ~3 MB a layer of weight
@@ -20,6 +29,10 @@
 // its prefill attention kernel) with every projection on quant.cc's int8 matmul, at any batch size
 // (executors/cpu_decode.py says why); the descriptors are built once per model by KernelForward.
 #include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace blink_team {     // kernels.cc and quant.cc
 void add_rms_norm(bool bf16, void* x, const void* delta, const void* w, void* out, int64_t rows, int64_t n,
@@ -37,6 +50,10 @@ void quantize_act(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* qs, f
 int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s, const float* bias,
                  void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa);
 }  // namespace blink_team
+
+extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, int64_t ldx, const float* bias,
+                                     void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int isa,
+                                     int threads);                // quant.cc
 
 namespace {
 
@@ -70,14 +87,18 @@ struct Model {
     double first_eps;
     double scale;                       // attention's 1 / sqrt(D)
     const Layer* layer;
+    const void* embed;                  // [vocab, hidden] embedding table, the model's dtype (Step.ids)
+    int64_t vocab;
+    int64_t head_wtype, head_isa;       // the logits head (Step.logits): quant_matmul_fx's type and path
+    const void* head_w;                 // its blocks [vocab rows], or null: no head here
 };
 
 struct Step {
     int64_t tokens;                     // T decode rows
     void* x;                            // [T, hidden] embedded tokens in; the residual stream after
     void* normed;                       // [T, hidden] out: the final norm's output
-    const void* cos;                    // [T, D] each
-    const void* sin;
+    void* cos;                          // [T, D] each (filled here from rope_cos / rope_sin when ids)
+    void* sin;
     const int64_t* slots;               // [T] pool slot of each row's k/v
     const int64_t* tables;              // [T, width] block tables
     int64_t width;
@@ -90,6 +111,14 @@ struct Step {
     int8_t* qs;                         // scratch [T, max(hidden, H D, I)] activation codes
     float* d;                           // scratch [T, max / 32] each
     float* s;
+    const int64_t* ids;                 // [T] token ids, or null: x, cos and sin come filled
+    const int64_t* positions;           // [T] (with ids)
+    const void* rope_cos;               // [cap, D] RoPE tables over positions 0..cap-1 (with ids)
+    const void* rope_sin;
+    float* logits;                      // [T, vocab] out, or null: normed is the step's output
+    float* hx;                          // scratch [T, hidden] float32 (bf16 models' head input)
+    int64_t* picks;                     // [T] out: each row's first largest logit, -1 for a row with a
+                                        // NaN (as sampling.argmax_rows + nan_rows), or null
 };
 
 constexpr int64_t kQK = 32;             // values per activation-code block (quant.cc's QK)
@@ -129,10 +158,82 @@ inline void silu_codes(const Model& m, const Step& st) {
     }
 }
 
+// Rows r of the embedding and of the RoPE tables into x, cos and sin.
+inline void gather_inputs(const Model& m, const Step& st) {
+    const size_t es = m.bf16 ? 2 : 4;
+    const size_t row = size_t(m.hidden) * es, rope_row = size_t(m.head_dim) * es;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < st.tokens; ++r) {
+        std::memcpy(static_cast<char*>(st.x) + r * row, static_cast<const char*>(m.embed) + st.ids[r] * row, row);
+        const int64_t p = st.positions[r];
+        std::memcpy(static_cast<char*>(st.cos) + r * rope_row, static_cast<const char*>(st.rope_cos) + p * rope_row,
+                    rope_row);
+        std::memcpy(static_cast<char*>(st.sin) + r * rope_row, static_cast<const char*>(st.rope_sin) + p * rope_row,
+                    rope_row);
+    }
+}
+
+// The index of x's first largest value (numpy's argmax), or -1 where x holds a NaN.
+int64_t argmax_or_nan(const float* x, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    if (n >= 8) {
+        __m256 mx = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            mx = _mm256_max_ps(mx, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        if (_mm256_movemask_ps(nan)) return -1;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        float best = lanes[0];
+        for (int l = 1; l < 8; ++l) best = lanes[l] > best ? lanes[l] : best;
+        for (; i < n; ++i) {                     // the tail
+            if (x[i] != x[i]) return -1;
+            best = x[i] > best ? x[i] : best;
+        }
+        for (int64_t j = 0; j < n; ++j)
+            if (x[j] == best) return j;
+        return 0;                                // not reached
+    }
+#endif
+    int64_t arg = 0;
+    for (; i < n; ++i) {
+        if (x[i] != x[i]) return -1;
+        if (x[i] > x[arg]) arg = i;
+    }
+    return arg;
+}
+
+// logits = the head's product with the final normed rows; picks = their argmax (Step.logits / picks).
+int head_and_picks(const Model& m, const Step& st, int threads) {
+    const int64_t t = st.tokens, k = m.hidden;
+    const float* x = static_cast<const float*>(st.normed);
+    if (m.bf16) {                                // widen (exact): the head reads float32 rows
+        const uint16_t* src = static_cast<const uint16_t*>(st.normed);
+        for (int64_t i = 0; i < t * k; ++i) {
+            const uint32_t bits = uint32_t(src[i]) << 16;
+            std::memcpy(st.hx + i, &bits, 4);
+        }
+        x = st.hx;
+    }
+    if (blink_quant_matmul_fx(int(m.head_wtype), m.head_w, x, k, nullptr, st.logits, 0, m.vocab, t, m.vocab, k,
+                              int(m.head_isa), threads) != 0)
+        return -1;
+    if (st.picks) {
+        #pragma omp parallel for num_threads(threads) schedule(static) if (t > 1)
+        for (int64_t r = 0; r < t; ++r) st.picks[r] = argmax_or_nan(st.logits + r * m.vocab, m.vocab);
+    }
+    return 0;
+}
+
 }  // namespace
 
 // Runs the decoder stack of `model` over the step's decode rows with `threads` threads.
-// Returns 0, or -1 where a segment's type is not one quant.cc reads (checked at setup, so never).
+// With st.ids, the embedding and RoPE rows are gathered first; with st.logits (and m.head_w), the head
+// and st.picks follow. Returns 0, or -1 where a segment's or the head's type is not one quant.cc reads
+// (checked at setup, so never).
 extern "C" int blink_forward_decode(const Model* model, const Step* step, int threads) {
     const Model& m = *model;
     const Step& st = *step;
@@ -142,6 +243,7 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
     int rc = 0;
     #pragma omp parallel num_threads(threads) reduction(| : rc)
     {
+        if (st.ids) gather_inputs(m, st);
         blink_team::add_rms_norm(bf16, st.x, nullptr, m.first_w, st.normed, t, m.hidden, float(m.first_eps));
         for (int64_t l = 0; l < m.layers; ++l) {
             const Layer& p = m.layer[l];
@@ -159,5 +261,6 @@ extern "C" int blink_forward_decode(const Model* model, const Step* step, int th
             blink_team::add_rms_norm(bf16, st.x, st.proj, p.next_w, st.normed, t, m.hidden, float(p.next_eps));
         }
     }
+    if (!rc && st.logits && m.head_w) rc = head_and_picks(m, st, threads);
     return rc ? -1 : 0;
 }

@@ -6,6 +6,8 @@
     -> cpu_crossover.decide (the decode batch above which float weights beat the int8 blocks here)
     + KVPool sized from --kv-cache-mb (and the seats from it), in --kv-cache-dtype (resolve_kv_dtype:
     the model's, or bf16 under quantized weights computed in float32) -> Engine(ring, CpuRunner) -> per step:
+      a step of decode rows only on a quantized model: cpu_decode_step.DecodeStep (token ids to tokens
+      in one C call, the same bits); any other step:
       StepBatch -> flat batch (single-token chunks first, then prefill chunks):
       input_ids [T], positions [T], PagedBatch -> KernelForward (cpu_forward.py: the
       fused C++ kernels of gpu_backend/cpu_kernels between the matmuls) where the model
@@ -40,6 +42,7 @@ from ..sampling import sample
 from ..scheduler.sequence import Sequence
 from . import ExecutorOptions
 from .cpu_crossover import decide as decide_crossover
+from .cpu_decode_step import DecodeStep
 from .cpu_forward import KernelForward
 from .cpu_linear import QuantKernelLinear, prepare_model
 
@@ -61,9 +64,16 @@ class CpuRunner:
         self.block_size = pool.config.block_size
         # The fused-kernel layer where it applies (fused bf16/f32 model, kernels built); else PyTorch ops.
         self.kernel_forward = KernelForward(model, pool, kernels) if KernelForward.applicable(model, kernels) else None
+        # Decode-only steps of a quantized model: from the StepBatch to tokens in one C call (None: not here).
+        self.decode_step = DecodeStep(self.kernel_forward, self.block_size) \
+            if DecodeStep.applicable(self.kernel_forward) else None
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> list[int]:
+        if self.decode_step is not None:
+            tokens = self.decode_step(batch)
+            if tokens is not None:
+                return tokens
         order = sorted(range(len(batch.chunks)), key=lambda i: batch.chunks[i].num_tokens != 1)  # stable
         ids: list[int] = []
         positions: list[int] = []

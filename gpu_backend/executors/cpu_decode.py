@@ -26,7 +26,7 @@ import ctypes
 
 import torch
 
-from .cpu_linear import QuantKernelLinear
+from .cpu_linear import FloatActHead, QuantKernelLinear
 
 MAX_SEGMENTS = 4            # forward.cc's kMaxSegments
 MAX_DECODE_ROWS = 256       # decode rows a fused step takes (cpu.MAX_BATCH_SIZE_CAP seats at most)
@@ -49,13 +49,16 @@ class Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("num_blocks", _i64), ("block_size", _i64), ("bf16", _i64), ("isa", _i64),
                 ("kv_bf16", _i64), ("first_w", _ptr), ("first_eps", _f64), ("scale", _f64),
-                ("layer", ctypes.POINTER(Layer))]
+                ("layer", ctypes.POINTER(Layer)), ("embed", _ptr), ("vocab", _i64), ("head_wtype", _i64),
+                ("head_isa", _i64), ("head_w", _ptr)]
 
 
 class Step(ctypes.Structure):
     _fields_ = [("tokens", _i64), ("x", _ptr), ("normed", _ptr), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
                 ("tables", _ptr), ("width", _i64), ("context_lens", _ptr), ("qkv", _ptr), ("attn", _ptr),
-                ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("qs", _ptr), ("d", _ptr), ("s", _ptr)]
+                ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("qs", _ptr), ("d", _ptr), ("s", _ptr),
+                ("ids", _ptr), ("positions", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr), ("logits", _ptr),
+                ("hx", _ptr), ("picks", _ptr)]
 
 
 def _qmat(mm: QuantKernelLinear) -> QMat:
@@ -82,13 +85,24 @@ class FusedDecode:
             self._layers[i] = Layer(qkv=_qmat(qkv), o=_qmat(o), gate_up=_qmat(gate_up), down=_qmat(down),
                                     kc=p.kc_ptr, vc=p.vc_ptr, post_w=p.post_w, next_w=p.next_w,
                                     post_eps=p.post_eps, next_eps=p.next_eps)
+        model = forward.model
+        self.embed = model.embed_tokens.weight                  # [vocab, hidden]: rows copied by run_ids
+        self.vocab = self.embed.shape[0]
+        # The tied Q8_0 head on float activations (FloatActHead), which run_ids can apply: None where
+        # the model has another head (it then runs in Python on the normed rows).
+        head = model.logits_head if isinstance(model.logits_head, FloatActHead) else None
+        self.head = head if head is not None and head.out_features == self.vocab else None
         self._model = Model(layers=len(plans), hidden=forward.hidden, heads=self.heads, kv_heads=self.kv_heads,
                             head_dim=self.head_dim, inter=self.inter, num_blocks=forward.num_blocks,
                             block_size=forward.block_size, bf16=int(self.dtype == torch.bfloat16),
                             isa=mats[0][0].isa, kv_bf16=int(forward.kv_dtype == torch.bfloat16),
                             first_w=forward.first_w, first_eps=forward.first_eps,
-                            scale=self.head_dim ** -0.5, layer=self._layers)
+                            scale=self.head_dim ** -0.5, layer=self._layers,
+                            embed=self.embed.data_ptr() if self.embeds() else None, vocab=self.vocab,
+                            head_wtype=self.head.wtype if self.head else 0, head_isa=self.head.isa if self.head else 0,
+                            head_w=self.head._ptr if self.head else None)
         self._scratch: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._rows: tuple[int, dict[str, torch.Tensor]] | None = None    # run_ids' buffers: (capacity, them)
         # Decode rows a step takes here: up to MAX_DECODE_ROWS, or the batch above which this machine's
         # float weights beat the int8 blocks (cpu_crossover.decide set int8_rows at load).
         limits = [mm.int8_rows for layer in mats for mm in layer if mm.int8_rows is not None]
@@ -108,12 +122,23 @@ class FusedDecode:
                 return False
         return bool(forward.plans) and len(isas) == 1         # one path for the stack
 
+    def embeds(self) -> bool:
+        """Whether run_ids can copy the embedding rows itself: a plain table in the model's dtype."""
+        e = self.embed
+        return e.dtype == self.dtype and e.is_contiguous() and e.dim() == 2 and e.shape[1] == self.hidden
+
+    def head_takes(self, tokens: int) -> bool:
+        """Whether run_ids can compute the logits of `tokens` rows (the head's blocks path at that size)."""
+        return self.head is not None and self.head.on_blocks(tokens, self.dtype)
+
     def takes(self, tokens: int, num_decode: int) -> bool:
         """Whether a step of `tokens` rows, the first `num_decode` of them decode rows, runs here."""
         return 0 < tokens == num_decode <= self.max_rows
 
     def _buffers(self, t: int) -> dict[str, torch.Tensor]:
-        if self._scratch is None or self._scratch[0] != t:
+        """The stack's scratch for t rows: sized for the next power of two and kept (as _row_buffers)."""
+        if self._scratch is None or self._scratch[0] < t:
+            t = 1 << (t - 1).bit_length()
             dt, h, kvh, d = self.dtype, self.heads, self.kv_heads, self.head_dim
             widest = max(self.hidden, h * d, self.inter)
             self._scratch = (t, {
@@ -123,6 +148,48 @@ class FusedDecode:
                 "qs": torch.empty((t, widest), dtype=torch.int8), "d": torch.empty((t, widest // 32)),
                 "s": torch.empty((t, widest // 32))})
         return self._scratch[1]
+
+    def _row_buffers(self, t: int) -> dict[str, torch.Tensor]:
+        """run_ids' inputs and outputs, sized for the next power of two >= t rows and kept while the
+        batch fits: their first t rows serve any smaller step (row-major), so a batch that changes size
+        step to step allocates nothing."""
+        if self._rows is None or self._rows[0] < t:
+            cap, dt = 1 << (t - 1).bit_length(), self.dtype
+            self._rows = (cap, {"x": torch.empty((cap, self.hidden), dtype=dt),
+                                "cos": torch.empty((cap, self.head_dim), dtype=dt),
+                                "sin": torch.empty((cap, self.head_dim), dtype=dt),
+                                "normed": torch.empty((cap, self.hidden), dtype=dt),
+                                "logits": torch.empty((cap, self.vocab)),
+                                "hx": torch.empty((cap, self.hidden)),
+                                "picks": torch.empty(cap, dtype=torch.int64)})
+        return self._rows[1]
+
+    def run_ids(self, t: int, ids: int, positions: int, slots: int, tables: int, width: int, context_lens: int,
+                rope_cos: torch.Tensor, rope_sin: torch.Tensor, logits: bool, picks: bool,
+                threads: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A step of t decode rows from their token ids: ids, positions, slots, context_lens [t] and
+        tables [t, width] are int64 data pointers (contiguous), rope_cos / rope_sin [cap, D] the RoPE
+        tables (KernelForward.rope_tables) covering every position. The embedding and RoPE rows are
+        copied in C; with `logits` (head_takes(t)) the head follows, and with `picks` each row's greedy
+        token (-1: a NaN row). -> (normed [t, hidden], logits [t, vocab] or None, picks [t] or None):
+        views of buffers the next call overwrites, the same bits as embedding + __call__ +
+        the head's forward + sampling's argmax."""
+        if not self.embeds() or (logits and not self.head_takes(t)):
+            raise ValueError("run_ids: this model's embedding or head is not one forward.cc reads")
+        r = self._row_buffers(t)
+        b = self._buffers(t)
+        step = Step(tokens=t, x=r["x"].data_ptr(), normed=r["normed"].data_ptr(), cos=r["cos"].data_ptr(),
+                    sin=r["sin"].data_ptr(), slots=slots, tables=tables, width=width, context_lens=context_lens,
+                    qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(), proj=b["proj"].data_ptr(),
+                    gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(), qs=b["qs"].data_ptr(),
+                    d=b["d"].data_ptr(), s=b["s"].data_ptr(), ids=ids, positions=positions,
+                    rope_cos=rope_cos.data_ptr(), rope_sin=rope_sin.data_ptr(),
+                    logits=r["logits"].data_ptr() if logits else None, hx=r["hx"].data_ptr(),
+                    picks=r["picks"].data_ptr() if logits and picks else None)
+        if self._fn(ctypes.byref(self._model), ctypes.byref(step), threads) != 0:
+            raise RuntimeError("blink_forward_decode: a block type is not one quant.cc reads")
+        return (r["normed"][:t], r["logits"][:t] if logits else None,
+                r["picks"][:t] if logits and picks else None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, context_lens: torch.Tensor, threads: int) -> torch.Tensor:

@@ -143,12 +143,16 @@ class KernelForward:
         0..cap-1 (elementwise, so the same values), made again twice as long when a position passes
         it. Two gathers a step instead of rope's six small operators (~60 us of a ~3.5 ms 1-row
         decode step on a 2-core Zen 4)."""
-        need = int(positions.max()) + 1
+        cos, sin = self.rope_tables(int(positions.max()) + 1, dt)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def rope_tables(self, need: int, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables [cap, D] themselves, cap >= need positions (the decode step's C call gathers them)."""
         if self._rope_cos is None or need > self._rope_cos.shape[0] or self._rope_cos.dtype != dt:
             cap = 1 << max(8, (need - 1).bit_length())
             cos, sin = self.model.rope(torch.arange(cap), dt)
             self._rope_cos, self._rope_sin = cos.contiguous(), sin.contiguous()
-        return self._rope_cos.index_select(0, positions), self._rope_sin.index_select(0, positions)
+        return self._rope_cos, self._rope_sin
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         m = self.model

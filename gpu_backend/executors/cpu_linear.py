@@ -308,23 +308,29 @@ class FloatActHead(nn.Module):
         g16 = f", g16 from {G16_HEAD_MIN_ROWS} rows" if self.g16 is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.type_name}{g16}"
 
+    def on_blocks(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether m rows of x in `dtype` take the blocks with float32 activations (quant_matmul_fx;
+        what forward.cc's head runs for a decode step), not the G16 copy or the float table."""
+        return m <= FX_HEAD_MAX_ROWS and not (self.g16 is not None and m >= G16_HEAD_MIN_ROWS
+                                              and dtype == torch.bfloat16)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
+        if self.on_blocks(m, x2.dtype):
+            xf = x2.float().contiguous()
+            y = torch.empty((m, self.out_features))
+            self._fn(self.wtype, self._ptr, xf.data_ptr(), self.in_features, None, y.data_ptr(), 0,
+                     self.out_features, m, self.out_features, self.in_features, self.isa, torch.get_num_threads())
+            return y.view(*lead, self.out_features)
         if self.g16 is not None and m >= G16_HEAD_MIN_ROWS and x2.dtype == torch.bfloat16:
             xb = x2.contiguous()
             y = torch.empty((m, self.out_features))
             self._g16_fn(self.g16.data_ptr(), xb.data_ptr(), self.in_features, y.data_ptr(), self.out_features, m,
                          self.out_features, self.in_features, torch.get_num_threads())
             return y.view(*lead, self.out_features)
-        if m > FX_HEAD_MAX_ROWS:
-            return F.linear(x2.to(self.table.dtype), self.table).float().view(*lead, self.out_features)
-        xf = x2.float().contiguous()
-        y = torch.empty((m, self.out_features))
-        self._fn(self.wtype, self._ptr, xf.data_ptr(), self.in_features, None, y.data_ptr(), 0,
-                 self.out_features, m, self.out_features, self.in_features, self.isa, torch.get_num_threads())
-        return y.view(*lead, self.out_features)
+        return F.linear(x2.to(self.table.dtype), self.table).float().view(*lead, self.out_features)
 
 
 def serve_quantized(model: nn.Module, kernels: cpu_kernels.CpuKernels | None) -> int:
