@@ -103,6 +103,7 @@ class FusedDecode:
                             head_w=self.head._ptr if self.head else None)
         self._scratch: tuple[int, dict[str, torch.Tensor]] | None = None
         self._rows: tuple[int, dict[str, torch.Tensor]] | None = None    # run_ids' buffers: (capacity, them)
+        self._ids_cache: tuple[dict, dict, Step] | None = None             # _ids_step's (row buffers, scratch, Step)
         # Decode rows a step takes here: up to MAX_DECODE_ROWS, or the batch above which this machine's
         # float weights beat the int8 blocks (cpu_crossover.decide set int8_rows at load).
         limits = [mm.int8_rows for layer in mats for mm in layer if mm.int8_rows is not None]
@@ -164,6 +165,18 @@ class FusedDecode:
                                 "picks": torch.empty(cap, dtype=torch.int64)})
         return self._rows[1]
 
+    def _ids_step(self, t: int) -> tuple[dict[str, torch.Tensor], Step]:
+        """run_ids' buffers for t rows and its Step with their pointers, made again only when the
+        buffers grow (a ctypes Structure of 24 fields built every step was ~20 us of Python)."""
+        r, b = self._row_buffers(t), self._buffers(t)
+        if self._ids_cache is None or self._ids_cache[0] is not r or self._ids_cache[1] is not b:
+            step = Step(x=r["x"].data_ptr(), normed=r["normed"].data_ptr(), cos=r["cos"].data_ptr(),
+                        sin=r["sin"].data_ptr(), qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(),
+                        proj=b["proj"].data_ptr(), gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(),
+                        qs=b["qs"].data_ptr(), d=b["d"].data_ptr(), s=b["s"].data_ptr(), hx=r["hx"].data_ptr())
+            self._ids_cache = (r, b, step)
+        return r, self._ids_cache[2]
+
     def run_ids(self, t: int, ids: int, positions: int, slots: int, tables: int, width: int, context_lens: int,
                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, logits: bool, picks: bool,
                 threads: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -176,16 +189,11 @@ class FusedDecode:
         the head's forward + sampling's argmax."""
         if not self.embeds() or (logits and not self.head_takes(t)):
             raise ValueError("run_ids: this model's embedding or head is not one forward.cc reads")
-        r = self._row_buffers(t)
-        b = self._buffers(t)
-        step = Step(tokens=t, x=r["x"].data_ptr(), normed=r["normed"].data_ptr(), cos=r["cos"].data_ptr(),
-                    sin=r["sin"].data_ptr(), slots=slots, tables=tables, width=width, context_lens=context_lens,
-                    qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(), proj=b["proj"].data_ptr(),
-                    gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(), qs=b["qs"].data_ptr(),
-                    d=b["d"].data_ptr(), s=b["s"].data_ptr(), ids=ids, positions=positions,
-                    rope_cos=rope_cos.data_ptr(), rope_sin=rope_sin.data_ptr(),
-                    logits=r["logits"].data_ptr() if logits else None, hx=r["hx"].data_ptr(),
-                    picks=r["picks"].data_ptr() if logits and picks else None)
+        r, step = self._ids_step(t)
+        step.tokens, step.slots, step.tables, step.width, step.context_lens = t, slots, tables, width, context_lens
+        step.ids, step.positions, step.rope_cos, step.rope_sin = ids, positions, rope_cos.data_ptr(), rope_sin.data_ptr()
+        step.logits = r["logits"].data_ptr() if logits else None
+        step.picks = r["picks"].data_ptr() if logits and picks else None
         if self._fn(ctypes.byref(self._model), ctypes.byref(step), threads) != 0:
             raise RuntimeError("blink_forward_decode: a block type is not one quant.cc reads")
         return (r["normed"][:t], r["logits"][:t] if logits else None,
