@@ -270,37 +270,77 @@ static inline void pv_f32(const float* p, int64_t len, const VT* vbase, const in
     }
 }
 
-// n bf16 rows of DC values -> float32 (exact: bf16 is float32's upper half), into a scratch block.
-template <int DC>
-static inline void widen_rows(const uint16_t* src, int64_t n, float* dst) {
-    for (int64_t i = 0; i < n * DC; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+// Scores of H <= 3 query heads (a GQA group, pre-scaled float32 queries qf [H, DC]) against bf16 key
+// rows, four positions a pass: each K row's 8 values widened once in a register for the H heads (12
+// accumulators). Before, each block was widened into a float32 scratch block and each head's dot8_f32
+// loaded it back (P . V likewise): on Zen 1 those stores and reloads were ~45% of the attention's
+// samples, and this kernel took 30 layers at 192 positions from 1.25-1.36 to 0.81-0.99 ms (2 threads;
+// 1.54-1.75 from 2.09-2.18 ms at 256 on one). Each position's sum is
+// dot8_f32's: its 8-lane FMA chain over the dimensions in order, then the same hadd tree, so the
+// same bits. out[j * ld + t] for t < 4.
+template <int DC, int H>
+static inline void dot4_heads_bf16(const float* qf, const uint16_t* k, float* out, int64_t ld) {
+    __m256 a[H][4];
+    for (int j = 0; j < H; ++j)
+        for (int t = 0; t < 4; ++t) a[j][t] = _mm256_setzero_ps();
+    for (int v = 0; v < DC / 8; ++v) {
+        __m256 q[H];
+        for (int j = 0; j < H; ++j) q[j] = _mm256_loadu_ps(qf + j * DC + 8 * v);
+        for (int t = 0; t < 4; ++t) {
+            const __m256 kv = load8(k + t * DC + 8 * v);
+            for (int j = 0; j < H; ++j) a[j][t] = _mm256_fmadd_ps(q[j], kv, a[j][t]);
+        }
+    }
+    for (int j = 0; j < H; ++j) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[j][0], a[j][1]), _mm256_hadd_ps(a[j][2], a[j][3]));
+        _mm_storeu_ps(out + j * ld, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
 }
 
-// pv_f32 over bf16 V, block by block: each block's rows widened once into `conv` for every head
-// of the item, where pv_f32 widened each row again for each head (a group of 3 query heads widened
-// V three times: the conversions outnumbered the FMAs). The accumulators go to `out` between
-// blocks; each head and dimension still sums its positions in order: the same bits as pv_f32.
-template <int DC>
-static inline void pv_f32_widened(const float* p, int64_t len, const uint16_t* vbase, const int64_t* table,
-                                  int64_t bs, int64_t group, float* out, float* conv) {
-    constexpr int C = DC % 64 == 0 ? 64 : (DC % 32 == 0 ? 32 : 8);
-    for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
-        const int64_t n = len - t0 < bs ? len - t0 : bs;
-        widen_rows<DC>(vbase + table[blk] * bs * DC, n, conv);
-        for (int64_t j = 0; j < group; ++j) {
-            const float* pj = p + j * len + t0;
-            for (int c0 = 0; c0 < DC; c0 += C) {
-                float* oj = out + j * DC + c0;
-                __m256 a[C / 8];
-                for (int v = 0; v < C / 8; ++v) a[v] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(oj + 8 * v);
-                for (int64_t o = 0; o < n; ++o) {
-                    const __m256 pv = _mm256_broadcast_ss(pj + o);
-                    for (int v = 0; v < C / 8; ++v)
-                        a[v] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(conv + o * DC + c0 + 8 * v), a[v]);
-                }
-                for (int v = 0; v < C / 8; ++v) _mm256_storeu_ps(oj + 8 * v, a[v]);
+// o[j] += sum_t p[j][t] v[t] over one block's n bf16 V rows for H <= 3 heads, 32 dimensions a pass
+// (12 accumulators): each V row's values widened once in a register for the H heads. Each head and
+// dimension sums the positions in order, the accumulators through `out` between blocks: the bits of
+// pv_f32 over the widened rows.
+template <int DC, int H>
+static inline void pv_heads_bf16(const float* p, int64_t ld, const uint16_t* vb, int64_t n, bool first, float* out) {
+    static_assert(DC % 32 == 0, "32 dimensions a pass");
+    for (int c0 = 0; c0 < DC; c0 += 32) {
+        __m256 a[H][4];
+        for (int j = 0; j < H; ++j)
+            for (int u = 0; u < 4; ++u)
+                a[j][u] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + j * DC + c0 + 8 * u);
+        for (int64_t o = 0; o < n; ++o) {
+            __m256 pj[H];
+            for (int j = 0; j < H; ++j) pj[j] = _mm256_broadcast_ss(p + j * ld + o);
+            for (int u = 0; u < 4; ++u) {
+                const __m256 vv = load8(vb + o * DC + c0 + 8 * u);
+                for (int j = 0; j < H; ++j) a[j][u] = _mm256_fmadd_ps(pj[j], vv, a[j][u]);
             }
         }
+        for (int j = 0; j < H; ++j)
+            for (int u = 0; u < 4; ++u) _mm256_storeu_ps(out + j * DC + c0 + 8 * u, a[j][u]);
+    }
+}
+
+// The group's heads three at a time (then two, then one) through the kernels above.
+template <int DC>
+static inline void dot4_group_bf16(const float* qf, int64_t hn, const uint16_t* k, float* out, int64_t ld) {
+    int64_t j = 0;
+    for (; j + 3 <= hn; j += 3) dot4_heads_bf16<DC, 3>(qf + j * DC, k, out + j * ld, ld);
+    if (hn - j == 2) dot4_heads_bf16<DC, 2>(qf + j * DC, k, out + j * ld, ld);
+    else if (hn - j == 1) dot4_heads_bf16<DC, 1>(qf + j * DC, k, out + j * ld, ld);
+}
+
+template <int DC>
+static inline void pv_group_bf16(const float* p, int64_t len, const uint16_t* vbase, const int64_t* table,
+                                 int64_t bs, int64_t hn, float* out) {
+    for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        const uint16_t* vb = vbase + table[blk] * bs * DC;
+        int64_t j = 0;
+        for (; j + 3 <= hn; j += 3) pv_heads_bf16<DC, 3>(p + j * len + t0, len, vb, n, t0 == 0, out + j * DC);
+        if (hn - j == 2) pv_heads_bf16<DC, 2>(p + j * len + t0, len, vb, n, t0 == 0, out + j * DC);
+        else if (hn - j == 1) pv_heads_bf16<DC, 1>(p + j * len + t0, len, vb, n, t0 == 0, out + j * DC);
     }
 }
 #else
@@ -314,11 +354,10 @@ template <int DC, class VT>
 static inline void pv_f32(const float*, int64_t, const VT*, const int64_t*, int64_t, int64_t, float*) {}
 
 template <int DC>
-static inline void widen_rows(const uint16_t*, int64_t, float*) {}
+static inline void dot4_group_bf16(const float*, int64_t, const uint16_t*, float*, int64_t) {}
 
 template <int DC>
-static inline void pv_f32_widened(const float*, int64_t, const uint16_t*, const int64_t*, int64_t, int64_t, float*,
-                                  float*) {}
+static inline void pv_group_bf16(const float*, int64_t, const uint16_t*, const int64_t*, int64_t, int64_t, float*) {}
 #endif
 
 // A row's K and V blocks live wherever the table puts them, and a decode step reaches them cold
@@ -505,12 +544,9 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                         for (; o + 8 <= n; o += 8)
                             for (int64_t j = 0; j < hn; ++j)
                                 dot8_f32<DC>(qf.data() + j * d, kb + o * d, &scores[j * len + t0 + o]);
-                    } else {                 // bf16 K: the block widened once for the item's heads
+                    } else {                 // bf16 K: each row widened in registers for the item's heads
                         const int64_t n8 = n / 8 * 8;
-                        widen_rows<DC>(kb, n8, row.data());
-                        for (; o < n8; o += 8)
-                            for (int64_t j = 0; j < hn; ++j)
-                                dot8_f32<DC>(qf.data() + j * d, row.data() + o * d, &scores[j * len + t0 + o]);
+                        for (; o < n8; o += 4) dot4_group_bf16<DC>(qf.data(), hn, kb + o * d, &scores[t0 + o], len);
                     }
                 }
                 for (; o < n; ++o) {
@@ -561,7 +597,7 @@ void decode_attention_impl(const typename P::T* q, int64_t q_stride, const typen
                 pv_bf16<DC>(pb.data(), len, vbase, table, bs, hn, acc.data());
 #endif
             } else if constexpr (kFloatDot8<P, DC> && !std::is_same_v<KV, F32>) {
-                pv_f32_widened<DC>(scores.data(), len, vbase, table, bs, hn, acc.data(), row.data());
+                pv_group_bf16<DC>(scores.data(), len, vbase, table, bs, hn, acc.data());
             } else if constexpr (kFloatDot8<P, DC>) {
                 pv_f32<DC>(scores.data(), len, vbase, table, bs, hn, acc.data());
             } else
