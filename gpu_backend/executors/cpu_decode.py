@@ -26,7 +26,7 @@ import ctypes
 
 import torch
 
-from .cpu_linear import FloatActHead, QuantKernelLinear
+from .cpu_linear import FX_HEAD_MAX_ROWS, FloatActHead, QuantKernelLinear
 
 MAX_SEGMENTS = 4            # forward.cc's kMaxSegments
 MAX_DECODE_ROWS = 256       # decode rows a fused step takes (cpu.MAX_BATCH_SIZE_CAP seats at most)
@@ -59,6 +59,11 @@ class Step(ctypes.Structure):
                 ("proj", _ptr), ("gate_up", _ptr), ("act", _ptr), ("qs", _ptr), ("d", _ptr), ("s", _ptr),
                 ("ids", _ptr), ("positions", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr), ("logits", _ptr),
                 ("hx", _ptr), ("picks", _ptr)]
+
+
+def _scratch_ptrs(b: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Step's scratch fields (FusedDecode._buffers: one tensor each, named as the field)."""
+    return {name: t.data_ptr() for name, t in b.items()}
 
 
 def _qmat(mm: QuantKernelLinear) -> QMat:
@@ -156,12 +161,15 @@ class FusedDecode:
         step to step allocates nothing."""
         if self._rows is None or self._rows[0] < t:
             cap, dt = 1 << (t - 1).bit_length(), self.dtype
+            # the head runs here for at most FX_HEAD_MAX_ROWS rows (head_takes): 256 rows of logits would
+            # hold 50 MB of SmolLM2's 49152-wide rows for nothing
+            head_rows = min(cap, FX_HEAD_MAX_ROWS) if self.head is not None else 0
             self._rows = (cap, {"x": torch.empty((cap, self.hidden), dtype=dt),
                                 "cos": torch.empty((cap, self.head_dim), dtype=dt),
                                 "sin": torch.empty((cap, self.head_dim), dtype=dt),
                                 "normed": torch.empty((cap, self.hidden), dtype=dt),
-                                "logits": torch.empty((cap, self.vocab)),
-                                "hx": torch.empty((cap, self.hidden)),
+                                "logits": torch.empty((head_rows, self.vocab)),
+                                "hx": torch.empty((head_rows, self.hidden)),
                                 "picks": torch.empty(cap, dtype=torch.int64)})
         return self._rows[1]
 
@@ -171,9 +179,7 @@ class FusedDecode:
         r, b = self._row_buffers(t), self._buffers(t)
         if self._ids_cache is None or self._ids_cache[0] is not r or self._ids_cache[1] is not b:
             step = Step(x=r["x"].data_ptr(), normed=r["normed"].data_ptr(), cos=r["cos"].data_ptr(),
-                        sin=r["sin"].data_ptr(), qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(),
-                        proj=b["proj"].data_ptr(), gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(),
-                        qs=b["qs"].data_ptr(), d=b["d"].data_ptr(), s=b["s"].data_ptr(), hx=r["hx"].data_ptr())
+                        sin=r["sin"].data_ptr(), hx=r["hx"].data_ptr(), **_scratch_ptrs(b))
             self._ids_cache = (r, b, step)
         return r, self._ids_cache[2]
 
@@ -208,9 +214,7 @@ class FusedDecode:
         normed = torch.empty_like(x)          # the caller's to keep; the scratch is reused step to step
         step = Step(tokens=t, x=x.data_ptr(), normed=normed.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
                     slots=slots.data_ptr(), tables=tables.data_ptr(), width=tables.shape[1],
-                    context_lens=context_lens.data_ptr(), qkv=b["qkv"].data_ptr(), attn=b["attn"].data_ptr(),
-                    proj=b["proj"].data_ptr(), gate_up=b["gate_up"].data_ptr(), act=b["act"].data_ptr(),
-                    qs=b["qs"].data_ptr(), d=b["d"].data_ptr(), s=b["s"].data_ptr())
+                    context_lens=context_lens.data_ptr(), **_scratch_ptrs(b))
         if self._fn(ctypes.byref(self._model), ctypes.byref(step), threads) != 0:
             raise RuntimeError("blink_forward_decode: a projection's block type is not one quant.cc reads")
         return normed

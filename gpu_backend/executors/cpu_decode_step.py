@@ -63,7 +63,7 @@ class DecodeStep:
             return None
         bs = self.block_size
         ids, pos, slots = [], [], []
-        greedy = True
+        greedy, widest = True, 0
         for c in chunks:
             s = c.seq
             if c.num_tokens != 1 or not c.sample:
@@ -79,10 +79,10 @@ class DecodeStep:
                 raise ValueError(f"position {start} outside a {len(s.blocks)}-block table")
             pos.append(start)
             slots.append(s.blocks[start // bs] * bs + start % bs)
+            widest = max(widest, len(s.blocks))
             prm = s.params
             if greedy and (prm.temperature >= MIN_TEMPERATURE or prm.logprobs is not None or prm.processed):
                 greedy = False
-        widest = max(len(c.seq.blocks) for c in chunks)
         if t > self._cap or widest > self._width:
             self._grow(t, max(widest, self._width))
         tables, held = self._tables, self._held
