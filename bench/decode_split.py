@@ -1,7 +1,7 @@
 """Where one stream's decode step goes on this CPU: the 30 layers' fused decode against the logits
 head, at 1 and 2 threads (issue 21: 1-stream decode as a fraction of the bandwidth bound).
 
-    python -m bench.decode_split
+    python -m bench.decode_split [--cpus 0,1]
     -> per context: the median ms of the layers (KernelForward: embedding, RoPE table, the fused
        layers over the served Q4_1 blocks, the paged attention over the executor's pool), of the
        head (the model's logits head on their last row: on a CPU without AVX512-BF16 the tied Q8_0
@@ -18,6 +18,8 @@ not a test (timing only). Sampling and the serving path are not in it: the rest 
 """
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 
@@ -61,7 +63,17 @@ def _attention(ex: CpuExecutor, batch: PagedBatch):
     return step
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpus", default=None,
+                    help="pin to these CPUs first (e.g. 0,1: two cores of a bigger machine, as on our 2-core ones)")
+    args = ap.parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    from .cpu_executor import cpu_description
+    cpu = cpu_description()
+    print(f"cpu: {cpu['model']}, quant path {cpu['quant_isa']}, on CPUs {sorted(os.sched_getaffinity(0))}; "
+          f"flags {' '.join(cpu['simd_flags'])}", flush=True)
     torch.set_num_threads(2)
     ex = CpuExecutor(ExecutorOptions(model="default", dtype="auto", kv_cache_mb=512))
     m = ex.model

