@@ -83,9 +83,11 @@ SPLIT = 0x100           # | a type id: its rows repacked by CpuKernels.repack (f
 X8 = 0x200              # | Q4_0 / Q4_1: groups of 8 rows interleaved block by block (CpuKernels.repack)
 X16 = 0x400             # | Q4_0 / Q4_1: the same in groups of 16 rows (zmm; where the avx512 path runs)
 GROUPED = X8 | X16      # either: the matmul reads rows interleaved in groups
+P8 = 0x800              # | Q8_0: groups of 8 rows, codes interleaved in pairs (quant_linear_fx's int16 codes, AVX2)
 QUANT_TYPES.update({SPLIT | t: f"{QUANT_TYPES[t]}(split)" for t in (2, 3, 8)})
 QUANT_TYPES.update({X8 | t: f"{QUANT_TYPES[t]}(x8)" for t in (2, 3)})
 QUANT_TYPES.update({X16 | t: f"{QUANT_TYPES[t]}(x16)" for t in (2, 3)})
+QUANT_TYPES[P8 | 8] = "Q8_0(p8)"
 # The kernels' paths, narrowest first (quant.cc's go to avx512, attention.cc's to avx512bf16).
 ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 ISA_ENV = "BLINK_CPU_ISA"
@@ -322,14 +324,15 @@ class CpuKernels:
         return int(self._fns["quant_row_bytes", "quant"](wtype, k))
 
     def repack(self, wtype: int, blocks: torch.Tensor, k: int, x8: bool = True,
-               x16: bool | None = None) -> tuple[int, torch.Tensor]:
+               x16: bool | None = None, p8: bool = False) -> tuple[int, torch.Tensor]:
         """blocks uint8 [N, row bytes] of ggml type wtype -> (new type, the same bytes rearranged for
         quant_linear): Q4_0 / Q4_1 in groups of rows unless x8 is False: X16 (16 rows a zmm; x16 None:
         where the default path is avx512 and N % 16 == 0), else X8 (8 rows a ymm, N % 8 == 0);
-        Q4_0 / Q4_1 / Q8_0 otherwise as SPLIT (each row's f16 scales first: quant_linear_fx reads
-        these); Q4_K as given."""
+        Q8_0 with p8 (N % 8 == 0) as P8 (8 rows, codes interleaved in pairs: quant_linear_fx's int16
+        codes read it, the AVX2 logits head); Q4_0 / Q4_1 / Q8_0 otherwise as SPLIT (each row's f16
+        scales first: quant_linear_fx reads these); Q4_K as given."""
         rb = self.quant_row_bytes(wtype, k)
-        if (rb < 0 or wtype & (SPLIT | GROUPED) or blocks.dtype != torch.uint8 or blocks.dim() != 2
+        if (rb < 0 or wtype & (SPLIT | GROUPED | P8) or blocks.dtype != torch.uint8 or blocks.dim() != 2
                 or blocks.shape[1] != rb):
             raise ValueError(f"repack: blocks {tuple(blocks.shape)} of type {QUANT_TYPES.get(wtype, wtype)}, K {k}")
         if wtype == 12:
@@ -341,6 +344,8 @@ class CpuKernels:
             want = X16 | wtype
         elif x8 and wtype in (2, 3) and n % 8 == 0:
             want = X8 | wtype
+        elif p8 and wtype == 8 and n % 8 == 0:
+            want = P8 | wtype
         else:
             want = SPLIT | wtype
         src = blocks.contiguous()
@@ -390,9 +395,10 @@ class CpuKernels:
         qs, d, s = self.quantize_activations(x)
         y = torch.empty((m, n), dtype=out_dtype)
         isa = self.quant_isa if isa is None else min(isa, self.quant_isa_max)
-        self._fns["quant_matmul", "quant"](wtype, blocks.data_ptr(), qs.data_ptr(), d.data_ptr(), s.data_ptr(),
-                                          None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                          int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
+        if self._fns["quant_matmul", "quant"](wtype, blocks.data_ptr(), qs.data_ptr(), d.data_ptr(), s.data_ptr(),
+                                             None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                             int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads()) != 0:
+            raise ValueError(f"quant_linear: {QUANT_TYPES.get(wtype, wtype)} rows {n}: not a layout its int8 codes read")
         return y
 
     def quant_linear_fx(self, x: torch.Tensor, wtype: int, blocks: torch.Tensor, bias: torch.Tensor | None = None,
@@ -412,9 +418,10 @@ class CpuKernels:
         xf = x.float().contiguous()
         y = torch.empty((m, n), dtype=out_dtype)
         isa = self.quant_isa if isa is None else min(isa, self.quant_isa_max)
-        self._fns["quant_matmul_fx", "quant"](wtype, blocks.data_ptr(), xf.data_ptr(), k,
-                                             None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                             int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads())
+        if self._fns["quant_matmul_fx", "quant"](wtype, blocks.data_ptr(), xf.data_ptr(), k,
+                                                None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                                int(out_dtype == torch.bfloat16), n, m, n, k, isa, _threads()) != 0:
+            raise ValueError(f"quant_linear_fx: {QUANT_TYPES.get(wtype, wtype)} rows {n}: not a layout quant.cc reads")
         return y
 
     def q8bf16_pack(self, blocks: torch.Tensor, k: int) -> torch.Tensor | None:

@@ -72,6 +72,13 @@ constexpr int X8 = 0x200;
 // 0..15]. One vpdpbusd covers 16 weight rows, so each broadcast of x, conversion and scale serves 16
 // rows, and the matrix is still one sequential stream. N % 16 == 0.
 constexpr int X16 = 0x400;
+// P8 | Q8_0: groups of 8 rows interleaved block by block for int16 activation codes (the AVX2 logits
+// head, matmul_p8): per block of a group [d x 8 f16][codes: 16 x 16 bytes, the j-th holding bytes 2j,
+// 2j + 1 of rows 0..7]. One vpmovsxbw of 16 bytes makes 8 int32 lanes of (w[2j], w[2j + 1]) pairs, one
+// per row, and one vpmaddwd against x's codes 2j, 2j + 1 (broadcast) sums a pair in each: a block of 8
+// rows is 16 of them and no horizontal sums, one conversion and one FMA per 8 rows of a block. The same
+// bytes as the rows (272 a group's block). N % 8 == 0.
+constexpr int P8 = 0x800;
 constexpr int base_type(int t) { return t & 0xff; }
 constexpr bool is_split(int t) { return (t & SPLIT) != 0; }
 constexpr bool is_x8(int t) { return (t & (X8 | X16)) != 0; }             // rows interleaved in groups
@@ -114,6 +121,7 @@ struct Codes {
 };
 
 int64_t row_bytes(int t, int64_t k) {
+    if ((t & P8) && t != (P8 | Q8_0)) return -1;
     if ((is_split(t) && base_type(t) == Q4_K) || (is_x8(t) && base_type(t) != Q4_0 && base_type(t) != Q4_1)) return -1;
     if ((is_split(t) && is_x8(t)) || ((t & X8) && (t & X16))) return -1;
     switch (base_type(t)) {
@@ -908,6 +916,146 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
 }
 
 
+typedef float float_alias __attribute__((may_alias));
+
+// ---- P8 | Q8_0: 8 weight rows a ymm against int16 activation codes (the AVX2 logits head) ----
+// Block b of group g (rows 8g .. 8g + 7) starts at w + g * 8 * rb + b * P8_BB.
+constexpr int64_t P8_BB = 8 * 34;
+
+inline const uint8_t* p8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
+    return w + (n / 8) * 8 * rb + b * P8_BB;
+}
+
+void repack_p8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
+    const int64_t nb = K / QK, rb = row_bytes(Q8_0, K);
+    for (int64_t n = 0; n < N; ++n) {
+        const int r = int(n % 8);
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* src = w + n * rb + b * 34;
+            uint8_t* blk = out + (n / 8) * 8 * rb + b * P8_BB;
+            std::memcpy(blk + 2 * r, src, 2);
+            for (int j = 0; j < 16; ++j) std::memcpy(blk + 16 + 16 * j + 2 * r, src + 2 + 2 * j, 2);
+        }
+    }
+}
+
+// Row n's block b: its scale and 32 signed codes in order.
+inline float p8_row_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b, int8_t* q) {
+    const uint8_t* blk = p8_block(w, rb, n, b);
+    const int r = int(n % 8);
+    for (int j = 0; j < 16; ++j) std::memcpy(q + 2 * j, blk + 16 + 16 * j + 2 * r, 2);
+    return f16(blk + 2 * r);
+}
+
+void dequantize_p8(const uint8_t* w, float* out, int64_t N, int64_t K, int threads) {
+    const int64_t nb = K / QK, rb = row_bytes(Q8_0, K);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < nb; ++b) {
+            int8_t q[QK];
+            const float d = p8_row_block(w, rb, n, b, q);
+            for (int i = 0; i < QK; ++i) out[n * K + b * QK + i] = d * float(q[i]);
+        }
+}
+
+// Float activations, plain C++: matmul_fx_scalar's sums for Q8_0 (the same bits as the row layout's).
+void matmul_p8_scalar(const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N, int64_t K,
+                      int threads) {
+    const int64_t nb = K / QK, rb = row_bytes(Q8_0, K);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+                int8_t q[QK];
+                const float d = p8_row_block(w, rb, n, b, q);
+                const float* xb = x + m * ldx + b * QK;
+                for (int i = 0; i < QK; ++i) acc += std::fma(float(q[i]), d, 0.f) * xb[i];
+            }
+            out.put(m, n, acc);
+        }
+}
+
+#if BLINK_Q_AVX2
+// One group (8 weight rows) against MR rows of x's int16 codes (quantize_x16): per block, 16 pairs of
+// codes, each sign-extended once (vpmovsxbw) for the MR rows, one vpmaddwd and one add a row: a lane's
+// 32 products summed as integers (at most 32 * 128 * 32767 < 2^31), then converted (exact below 2^24,
+// else rounded once) and scaled by d_w * e_x in one FMA. The row layout's tile (tile_q8_x16) converts
+// 4 products a lane, one FMA per row and block, and sums the 8 lanes at the end: the same integer
+// products, summed in another order (float sums of the lanes there), so results differ in the last
+// bits. Why: on the AVX2-only EPYC (Zen 1) that tile ran ~9 cycles a row and block against the 4 that
+// its two vpmaddwd (one pipe, two halves each) need; this one ~7 at 1 row of x and ~4 from 4 rows.
+template <int MR>
+void tile_p8(const uint8_t* grp, const int16_t* xq, const float* xe, int64_t K, int64_t nb, int64_t m0,
+             const Out& out, int64_t n0) {
+    __m256 acc[MR];
+    #pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = grp + b * P8_BB;
+        const char* pf = reinterpret_cast<const char*>(blk) + 4 * P8_BB;   // 4 blocks ahead, 5 lines
+        #pragma GCC unroll 5
+        for (int l = 0; l < 5; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+        __m256i s[MR];
+        #pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) s[m] = _mm256_setzero_si256();
+        #pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+            const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * j)));
+            #pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {       // x's codes 2j, 2j + 1 in every int32 lane (vbroadcastss: a load)
+                const float_alias* xp = reinterpret_cast<const float_alias*>(xq + (m0 + m) * K + b * QK + 2 * j);
+                s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(wv, _mm256_castps_si256(_mm256_broadcast_ss(xp))));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        #pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_mul_ps(dw, _mm256_set1_ps(xe[(m0 + m) * nb + b])),
+                                     acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) {
+        if (!out.bias && !out.bf16) {      // the logits head's case: float32, no bias (put's values, stored at once)
+            _mm256_storeu_ps(static_cast<float*>(out.y) + (m0 + m) * out.ldy + n0, acc[m]);
+            continue;
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[m]);
+        for (int r = 0; r < 8; ++r) out.put(m0 + m, n0 + r, lanes[r]);
+    }
+}
+
+void matmul_p8_x16(const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N, int64_t K,
+                   int threads) {
+    const int64_t nb = K / QK, rb = row_bytes(Q8_0, K), groups = N / 8;
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> xe(M * nb);
+    quantize_x16(x, ldx, M, K, xq.data(), xe.data());
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* grp = w + g * 8 * rb;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile_p8<4>(grp, xq.data(), xe.data(), K, nb, m, out, 8 * g);
+        switch (M - m) {
+            case 3: tile_p8<3>(grp, xq.data(), xe.data(), K, nb, m, out, 8 * g); break;
+            case 2: tile_p8<2>(grp, xq.data(), xe.data(), K, nb, m, out, 8 * g); break;
+            case 1: tile_p8<1>(grp, xq.data(), xe.data(), K, nb, m, out, 8 * g); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+// isa >= 1: the int16 codes (AVX2; the AVX-512 build too, where it is asked for), else float activations.
+void matmul_p8(int isa, const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N,
+               int64_t K, int threads) {
+#if BLINK_Q_AVX2
+    if (isa >= 1) return matmul_p8_x16(w, x, ldx, out, M, N, K, threads);
+#endif
+    (void)isa;
+    matmul_p8_scalar(w, x, ldx, out, M, N, K, threads);
+}
+
 // ---- X8 / X16: 8 weight rows a ymm, 16 a zmm ----
 // The block b of group g (rows R g .. R g + R - 1, R = group_rows(T)) starts at w + g * R * rb + b * BB,
 // BB = x8_block_bytes<T>().
@@ -1021,7 +1169,6 @@ void dequantize_x8(const uint8_t* w, float* out, int64_t N, int64_t K, int threa
 // VNNI: vpdpbusd sums the four u8 x s8 products of each int32 lane and accumulates, one instruction for
 // AVX2's maddubs + add (and the final madd): the same integer sums, so the same floats; and 32 ymm
 // registers let a tile take 8 rows of x, unpacking each block's codes once for all of them.
-typedef float float_alias __attribute__((may_alias));
 
 // Bytes ahead of the block being summed that the AVX2 tile asks the cache for (its 160-byte Q4_1
 // blocks: 8 ahead, three lines each; a prefetch changes no value). On the AVX2-only EPYC (Zen 1, 2
@@ -1370,7 +1517,7 @@ int quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, con
 extern "C" int blink_quant_matmul(int wtype, const void* w, const int8_t* qs, const float* d, const float* s,
                                   const float* bias, void* y, int y_bf16, int64_t ldy, int64_t M, int64_t N,
                                   int64_t K, int isa, int threads) {
-    if (row_bytes(wtype, K) < 0 || (is_x8(wtype) && N % group_rows(wtype))) return -1;
+    if (row_bytes(wtype, K) < 0 || (wtype & P8) || (is_x8(wtype) && N % group_rows(wtype))) return -1;
     #pragma omp parallel num_threads(threads) if (threads > 1 && N > 8)
     blink_team::quant_matmul(wtype, w, qs, d, s, bias, y, y_bf16, ldy, M, N, K, isa);
     return 0;
@@ -1391,6 +1538,7 @@ extern "C" int blink_quant_dequantize(int wtype, const void* w, float* out, int6
         case X8 | Q4_1: if (N % 8) return -1; dequantize_x8<X8 | Q4_1>(wb, out, N, K, threads); return 0;
         case X16 | Q4_0: if (N % 16) return -1; dequantize_x8<X16 | Q4_0>(wb, out, N, K, threads); return 0;
         case X16 | Q4_1: if (N % 16) return -1; dequantize_x8<X16 | Q4_1>(wb, out, N, K, threads); return 0;
+        case P8 | Q8_0: if (N % 8) return -1; dequantize_p8(wb, out, N, K, threads); return 0;
     }
     return -1;
 }
@@ -1412,13 +1560,14 @@ extern "C" int blink_quant_matmul_fx(int wtype, const void* w, const float* x, i
         case SPLIT | Q4_0: matmul_fx_type<SPLIT | Q4_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
         case SPLIT | Q4_1: matmul_fx_type<SPLIT | Q4_1>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
         case SPLIT | Q8_0: matmul_fx_type<SPLIT | Q8_0>(isa, wb, x, ldx, out, M, N, K, threads); return 0;
+        case P8 | Q8_0: if (N % 8) return -1; matmul_p8(isa, wb, x, ldx, out, M, N, K, threads); return 0;
     }
     return -1;
 }
 
 // out = W (N GGUF rows of type wtype, K values each) repacked as SPLIT | wtype: the same bytes, each
 // row's f16 scales first; or, asked for X8 | Q4_0 / X8 | Q4_1 (N % 8 == 0), with 8 rows interleaved
-// (X16: N % 16 == 0, 16 rows).
+// (X16: N % 16 == 0, 16 rows); or, asked for P8 | Q8_0 (N % 8 == 0), 8 rows interleaved in pairs of codes.
 // Returns the new type id, or -1 where that layout does not exist for the type or N.
 extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N, int64_t K) {
     const uint8_t* wb = static_cast<const uint8_t*>(w);
@@ -1428,6 +1577,7 @@ extern "C" int blink_quant_repack(int wtype, const void* w, void* out, int64_t N
         case X8 | Q4_1: if (N % 8) return -1; repack_x8<X8 | Q4_1>(wb, ob, N, K); return X8 | Q4_1;
         case X16 | Q4_0: if (N % 16) return -1; repack_x8<X16 | Q4_0>(wb, ob, N, K); return X16 | Q4_0;
         case X16 | Q4_1: if (N % 16) return -1; repack_x8<X16 | Q4_1>(wb, ob, N, K); return X16 | Q4_1;
+        case P8 | Q8_0: if (N % 8) return -1; repack_p8(wb, ob, N, K); return P8 | Q8_0;
         case Q4_0:
         case SPLIT | Q4_0: repack<Q4_0>(wb, ob, N, K); return SPLIT | Q4_0;
         case Q4_1:

@@ -280,7 +280,7 @@ class FloatActHead(nn.Module):
     the float32 matmul of the dequantized table in another summation order (no int8 activation codes;
     on AVX2 x in int16 codes per 32 values, one part in 65534 of each block's largest value: SmolLM2's
     logits within 2e-3 of the float64 product, 0.65 ms a 1-row step faster on Zen 1, quant.cc's
-    matmul_q8_x16).
+    matmul_q8_x16; the table then in P8 groups of 8 rows, matmul_p8: another ~0.4 ms).
     A Q8_0 head of a bf16 model on an AVX512-BF16 CPU keeps a G16 copy for batches of
     G16_HEAD_MIN_ROWS rows or more: the same sums from bf16 dot products (every product exact)."""
 
@@ -297,7 +297,8 @@ class FloatActHead(nn.Module):
         self.g16 = kernels.q8bf16_pack(seg.blocks, seg.k) if seg.wtype == 8 and table.dtype == torch.bfloat16 \
             else None
         self._g16_fn = kernels.raw("q8bf16_matmul")
-        self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k, x8=False)   # scales first
+        # scales first; on the AVX2 path a Q8_0 table in groups of 8 rows (P8: matmul_p8's int16 codes)
+        self.wtype, self.blocks = kernels.repack(seg.wtype, seg.blocks, seg.k, x8=False, p8=self.isa == 1)
         self._ptr = self.blocks.data_ptr()
 
     def block_tensors(self) -> list[torch.Tensor]:

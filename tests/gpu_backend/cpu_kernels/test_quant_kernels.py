@@ -150,18 +150,20 @@ def x16_coded(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(KERNELS is None or KERNELS.quant_isa_max < 1, reason="no AVX2 path here")
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("m", [1, 2, 3, 33])
-def test_avx2_q8_0_float_activation_path_is_the_matmul_of_int16_coded_x(m, split):
+@pytest.mark.parametrize("layout", ["rows", "split", "p8"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 33])          # p8: tiles of 4 rows of x, then 1-3
+def test_avx2_q8_0_float_activation_path_is_the_matmul_of_int16_coded_x(m, layout):
     """quant_linear_fx of Q8_0 on AVX2 (the logits head there): x coded per 32-value block in int16,
-    two vpmaddwd a block, so exactly dequant(W) times the coded x up to float32 summation order; an
-    outlier channel's coarser step stays in its own block; a non-finite value makes its rows NaN."""
-    n, k = 37, 576
+    vpmaddwd on the codes, so exactly dequant(W) times the coded x up to float32 summation order (the
+    P8 groups sum a block's 32 products of a row as integers, converted once); an outlier channel's
+    coarser step stays in its own block; a non-finite value makes its rows NaN."""
+    n, k = (40 if layout == "p8" else 37), 576
     blocks = random_blocks(Q.Q8_0, n, k, seed=m)
     w = dequantized(Q.Q8_0, blocks, k)
     wtype = int(Q.Q8_0)
-    if split:
-        wtype, blocks = KERNELS.repack(wtype, blocks, k)
+    if layout != "rows":
+        wtype, blocks = KERNELS.repack(wtype, blocks, k, p8=layout == "p8")
+        assert wtype == (cpu_kernels.P8 if layout == "p8" else cpu_kernels.SPLIT) | int(Q.Q8_0)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 199] = 40.0                                         # an outlier channel, as SmolLM2's final hidden state has
     got = KERNELS.quant_linear_fx(x, wtype, blocks, isa=1).double()
@@ -186,6 +188,28 @@ def test_avx2_q8_0_float_activation_path_is_the_matmul_of_int16_coded_x(m, split
         bad[1, 300] = float("inf")
     out = KERNELS.quant_linear_fx(bad, wtype, blocks, isa=1)
     assert bool(out[: min(m, 2)].isnan().all()) and bool(out[2:].isfinite().all())
+
+
+@pytest.mark.parametrize("k", [64, 576])
+def test_p8_groups_hold_the_rows_bytes_and_the_scalar_path_gives_the_rows_bits(k):
+    """repack(p8=True) of Q8_0 (the AVX2 logits head's layout): the same bytes in groups of 8 rows,
+    dequantized bit for bit as the GGUF rows, the scalar path's float-activation sums bit-identical to the
+    rows' (same values, same order); AVX2 within float32 summation order of the rows' int16-code path;
+    a row count that is not whole groups stays SPLIT, and P8 blocks are refused where int8 codes are asked."""
+    n = 24
+    blocks = random_blocks(Q.Q8_0, n, k, seed=k + 1)
+    wtype, packed = KERNELS.repack(int(Q.Q8_0), blocks, k, p8=True)
+    assert wtype == cpu_kernels.P8 | int(Q.Q8_0) and packed.shape == blocks.shape
+    assert torch.equal(KERNELS.dequantize(wtype, packed, k), KERNELS.dequantize(int(Q.Q8_0), blocks, k))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    assert torch.equal(KERNELS.quant_linear_fx(x, wtype, packed, isa=0),
+                       KERNELS.quant_linear_fx(x, int(Q.Q8_0), blocks, isa=0))
+    if KERNELS.quant_isa_max >= 1:
+        torch.testing.assert_close(KERNELS.quant_linear_fx(x, wtype, packed, isa=1),
+                                   KERNELS.quant_linear_fx(x, int(Q.Q8_0), blocks, isa=1), rtol=1e-5, atol=1e-5)
+    assert KERNELS.repack(int(Q.Q8_0), blocks[:12], k, p8=True)[0] == cpu_kernels.SPLIT | int(Q.Q8_0)
+    with pytest.raises(ValueError):
+        KERNELS.quant_linear(x, wtype, packed)
 
 
 @pytest.mark.parametrize("isa", ISAS)
