@@ -958,7 +958,9 @@ void dequantize_p8(const uint8_t* w, float* out, int64_t N, int64_t K, int threa
         }
 }
 
-// Float activations, plain C++: matmul_fx_scalar's sums for Q8_0 (the same bits as the row layout's).
+// Float activations, plain C++: matmul_fx_scalar's sums for Q8_0, the same products in the same order (the
+// compiler may contract the two loops differently: within the last bit of the row layout's; equal in the
+// -march=native build here).
 void matmul_p8_scalar(const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N, int64_t K,
                       int threads) {
     const int64_t nb = K / QK, rb = row_bytes(Q8_0, K);
