@@ -916,15 +916,35 @@ void matmul_fx_type(int isa, const uint8_t* w, const float* x, int64_t ldx, cons
 }
 
 
+// ---- Rows in groups (X8, X16, P8) ----
+// The block b of group g (rows R g .. R g + R - 1, R = group_rows(T)) starts at w + g * R * rb + b * BB,
+// BB = x8_block_bytes<T>(): the group's scales, then its codes.
+template <int T>
+constexpr int64_t x8_block_bytes() { return group_rows(T) * (scale_bytes(T) + code_bytes(T)); }
+
+template <int T>
+inline const uint8_t* x8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
+    constexpr int R = group_rows(T);
+    return w + (n / R) * R * rb + b * x8_block_bytes<T>();
+}
+
+#if BLINK_Q_AVX2
+// A tile's 8 lanes as y[m, n0 .. n0 + 7]: one store where put would only copy them (float32, no bias).
+inline void put8(const Out& out, int64_t m, int64_t n0, __m256 v) {
+    if (!out.bias && !out.bf16) {
+        _mm256_storeu_ps(static_cast<float*>(out.y) + m * out.ldy + n0, v);
+        return;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int r = 0; r < 8; ++r) out.put(m, n0 + r, lanes[r]);
+}
+#endif
+
 typedef float float_alias __attribute__((may_alias));
 
 // ---- P8 | Q8_0: 8 weight rows a ymm against int16 activation codes (the AVX2 logits head) ----
-// Block b of group g (rows 8g .. 8g + 7) starts at w + g * 8 * rb + b * P8_BB.
-constexpr int64_t P8_BB = 8 * 34;
-
-inline const uint8_t* p8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
-    return w + (n / 8) * 8 * rb + b * P8_BB;
-}
+constexpr int64_t P8_BB = x8_block_bytes<P8 | Q8_0>();   // 272: 8 scales, 8 x 32 codes
 
 void repack_p8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
     const int64_t nb = K / QK, rb = row_bytes(Q8_0, K);
@@ -932,7 +952,7 @@ void repack_p8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
         const int r = int(n % 8);
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* src = w + n * rb + b * 34;
-            uint8_t* blk = out + (n / 8) * 8 * rb + b * P8_BB;
+            uint8_t* blk = out + (n / 8) * 8 * rb + b * P8_BB;      // x8_block's place
             std::memcpy(blk + 2 * r, src, 2);
             for (int j = 0; j < 16; ++j) std::memcpy(blk + 16 + 16 * j + 2 * r, src + 2 + 2 * j, 2);
         }
@@ -941,7 +961,7 @@ void repack_p8(const uint8_t* w, uint8_t* out, int64_t N, int64_t K) {
 
 // Row n's block b: its scale and 32 signed codes in order.
 inline float p8_row_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b, int8_t* q) {
-    const uint8_t* blk = p8_block(w, rb, n, b);
+    const uint8_t* blk = x8_block<P8 | Q8_0>(w, rb, n, b);
     const int r = int(n % 8);
     for (int j = 0; j < 16; ++j) std::memcpy(q + 2 * j, blk + 16 + 16 * j + 2 * r, 2);
     return f16(blk + 2 * r);
@@ -1016,15 +1036,7 @@ void tile_p8(const uint8_t* grp, const int16_t* xq, const float* xe, int64_t K, 
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_mul_ps(dw, _mm256_set1_ps(xe[(m0 + m) * nb + b])),
                                      acc[m]);
     }
-    for (int m = 0; m < MR; ++m) {
-        if (!out.bias && !out.bf16) {      // the logits head's case: float32, no bias (put's values, stored at once)
-            _mm256_storeu_ps(static_cast<float*>(out.y) + (m0 + m) * out.ldy + n0, acc[m]);
-            continue;
-        }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, acc[m]);
-        for (int r = 0; r < 8; ++r) out.put(m0 + m, n0 + r, lanes[r]);
-    }
+    for (int m = 0; m < MR; ++m) put8(out, m0 + m, n0, acc[m]);
 }
 
 void matmul_p8_x16(const uint8_t* w, const float* x, int64_t ldx, const Out& out, int64_t M, int64_t N, int64_t K,
@@ -1059,16 +1071,6 @@ void matmul_p8(int isa, const uint8_t* w, const float* x, int64_t ldx, const Out
 }
 
 // ---- X8 / X16: 8 weight rows a ymm, 16 a zmm ----
-// The block b of group g (rows R g .. R g + R - 1, R = group_rows(T)) starts at w + g * R * rb + b * BB,
-// BB = x8_block_bytes<T>().
-template <int T>
-constexpr int64_t x8_block_bytes() { return group_rows(T) * (scale_bytes(T) + 16); }
-
-template <int T>
-inline const uint8_t* x8_block(const uint8_t* w, int64_t rb, int64_t n, int64_t b) {
-    constexpr int R = group_rows(T);
-    return w + (n / R) * R * rb + b * x8_block_bytes<T>();
-}
 
 // Row n's block b as a GGUF-style 16 code bytes (scalar paths, dequantization) and its scales.
 template <int T>
@@ -1273,11 +1275,7 @@ void x8_tile(const uint8_t* grp, const Act& a, int64_t m0, int64_t nb, int64_t K
             acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(a.s + (m0 + m) * nb + b), acc[m]);
         }
     }
-    for (int m = 0; m < MR; ++m) {
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, acc[m]);
-        for (int r = 0; r < 8; ++r) out.put(m0 + m, n0 + r, lanes[r]);
-    }
+    for (int m = 0; m < MR; ++m) put8(out, m0 + m, n0, acc[m]);
 }
 
 #if BLINK_Q_AVX512
